@@ -1,0 +1,22 @@
+# The checks CI runs (.ci/run calls `make test`). Each target is one step, runnable alone.
+.PHONY: test export sync nbdev-test pytest nbval tour
+
+test: sync nbdev-test pytest nbval
+
+export:            ## notebooks -> fsdp_kit/ (then commit both)
+	nbdev-export && nbdev-clean
+
+sync:              ## the committed library and notebooks are what nbdev-export / nbdev-clean produce
+	python -m pytest -q tests/test_sync.py
+
+nbdev-test:        ## run every notebook (cells flagged notest / gpu are skipped)
+	nbdev-test --n-workers 1 --timing --cell-timeout 300
+
+pytest:            ## the test suite: real multi-process runs and bad-input cases
+	python -m pytest -q tests --ignore=tests/test_sync.py
+
+nbval:             ## run every notebook again and compare the outputs marked NBVAL_CHECK_OUTPUT
+	python -m pytest -q --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider nbs
+
+tour:
+	fsdp-kit tour --out tour

@@ -1,0 +1,7 @@
+"""Learn and measure PyTorch FSDP2 the way people use it: transformers, accelerate, peft and bitsandbytes, on CPU or GPU.
+
+Modules:
+
+- `fsdp_kit.cli`: The `fsdp-kit` command: thin argument parsing over the library; every subcommand can write `--json`."""
+
+__version__ = "0.1.0"

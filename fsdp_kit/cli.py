@@ -1,0 +1,125 @@
+"""The `fsdp-kit` command: thin argument parsing over the library; every subcommand can write `--json`.
+
+    fsdp-kit env --json
+    fsdp-kit mesh --nproc 4 --dp-replicate 2 --dp-shard 2 --json
+    fsdp-kit train --nproc 2 --model tiny --steps 10 --check-parity --json out.json
+    fsdp-kit tour --out tour
+"""
+import argparse, json, re, sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+from fsdp_kit.errors import KitError
+
+
+def dumps(data) -> str:
+    "Indented JSON with short lists of numbers kept on one line."
+    text = json.dumps(data, indent=2)
+    return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+
+
+def emit(data, json_dest, text: str = ""):
+    "Write `data` as JSON to `json_dest` ('-' for stdout, None for none) and print `text` where it won't mix with JSON."
+    data = asdict(data) if is_dataclass(data) else data
+    if json_dest == "-":
+        if text: print(text, file=sys.stderr)
+        print(dumps(data))
+        return
+    if text: print(text)
+    if json_dest:
+        Path(json_dest).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_dest).write_text(dumps(data))
+        print(f"wrote {json_dest}")
+
+
+def _cmd_env(a):
+    from fsdp_kit.launch import environment
+    env = environment()
+    emit(env, a.json, "" if a.json else dumps(env))
+
+
+def _cmd_mesh(a):
+    from fsdp_kit.launch import launch
+    from fsdp_kit.mesh import MeshSpec, mesh_worker
+    spec = MeshSpec(a.dp_replicate, a.dp_shard, a.cp).resolve(a.nproc)  # refuse bad sizes before launching
+    layout = launch(mesh_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    emit(layout, a.json, layout.table())
+
+
+def _cmd_train(a):
+    from fsdp_kit.launch import launch
+    from fsdp_kit.train import TrainSpec, train_worker
+    from fsdp_kit.models import model_config
+    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
+                     check_parity=a.check_parity).check()
+    model_config(spec.model)  # refuse an unknown model before launching
+    result = launch(train_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    text = f"{result.world_size} ranks, losses " + " ".join(f"{l:.3f}" for l in result.losses)
+    if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
+    emit(result, a.json, text)
+
+
+def _cmd_tour(a):
+    from fsdp_kit.tour import tour
+    tour(a.out, nproc=a.nproc)
+
+
+def _cmd_worker(a):
+    from fsdp_kit.launch import worker_main
+    try: worker_main(a.run_dir)
+    except BaseException: sys.exit(1)  # the traceback is in the run folder; the launching process reports it
+
+
+def _nproc(text):
+    n = int(text)
+    if n < 1: raise argparse.ArgumentTypeError(f"--nproc={n} is not allowed: a whole number >= 1")
+    return n
+
+
+def parser() -> argparse.ArgumentParser:
+    "The `fsdp-kit` argument parser."
+    p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name, fn, help, launches=True):
+        s = sub.add_parser(name, help=help, description=help)
+        s.set_defaults(fn=fn)
+        s.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the result as JSON to PATH (stdout without PATH or with -)")
+        if launches:
+            s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch (default 2)")
+            s.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait before the run fails")
+        return s
+
+    add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
+    s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
+    s.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP); default 1")
+    s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills (default)")
+    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks; default 1")
+    s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the root)")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
+    s.add_argument("--steps", type=int, default=10)
+    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--lr", type=float, default=3e-3)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
+    s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
+    s.add_argument("--out", default="tour", help="folder for the report (default ./tour)")
+    s = sub.add_parser("worker", help=argparse.SUPPRESS)  # what torchrun runs in each rank
+    s.add_argument("run_dir")
+    s.set_defaults(fn=_cmd_worker)
+    return p
+
+
+def main(argv=None):
+    "Entry point of the `fsdp-kit` command."
+    from fsdp_kit.launch import WorkerError
+    args = parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except KitError as e:
+        print(f"fsdp-kit {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except WorkerError as e:
+        print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)
+        sys.exit(1)

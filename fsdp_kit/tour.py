@@ -1,0 +1,55 @@
+"""`fsdp-kit tour`: run what the kit can show on this machine, on its built-in defaults, and write a report.
+
+Each lab adds a step here; every step calls the same library functions the notebooks and tests call.
+"""
+import json, time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _steps(nproc: int):
+    "The tour's steps: (title, function returning (json-able data, figure or None, summary line))."
+    from fsdp_kit.launch import environment, launch
+    from fsdp_kit.mesh import MeshSpec, mesh_worker, plot_mesh
+    from fsdp_kit.train import TrainSpec, train_worker, plot_losses
+
+    def env():
+        e = environment()
+        return e, None, f"{e['device_type']} / {e['backend']}, torch {e['versions']['torch']}, {e['gpu_count']} GPU(s)"
+
+    def mesh():
+        layout = launch(mesh_worker, MeshSpec(dp_replicate=2, dp_shard=2), nprocs=4, launcher="torchrun")
+        return asdict(layout), plot_mesh(layout), f"2 x 2 HSDP mesh on 4 processes: grid {layout.grid}"
+
+    def train():
+        r = launch(train_worker, TrainSpec(model="tiny", steps=10, check_parity=True), nprocs=nproc, launcher="torchrun")
+        line = (f"tiny Llama ({r.n_params:,} params) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
+                f"max parameter difference vs one process {r.max_param_diff:.1e}")
+        return asdict(r), plot_losses(r), line
+
+    return [("environment", env), ("mesh", mesh), ("train", train)]
+
+
+def tour(out: str = "tour", nproc: int = 2) -> dict:
+    "Run every step, writing OUT/<step>.json, OUT/<step>.png, OUT/report.json and OUT/summary.md."
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps, report, lines = _steps(nproc), {}, ["# fsdp_kit tour", ""]
+    for i, (name, run) in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] {name} ...", flush=True)
+        start = time.time()
+        data, fig, line = run()
+        (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+        if fig is not None:
+            fig.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
+            plt.close(fig)
+        report[name] = dict(data=data, seconds=round(time.time() - start, 2), figure=f"{name}.png" if fig else None)
+        lines.append(f"- **{name}** ({time.time() - start:.1f} s): {line}" + (f" ![{name}]({name}.png)" if fig else ""))
+        print(f"      {line}", flush=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}/summary.md, report.json and {sum(1 for r in report.values() if r['figure'])} figures")
+    return report

@@ -1,0 +1,18 @@
+import os, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "configs"
+
+
+def run_cli(*args, timeout=240):
+    "Run `fsdp-kit ARGS` in a subprocess; a hang fails after `timeout` seconds."
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "fsdp_kit", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def cli():
+    return run_cli

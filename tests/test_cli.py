@@ -1,0 +1,29 @@
+"""The command line: env, and the tour (the kit's main job on its defaults)."""
+import json
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_env_json(cli):
+    out = cli("env", "--json", timeout=60)
+    assert out.returncode == 0, out.stderr
+    env = json.loads(out.stdout)
+    assert env["backend"] in ("gloo", "nccl") and env["versions"]["transformers"]
+
+
+def test_tour_writes_figures_and_json(cli, tmp_path):
+    out = cli("tour", "--out", tmp_path / "tour")
+    assert out.returncode == 0, out.stderr
+    files = {p.name for p in (tmp_path / "tour").iterdir()}
+    assert {"report.json", "summary.md", "train.png", "mesh.png", "train.json"} <= files
+    report = json.loads((tmp_path / "tour" / "report.json").read_text())
+    assert report["mesh"]["data"]["grid"] == [[0, 1], [2, 3]]
+    train = report["train"]["data"]
+    assert train["losses"][-1] < train["losses"][0] and train["max_param_diff"] <= 1e-4
+    assert (tmp_path / "tour" / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_subcommand_is_a_usage_error(cli):
+    out = cli(timeout=60)
+    assert out.returncode == 2 and "usage: fsdp-kit" in out.stderr

@@ -1,0 +1,103 @@
+"""launch(): real process groups from a script, failures that name the rank, hangs that end, nothing left behind."""
+import subprocess, sys, time
+import psutil, pytest
+from fsdp_kit.errors import KitError
+from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment
+from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _children():
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
+def test_launch_returns_rank0_value_from_a_real_group(launcher):
+    out = launch(rank_info, nprocs=2, launcher=launcher)
+    assert out["rank"] == 0 and out["world_size"] == 2 and out["backend"] == "gloo"
+    assert out["rank_sum"] == 1.0  # 0 + 1, summed by a real all_reduce
+    assert out["env"] == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert _children() == []
+
+
+@pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
+def test_worker_exception_names_rank_and_message(launcher):
+    start = time.time()
+    with pytest.raises(WorkerError) as info:
+        launch(fails_on_rank, 1, nprocs=2, launcher=launcher)
+    assert time.time() - start < 60
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 failed" in str(err) and "ValueError: rank 1 ran out of data" in str(err)
+    assert "fails_on_rank" in err.worker_traceback
+    time.sleep(0.5)
+    assert _children() == []
+
+
+def test_rank_0_failure_is_named_too():
+    with pytest.raises(WorkerError) as info:
+        launch(fails_on_rank, 0, nprocs=2)
+    assert info.value.rank == 0 and "rank 0 ran out of data" in str(info.value)
+
+
+def test_hang_in_a_collective_fails_after_the_timeout():
+    start = time.time()
+    with pytest.raises(WorkerError) as info:
+        launch(hangs_on_rank_0, nprocs=2, timeout=5)
+    elapsed = time.time() - start
+    assert 4 < elapsed < 60
+    assert info.value.rank == 0 and "Timed out" in str(info.value)
+    time.sleep(0.5)
+    assert _children() == []
+
+
+def test_bad_arguments_are_refused_before_launching():
+    with pytest.raises(KitError, match=r"nprocs=0 is not allowed"):
+        launch(rank_info, nprocs=0)
+    with pytest.raises(KitError, match=r"launcher='mpi' is not allowed: 'notebook' or 'torchrun'"):
+        launch(rank_info, launcher="mpi")
+    with pytest.raises(KitError, match=r"backend='mpi'"):
+        launch(rank_info, backend="mpi")
+
+
+def test_torchrun_launcher_refuses_a_function_workers_cannot_import():
+    def local(): return 1
+    with pytest.raises(KitError, match=r"fn=.*local.* importable module"):
+        launch(local, launcher="torchrun")
+
+
+def test_fork_traps_are_named_before_forking():
+    "Importing peft (which imports bitsandbytes) in the launching process makes a forked launch refuse, saying what to do."
+    code = ("import peft\nfrom fsdp_kit.launch import launch, fork_traps\nfrom fsdp_kit.errors import KitError\n"
+            "print(len(fork_traps()))\n"
+            "try: launch(print, nprocs=2)\nexcept KitError as e: print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "REFUSED launch() cannot fork this process safely" in out.stdout
+    assert "`peft` is already imported" in out.stdout and "`bitsandbytes` is already imported" in out.stdout
+    assert "import peft inside the launched function" in out.stdout
+    assert fork_traps() == []  # this test process stays clean
+
+
+def test_torchrun_command_single_and_multi_node():
+    assert torchrun_command("fsdp_kit", ["train", "--steps", 3], nproc=2) == [
+        "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "fsdp_kit", "train", "--steps", "3"]
+    cmd = torchrun_command("fsdp_kit", ["train"], nproc=4, nnodes=2, node_rank=1, rdzv_endpoint="node0:29400", rdzv_id="job7")
+    assert cmd == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400",
+                   "--rdzv-id", "job7", "--nproc-per-node", "4", "-m", "fsdp_kit", "train"]
+    assert torchrun_command("fsdp_kit", python="/usr/bin/python3")[:3] == ["/usr/bin/python3", "-m", "torch.distributed.run"]
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(nproc=0), "nproc=0"), (dict(nnodes=0), "nnodes=0"),
+                                           (dict(nnodes=2, node_rank=2, rdzv_endpoint="h:1"), "node_rank=2"),
+                                           (dict(nnodes=2), "rdzv_endpoint=None")])
+def test_torchrun_command_refuses_bad_values(kwargs, field):
+    with pytest.raises(KitError, match=field):
+        torchrun_command("fsdp_kit", **kwargs)
+
+
+def test_environment_reports_versions_and_backend():
+    env = environment()
+    assert env["backend"] == ("nccl" if env["device_type"] == "cuda" else "gloo")
+    assert set(env["versions"]) == {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
+    assert env["versions"]["torch"].startswith("2.")

@@ -1,0 +1,87 @@
+"""A real FSDP2 training run: losses fall, and the sharded model matches one process trained on the same data."""
+import json
+import pytest
+from fsdp_kit.errors import KitError
+from fsdp_kit.models import model_config, build_model, count_params, decoder_layers, synthetic_tokens, rank_rows
+from fsdp_kit.train import TrainSpec
+from tests.conftest import EXAMPLES
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("model", ["tiny", EXAMPLES / "qwen2-tiny" / "config.json", EXAMPLES / "mistral-tiny" / "config.json"])
+def test_cli_train_parity(cli, tmp_path, model):
+    out_json = tmp_path / "out.json"
+    out = cli("train", "--nproc", 2, "--model", model, "--steps", 10, "--check-parity", "--json", out_json)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out_json.read_text())
+    losses = result["losses"]
+    assert result["world_size"] == 2 and len(losses) == 10
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert sum(b < a for a, b in zip(losses, losses[1:])) >= 8, losses  # falling, step after step
+    assert result["max_param_diff"] <= 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, result["reference_losses"])) < 1e-4
+
+
+def test_config_json_architectures_are_built_as_such():
+    qwen, mistral = (build_model(model_config(EXAMPLES / n / "config.json")) for n in ("qwen2-tiny", "mistral-tiny"))
+    assert type(qwen).__name__ == "Qwen2ForCausalLM" and type(decoder_layers(qwen)[0]).__name__ == "Qwen2DecoderLayer"
+    assert type(mistral).__name__ == "MistralForCausalLM" and len(decoder_layers(mistral)) == 2
+
+
+def test_meta_device_builds_7b_shape_without_memory():
+    from transformers import LlamaConfig
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32)
+    model = build_model(config, device="meta")
+    assert count_params(model) == 6_738_415_616
+    assert next(model.parameters()).device.type == "meta"
+
+
+@pytest.mark.parametrize("model, message", [
+    ("huge", "model='huge' is not allowed: a preset \\(tiny, small\\)"),
+    ("no/such/config.json", "model='no/such/config.json' is not allowed"),
+])
+def test_unknown_models_are_refused(model, message):
+    with pytest.raises(KitError, match=message):
+        model_config(model)
+
+
+def test_bad_config_files_are_refused_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(KitError, match="bad.json is not valid JSON"):
+        model_config(bad)
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(KitError, match="has no 'model_type'"):
+        model_config(bad)
+    bad.write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(KitError, match="a causal language model"):
+        model_config(bad)
+    bad.write_text(json.dumps({"model_type": "no-such-arch"}))
+    with pytest.raises(KitError, match="no-such-arch"):
+        model_config(bad)
+
+
+def test_cli_train_refuses_bad_options_without_traceback(cli):
+    for args, message in [(("--model", "huge"), "model='huge'"), (("--steps", 0), "steps=0"), (("--lr", -1), "lr=-1")]:
+        out = cli("train", *args, timeout=60)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_synthetic_data_is_deterministic_and_split_evenly():
+    a = synthetic_tokens(256, rows=8, seq_len=16, step=3, seed=1)
+    assert a.shape == (8, 16) and a.dtype.is_floating_point is False
+    assert (a == synthetic_tokens(256, rows=8, seq_len=16, step=3, seed=1)).all()
+    assert not (a == synthetic_tokens(256, rows=8, seq_len=16, step=4, seed=1)).all()
+    parts = [rank_rows(a, r, 4) for r in range(4)]
+    assert all(p.shape == (2, 16) for p in parts)
+    assert (a == __import__("torch").cat(parts)).all()
+    with pytest.raises(KitError, match="batch rows=8 is not allowed: a multiple of the world size 3"):
+        rank_rows(a, 0, 3)
+
+
+def test_train_spec_check():
+    assert TrainSpec().check().steps == 10
+    with pytest.raises(KitError, match="seq_len=0"):
+        TrainSpec(seq_len=0).check()
