@@ -59,6 +59,32 @@ def _cmd_train(a):
     emit(result, a.json, text)
 
 
+def _cmd_compare(a):
+    from fsdp_kit.config import load_fsdp_config, to_reshard, POLICIES
+    from fsdp_kit.launch import launch
+    from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
+    fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
+    spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
+                       reshard=[to_reshard("reshard", r.strip()) for r in a.reshard.split(",")],
+                       min_num_params=a.min_num_params, fsdp_config=fsdp_config, batch=a.batch, seq_len=a.seq_len,
+                       gradient_checkpointing=a.gradient_checkpointing)
+    check_spec(spec, a.nproc)  # refuse bad configs before launching
+    if fsdp_config:
+        print(f"{a.fsdp_config}: " + "; ".join(f"{k}={v!r}" for k, v in vars(fsdp_config).items() if k not in ("notes", "source")), file=sys.stderr)
+        import torch
+        from fsdp_kit.wrap import lab_notes
+        fsdp_config.notes += lab_notes(fsdp_config, torch.cuda.is_available())
+        for note in fsdp_config.notes: print(f"  {note}", file=sys.stderr)
+    runs = launch(compare_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        plot_compare(runs).savefig(a.plot, dpi=100, bbox_inches="tight")
+        print(f"wrote {a.plot}", file=sys.stderr if a.json == "-" else sys.stdout)
+    emit(dict(model=a.model, world_size=a.nproc, notes=fsdp_config.notes if fsdp_config else [], runs=[asdict(r) for r in runs]),
+         a.json, runs_table(runs))
+
+
 def _cmd_tour(a):
     from fsdp_kit.tour import tour
     tour(a.out, nproc=a.nproc)
@@ -103,6 +129,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=3e-3)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
+    s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
+    s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
+    s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
+    s.add_argument("--reshard", default="true,false", help="comma-separated reshard_after_forward values (true, false, or an int)")
+    s.add_argument("--min-num-params", type=int, default=100_000, help="SIZE_BASED_WRAP threshold (default 100000)")
+    s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
+    s.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--gradient-checkpointing", action="store_true", help="turn on the model's own (transformers) gradient checkpointing")
+    s.add_argument("--plot", metavar="PNG", help="write the comparison plot here")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report (default ./tour)")
     s = sub.add_parser("worker", help=argparse.SUPPRESS)  # what torchrun runs in each rank

@@ -7,11 +7,11 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/errors.html.md"""
 # %% auto #0
 __all__ = ['KitError', 'bad_value']
 
-# %% ../nbs/00_errors.ipynb #0b7ebdc6
+# %% ../nbs/00_errors.ipynb #bea7cbea
 class KitError(Exception):
     "A mistake in what was asked for: the message names the field, the value and what is allowed."
 
-# %% ../nbs/00_errors.ipynb #a31a6989
+# %% ../nbs/00_errors.ipynb #bd7457c0
 def bad_value(field:str, # the field or option that was wrong
               value, # the value that was given
               allowed:str, # what would have been accepted

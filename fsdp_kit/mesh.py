@@ -7,12 +7,12 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/mesh.html.md"""
 # %% auto #0
 __all__ = ['AXES', 'MeshSpec', 'axis_mesh', 'build_mesh', 'fsdp_mesh', 'MeshLayout', 'describe_mesh', 'mesh_worker', 'plot_mesh']
 
-# %% ../nbs/01_mesh.ipynb #dabe36f6
+# %% ../nbs/01_mesh.ipynb #60956a54
 import math, warnings
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 
-# %% ../nbs/01_mesh.ipynb #632e2036
+# %% ../nbs/01_mesh.ipynb #c0696976
 AXES = ("dp_replicate", "dp_shard", "cp")
 
 @dataclass
@@ -43,12 +43,12 @@ class MeshSpec:
         "(name, size) of the axes the mesh has: `dp_shard` always, the others when larger than 1."
         return [(a, getattr(self, a)) for a in AXES if a == "dp_shard" or getattr(self, a) > 1]
 
-# %% ../nbs/01_mesh.ipynb #18804be6
+# %% ../nbs/01_mesh.ipynb #ed80bdf9
 def axis_mesh(mesh, name:str):
     "The 1-D mesh of axis `name`, including the flattened `dp_shard_cp` (created once, then reused)."
     return mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if name == "dp_shard_cp" else mesh[name]
 
-# %% ../nbs/01_mesh.ipynb #46b83731
+# %% ../nbs/01_mesh.ipynb #1fa6414f
 def build_mesh(spec:MeshSpec=None, # sizes; None shards over every rank
                device_type:str=None # "cpu" or "cuda"; None follows the process group's backend
               ):
@@ -62,7 +62,7 @@ def build_mesh(spec:MeshSpec=None, # sizes; None shards over every rank
     if spec.cp > 1: axis_mesh(mesh, "dp_shard_cp")
     return mesh
 
-# %% ../nbs/01_mesh.ipynb #c59d7b88
+# %% ../nbs/01_mesh.ipynb #166fa1b2
 def fsdp_mesh(mesh):
     "The part of `mesh` FSDP2 shards over: `dp_shard` or `dp_shard_cp`, with `dp_replicate` in front for HSDP."
     names = mesh.mesh_dim_names
@@ -73,7 +73,7 @@ def fsdp_mesh(mesh):
         warnings.simplefilter("ignore", UserWarning)
         return mesh["dp_replicate", shard]
 
-# %% ../nbs/01_mesh.ipynb #f215ac14
+# %% ../nbs/01_mesh.ipynb #eb5bb774
 @dataclass
 class MeshLayout:
     "Where each rank sits in a mesh, and which ranks form each axis's groups (measured by collectives)."
@@ -90,7 +90,7 @@ class MeshLayout:
             f"{a:<13} {len(g[0]):>4}  {g}" for a, g in self.groups.items()]
         return f"grid {self.grid}  ({' x '.join(map(str, self.shape))}: {', '.join(self.axis_names)})\n" + "\n".join(rows)
 
-# %% ../nbs/01_mesh.ipynb #ff653184
+# %% ../nbs/01_mesh.ipynb #9a0cf3be
 def _groups_from_grid(mesh) -> dict:
     "The groups each axis should have, read from the mesh's rank tensor."
     out, ranks = {}, mesh.mesh
@@ -99,7 +99,7 @@ def _groups_from_grid(mesh) -> dict:
         out[name] = sorted(sorted(r) for r in moved.tolist())
     return out
 
-# %% ../nbs/01_mesh.ipynb #4d0a7007
+# %% ../nbs/01_mesh.ipynb #1c7fc145
 def _measured_groups(mesh, names) -> dict:
     "For each axis in `names`: the members of every group, as the collectives report them."
     import torch.distributed as dist
@@ -113,7 +113,7 @@ def _measured_groups(mesh, names) -> dict:
     dist.all_gather_object(everyone, mine)
     return {n: sorted({tuple(v[n]) for v in everyone}) for n in names}
 
-# %% ../nbs/01_mesh.ipynb #ef8e525f
+# %% ../nbs/01_mesh.ipynb #ef559627
 def describe_mesh(mesh) -> MeshLayout:
     "Measure `mesh`'s groups with collectives and return its layout (on every rank)."
     import torch.distributed as dist
@@ -125,12 +125,12 @@ def describe_mesh(mesh) -> MeshLayout:
         assert measured[n] == expected[n], f"axis {n}: collectives saw {measured[n]}, mesh promised {expected[n]}"
     return MeshLayout(names, list(mesh.mesh.shape), mesh.mesh.tolist(), measured, dist.get_world_size(), dist.get_backend())
 
-# %% ../nbs/01_mesh.ipynb #2cd3a66c
+# %% ../nbs/01_mesh.ipynb #c891bd3e
 def mesh_worker(spec:MeshSpec) -> MeshLayout:
     "Build the mesh of `spec` on this process group and describe it."
     return describe_mesh(build_mesh(spec))
 
-# %% ../nbs/01_mesh.ipynb #c7adc312
+# %% ../nbs/01_mesh.ipynb #195d4470
 def plot_mesh(layout:MeshLayout, ax=None):
     "Draw the rank grid of `layout`, coloured by the groups of its last axis."
     import matplotlib.pyplot as plt, numpy as np

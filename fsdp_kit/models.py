@@ -7,12 +7,12 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/models.html.md"""
 # %% auto #0
 __all__ = ['PRESETS', 'model_config', 'build_model', 'decoder_layers', 'count_params', 'synthetic_tokens', 'rank_rows']
 
-# %% ../nbs/01_models.ipynb #dc9fca43
+# %% ../nbs/01_models.ipynb #661c1943
 import json
 from pathlib import Path
 from .errors import KitError, bad_value
 
-# %% ../nbs/01_models.ipynb #1779ff9d
+# %% ../nbs/01_models.ipynb #b6c1c211
 PRESETS = {
     "tiny": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
@@ -20,7 +20,7 @@ PRESETS = {
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
 }
 
-# %% ../nbs/01_models.ipynb #66ad9fe9
+# %% ../nbs/01_models.ipynb #38f974a9
 def _read_config_json(path:Path) -> dict:
     "The dict in a config.json, with errors that name the file."
     if path.is_dir(): path = path/"config.json"
@@ -30,7 +30,7 @@ def _read_config_json(path:Path) -> dict:
     if "model_type" not in d: raise KitError(f"{path} has no 'model_type': transformers needs it to pick the architecture")
     return d
 
-# %% ../nbs/01_models.ipynb #d1a0f67c
+# %% ../nbs/01_models.ipynb #b0bd46a0
 def model_config(model:str # a preset name, a config.json path, or a folder with one
                 ):
     "The transformers config for `model`, checked to be a causal LM transformers can build."
@@ -44,7 +44,7 @@ def model_config(model:str # a preset name, a config.json path, or a folder with
         raise bad_value("model", model, "a causal language model", f"{type(config).__name__} has no causal-LM head in transformers")
     return config
 
-# %% ../nbs/01_models.ipynb #2b71b45e
+# %% ../nbs/01_models.ipynb #d9f2192d
 def build_model(config, # a transformers config, from `model_config`
                 seed:int=0, # seed for the random weights
                 device:str="cpu" # "cpu", "cuda" or "meta"
@@ -56,7 +56,7 @@ def build_model(config, # a transformers config, from `model_config`
     with torch.device(device): model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model
 
-# %% ../nbs/01_models.ipynb #3887b37d
+# %% ../nbs/01_models.ipynb #1fe9d1c6
 def decoder_layers(model) -> list:
     "The model's repeated blocks: modules whose class is in `model._no_split_modules`."
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -66,7 +66,7 @@ def count_params(model) -> int:
     "Number of parameters in `model`."
     return sum(p.numel() for p in model.parameters())
 
-# %% ../nbs/01_models.ipynb #95107232
+# %% ../nbs/01_models.ipynb #75e236bd
 def synthetic_tokens(vocab_size:int, # tokens are in [0, vocab_size)
                      rows:int, # sequences in the global batch
                      seq_len:int, # tokens per sequence
@@ -83,7 +83,7 @@ def synthetic_tokens(vocab_size:int, # tokens are in [0, vocab_size)
     pick = torch.randint(0, pool, (rows,), generator=torch.Generator().manual_seed(seed * 1_000_003 + step))
     return sequences[pick]
 
-# %% ../nbs/01_models.ipynb #cb3c1d00
+# %% ../nbs/01_models.ipynb #ca6f4450
 def rank_rows(batch, rank:int, world_size:int):
     "Rank `rank`'s contiguous share of `batch` (rows must divide evenly)."
     if len(batch) % world_size: raise bad_value("batch rows", len(batch), f"a multiple of the world size {world_size}")

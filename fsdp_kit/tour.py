@@ -27,7 +27,17 @@ def _steps(nproc: int):
                 f"max parameter difference vs one process {r.max_param_diff:.1e}")
         return asdict(r), plot_losses(r), line
 
-    return [("environment", env), ("mesh", mesh), ("train", train)]
+    def compare():
+        from fsdp_kit.wrap import CompareSpec, compare_worker, plot_compare
+        runs = launch(compare_worker, CompareSpec(model="small"), nprocs=nproc, launcher="torchrun")
+        peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
+        line = (f"small Llama on {nproc} ranks, peak MiB per rank: per-layer {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} (reshard) / "
+                f"{peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (keep), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
+                f"all-gathers per step per-layer {runs[0].collectives['all_gather']['count']}, per-Linear "
+                f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
+        return dict(runs=[asdict(r) for r in runs]), plot_compare(runs), line
+
+    return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare)]
 
 
 def tour(out: str = "tour", nproc: int = 2) -> dict:

@@ -7,13 +7,13 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 # %% auto #0
 __all__ = ['TrainSpec', 'shard_per_layer', 'train_loop', 'TrainResult', 'train_worker', 'plot_losses']
 
-# %% ../nbs/01_train.ipynb #c2043c2b
+# %% ../nbs/01_train.ipynb #c7c3821e
 import time
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
 
-# %% ../nbs/01_train.ipynb #f00ee87f
+# %% ../nbs/01_train.ipynb #feb112b3
 @dataclass
 class TrainSpec:
     "Settings of a training run."
@@ -32,14 +32,14 @@ class TrainSpec:
         if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
         return self
 
-# %% ../nbs/01_train.ipynb #795090ec
+# %% ../nbs/01_train.ipynb #239021fa
 def shard_per_layer(model, mesh):
     "Apply `fully_shard` to each decoder layer, then to the root; return the model."
     from torch.distributed.fsdp import fully_shard
     for layer in decoder_layers(model): fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
-# %% ../nbs/01_train.ipynb #df20bed6
+# %% ../nbs/01_train.ipynb #d8514b5a
 def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=None) -> list:
     "Train `model` for `spec.steps` steps on this rank's rows of each global batch; return its losses."
     import torch
@@ -55,7 +55,7 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
         losses.append(loss.detach())
     return losses
 
-# %% ../nbs/01_train.ipynb #bf38c15f
+# %% ../nbs/01_train.ipynb #58e6b25c
 @dataclass
 class TrainResult:
     "What a training run measured."
@@ -68,19 +68,19 @@ class TrainResult:
     reference_losses:list=None # the one-process run's losses, with check_parity
     max_param_diff:float=None # largest |sharded - one process| over all parameters, with check_parity
 
-# %% ../nbs/01_train.ipynb #1e3ee7ff
+# %% ../nbs/01_train.ipynb #2dc312bd
 def _reference(spec:TrainSpec, world_size:int):
     "One process, the same model and global batches: (losses, full state dict)."
     model = build_model(model_config(spec.model), spec.seed)
     losses = train_loop(model, spec, rows=spec.batch * world_size)
     return [l.item() for l in losses], model.state_dict()
 
-# %% ../nbs/01_train.ipynb #cba19217
+# %% ../nbs/01_train.ipynb #d97f2151
 def _max_diff(full:dict, reference:dict) -> float:
     "Largest absolute difference between two state dicts with the same keys."
     return max((full[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
-# %% ../nbs/01_train.ipynb #a193c1d0
+# %% ../nbs/01_train.ipynb #9b6dd95c
 def train_worker(spec:TrainSpec) -> TrainResult:
     "Shard a model per decoder layer, train it on this process group, and measure (rank 0 returns)."
     import torch, torch.distributed as dist
@@ -100,7 +100,7 @@ def train_worker(spec:TrainSpec) -> TrainResult:
         result.max_param_diff = _max_diff(full, reference)
     return result
 
-# %% ../nbs/01_train.ipynb #ff406061
+# %% ../nbs/01_train.ipynb #3c3b9569
 def plot_losses(result:TrainResult, ax=None):
     "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt

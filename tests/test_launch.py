@@ -101,3 +101,14 @@ def test_environment_reports_versions_and_backend():
     assert env["backend"] == ("nccl" if env["device_type"] == "cuda" else "gloo")
     assert set(env["versions"]) == {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
     assert env["versions"]["torch"].startswith("2.")
+
+
+def test_one_process_still_gets_a_process_group():
+    import os
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out = launch(rank_info, nprocs=1)
+    assert out["world_size"] == 1 and out["rank_sum"] == 0.0 and out["backend"] == "gloo"
+    assert {k: os.environ.get(k) for k in before} == before  # the environment is restored
+    with pytest.raises(WorkerError) as info:
+        launch(fails_on_rank, 0, nprocs=1)
+    assert info.value.rank == 0

@@ -1,0 +1,107 @@
+"""FSDPConfig: the upstream files load as they are, FSDP1 keys are mapped or explained, bad input is refused naming the field."""
+import json
+from pathlib import Path
+import pytest
+import yaml
+from fsdp_kit.config import FSDPConfig, load_fsdp_config, from_transformers, from_accelerate, check_for_model
+from fsdp_kit.errors import KitError
+from fsdp_kit.models import build_model, model_config
+from tests.conftest import ROOT
+
+EXAMPLES = ROOT / "examples" / "fsdp_configs"
+SHARED = ROOT.parent / "shared" / "examples"
+
+
+def test_examples_are_the_shared_files():
+    if not SHARED.exists():
+        pytest.skip("no ../shared/examples beside this checkout")
+    for f in SHARED.iterdir():
+        assert (EXAMPLES / f.name).read_bytes() == f.read_bytes()
+
+
+def test_transformers_json_loads_as_is():
+    cfg = load_fsdp_config(EXAMPLES / "transformers_fsdp_config.json")
+    assert cfg == FSDPConfig(reshard_after_forward=True, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_layer_cls_to_wrap=["LlamaDecoderLayer"],
+                             cpu_offload=False, state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=True, activation_checkpointing=True,
+                             source=str(EXAMPLES / "transformers_fsdp_config.json"))
+
+
+@pytest.mark.parametrize("name, mixed, offload, processes", [("accelerate_fsdp_lora.yaml", "bf16", False, 8), ("accelerate_fsdp_qlora.yaml", "no", True, 2)])
+def test_accelerate_yaml_loads_as_is_and_explains_fsdp1_keys(name, mixed, offload, processes):
+    cfg = load_fsdp_config(EXAMPLES / name)
+    assert (cfg.auto_wrap_policy, cfg.reshard_after_forward, cfg.mixed_precision, cfg.cpu_offload) == ("TRANSFORMER_BASED_WRAP", True, mixed, offload)
+    assert (cfg.state_dict_type, cfg.cpu_ram_efficient_loading) == ("SHARDED_STATE_DICT", True)
+    notes = "\n".join(cfg.notes)
+    for key in ("sharding_strategy: FULL_SHARD -> reshard_after_forward=True", "use_orig_params=False does not apply",
+                "backward_prefetch='BACKWARD_PRE' does not apply", "forward_prefetch=False does not apply",
+                "sync_module_states=True does not apply", "offload_params -> cpu_offload", f"num_processes={processes}"):
+        assert key in notes, key
+
+
+@pytest.mark.parametrize("strategy, reshard", [("FULL_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD", True), ("2", False)])
+def test_sharding_strategy_maps_to_reshard_after_forward(strategy, reshard):
+    cfg = from_accelerate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": strategy}})
+    assert cfg.reshard_after_forward is reshard and any("sharding_strategy" in n for n in cfg.notes)
+    if strategy == "HYBRID_SHARD":
+        assert "dp_replicate x dp_shard" in cfg.notes[0]
+
+
+def test_transformers_accepts_prefixed_keys_strings_and_ints():
+    cfg = from_transformers({"fsdp_reshard_after_forward": "4", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "cpu_offload": "True",
+                             "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": "1000"})
+    assert (cfg.reshard_after_forward, cfg.transformer_layer_cls_to_wrap, cfg.cpu_offload, cfg.min_num_params) == (4, ["LlamaDecoderLayer"], True, 1000)
+
+
+BAD_FILES = [  # (file name, content, what the message must say)
+    ("typo.json", {"version": 2, "reshard_after_foward": True}, "did you mean 'reshard_after_forward'"),
+    ("v1.json", {"version": 1}, "version=1 is not allowed: 2 (FSDP2)"),
+    ("v3.json", {"version": 3}, "version=3 is not allowed"),
+    ("policy.json", {"auto_wrap_policy": "TRANSFORMER_WRAP"}, "auto_wrap_policy='TRANSFORMER_WRAP' is not allowed: one of TRANSFORMER_BASED_WRAP"),
+    ("reshard.json", {"reshard_after_forward": "sometimes"}, "reshard_after_forward='sometimes' is not allowed"),
+    ("offload.json", {"cpu_offload": "maybe"}, "cpu_offload='maybe' is not allowed: true or false"),
+    ("fp8.json", {"mixed_precision": "fp8"}, "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
+    ("local.json", {"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type='LOCAL_STATE_DICT' is not allowed"),
+    ("negative.json", {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": -5}, "min_num_params=-5 is not allowed"),
+    ("classes.json", {"transformer_layer_cls_to_wrap": [3]}, "transformer_layer_cls_to_wrap=[3] is not allowed"),
+    ("noshard.json", {"sharding_strategy": "NO_SHARD"}, "sharding_strategy='NO_SHARD' is not allowed"),
+    ("disagree.json", {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": False}, "disagree"),
+    ("xla.json", {"xla": True}, "xla=True is not allowed"),
+    ("list.json", [1, 2], "holds a list, not a mapping"),
+    ("ddp.yaml", {"distributed_type": "MULTI_GPU", "fsdp_config": {}}, "distributed_type='MULTI_GPU' is not allowed: FSDP"),
+    ("toplevel.yaml", {"distributed_type": "FSDP", "fsdp_confg": {}}, "did you mean 'fsdp_config'"),
+    ("innerkey.yaml", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_auto_wrap_polcy": "NO_WRAP"}}, "did you mean 'auto_wrap_policy'"),
+]
+
+
+def _write(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(json.dumps(content) if name.endswith(".json") else yaml.safe_dump(content))
+    return path
+
+
+@pytest.mark.parametrize("name, content, message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_config_files_are_refused_naming_the_field_and_file(tmp_path, name, content, message):
+    path = _write(tmp_path, name, content)
+    with pytest.raises(KitError) as info:
+        load_fsdp_config(path)
+    assert message in str(info.value) and str(path) in str(info.value)
+
+
+def test_malformed_files_name_the_file(tmp_path):
+    (tmp_path / "broken.json").write_text('{"version": 2,,}')
+    with pytest.raises(KitError, match=r"broken.json is not valid JSON: .* line 1"):
+        load_fsdp_config(tmp_path / "broken.json")
+    (tmp_path / "broken.yaml").write_text("fsdp_config: [unclosed\n  x: 1")
+    with pytest.raises(KitError, match=r"broken.yaml is not valid YAML"):
+        load_fsdp_config(tmp_path / "broken.yaml")
+    with pytest.raises(KitError, match=r"fsdp_config='.*missing.json' is not allowed: an existing"):
+        load_fsdp_config(tmp_path / "missing.json")
+
+
+def test_model_checks():
+    model = build_model(model_config("small"), device="meta")
+    with pytest.raises(KitError, match=r"transformer_layer_cls_to_wrap='Qwen2DecoderLayer' is not allowed: a layer class of LlamaForCausalLM: .*LlamaDecoderLayer"):
+        check_for_model(FSDPConfig(transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"]), model)
+    with pytest.raises(KitError, match="activation_checkpointing=True together with gradient checkpointing is refused"):
+        check_for_model(FSDPConfig(activation_checkpointing=True), model, gradient_checkpointing=True)
+    assert check_for_model(FSDPConfig(), model).auto_wrap_policy == "TRANSFORMER_BASED_WRAP"

@@ -1,0 +1,115 @@
+"""Wrap plans and the measured comparison: units, sharded bytes per rank, collectives, and the compare command."""
+import json, math
+import pytest
+from fsdp_kit.config import FSDPConfig, POLICIES
+from fsdp_kit.errors import KitError
+from fsdp_kit.launch import launch
+from fsdp_kit.models import build_model, model_config, count_params
+from fsdp_kit.wrap import plan_units, wrap_targets, CompareSpec, compare_worker, check_spec
+from tests.conftest import EXAMPLES, ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("arch, block", [("qwen2-tiny", "Qwen2DecoderLayer"), ("mistral-tiny", "MistralDecoderLayer")])
+def test_transformer_wrap_picks_decoder_blocks(arch, block):
+    model = build_model(model_config(EXAMPLES / arch / "config.json"), device="meta")
+    units = plan_units(model, FSDPConfig())
+    assert [u.cls for u in units] == [block, block, type(model).__name__]
+    assert sorted(u.module for u in units[:-1]) == ["model.layers.0", "model.layers.1"]
+    size = plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000))
+    assert sum(u.parameters for u in size) == count_params(model) and len(size) > 2
+
+
+@pytest.mark.parametrize("policy, min_num_params", [(p, m) for p in POLICIES for m in (0, 20_000, 100_000)])
+def test_every_parameter_is_in_exactly_one_unit(policy, min_num_params):
+    model = build_model(model_config("small"), device="meta")
+    units = plan_units(model, FSDPConfig(auto_wrap_policy=policy, min_num_params=min_num_params))
+    assert sum(u.parameters for u in units) == count_params(model)
+    assert len({u.module for u in units}) == len(units) and units[-1].module == ""
+
+
+def test_units_include_every_block_accelerate_would_wrap():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+    for model in (build_model(model_config("small"), device="meta"), build_model(model_config(EXAMPLES / "qwen2-tiny" / "config.json"), device="meta")):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP")
+        plugin.set_auto_wrap_policy(model)
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        names = {id(m): n for n, m in model.named_modules()}
+        theirs = {names[id(m)] for m in get_module_children_bottom_up(model)[:-1] if policy(m)}
+        ours = {u.module for u in plan_units(model, FSDPConfig())}
+        assert theirs and theirs <= ours
+
+
+def test_plan_refusals():
+    model = build_model(model_config("small"), device="meta")
+    with pytest.raises(KitError, match=r"min_num_params=10000000 is not allowed: a number below"):
+        plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000_000))
+    with pytest.raises(KitError, match=r"reshard_after_forward=3 is not allowed: .*divisor of the shard group size 4"):
+        check_spec(CompareSpec(model="small", reshard=[3]), 4)
+    with pytest.raises(KitError, match=r"policies='EVERYTHING' is not allowed"):
+        check_spec(CompareSpec(policies=["EVERYTHING"]), 2)
+
+
+def _padded_shard_bytes(model, world):
+    return sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sharded_parameter_bytes_are_total_over_world_size(world):
+    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], timed_steps=1)
+    runs = launch(compare_worker, spec, nprocs=world)
+    model = build_model(model_config("tiny"), device="meta")
+    total = count_params(model) * 4
+    for run in runs:
+        sharded = run.peak_bytes["sharded_params"]
+        assert sharded == _padded_shard_bytes(model, world)
+        assert total / world <= sharded < total / world + 4 * world * 64  # only padding on top
+        assert run.world_size == world
+
+
+def test_cli_compare_small_shows_the_tradeoffs(cli, tmp_path):
+    out = cli("compare", "--nproc", 2, "--model", "small", "--json", tmp_path / "out.json", "--plot", tmp_path / "out.png", timeout=280)
+    assert out.returncode == 0, out.stderr
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert len(runs) == 8 and {r["policy"] for r in runs} == set(POLICIES)
+    get = {(r["policy"], r["reshard_after_forward"]): r for r in runs}
+    layer_t, layer_f, nowrap = get["TRANSFORMER_BASED_WRAP", True], get["TRANSFORMER_BASED_WRAP", False], get["NO_WRAP", True]
+    assert layer_t["peak_bytes"]["total"] < layer_f["peak_bytes"]["total"] < nowrap["peak_bytes"]["total"]
+    assert layer_t["collectives"]["all_gather"]["count"] == 2 * layer_f["collectives"]["all_gather"]["count"]
+    assert get["PER_LINEAR", True]["collectives"]["reduce_scatter"]["count"] > layer_t["collectives"]["reduce_scatter"]["count"]
+    assert [u["module"] for u in layer_t["units"]] == [f"model.layers.{i}" for i in (3, 2, 1, 0)] + [""]
+    assert all(r["world_size"] == 2 and r["step_seconds"] > 0 for r in runs)
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "out.png").stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("name", ["transformers_fsdp_config.json", "accelerate_fsdp_lora.yaml", "accelerate_fsdp_qlora.yaml"])
+def test_cli_runs_the_example_configs_unchanged(cli, tmp_path, name):
+    out = cli("compare", "--nproc", 2, "--model", "small", "--fsdp-config", ROOT / "examples" / "fsdp_configs" / name, "--json", tmp_path / "o.json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert len(data["runs"]) == 1 and data["runs"][0]["peak_bytes"]["total"] > 0
+    assert "state_dict_type=" in "\n".join(data["notes"])  # every field is accounted for
+    if name.endswith(".yaml"):
+        assert "use_orig_params=False does not apply to FSDP2" in out.stderr
+
+
+CLI_BAD = [
+    (("--policies", "EVERYTHING"), "policies='EVERYTHING' is not allowed"),
+    (("--reshard", "3", "--nproc", "4"), "reshard_after_forward=3 is not allowed"),
+    (("--reshard", "maybe"), "reshard='maybe' is not allowed"),
+    (("--policies", "SIZE_BASED_WRAP", "--min-num-params", "100000000"), "min_num_params=100000000 is not allowed"),
+    (("--model", "nope"), "model='nope' is not allowed"),
+    (("--fsdp-config", "no/such.yaml"), "fsdp_config='no/such.yaml' is not allowed"),
+    (("--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--gradient-checkpointing"), "together with gradient checkpointing is refused"),
+    (("--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--model", "examples/configs/qwen2-tiny/config.json"),
+     "transformer_layer_cls_to_wrap='LlamaDecoderLayer' is not allowed: a layer class of Qwen2ForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("args, message", CLI_BAD, ids=[m.split(" ")[0] for _, m in CLI_BAD])
+def test_cli_compare_refuses_bad_input_without_traceback(cli, args, message):
+    out = cli("compare", *args, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
