@@ -8,19 +8,19 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 __all__ = ['default_backend', 'environment', 'fork_traps', 'run_worker', 'WorkerError', 'collect', 'free_port',
            'torchrun_command', 'worker_main', 'launch']
 
-# %% ../nbs/00_launch.ipynb #182bb6e4
-import datetime, importlib, json, logging, os, pickle, shutil, socket, subprocess, sys, tempfile, time, traceback
+# %% ../nbs/00_launch.ipynb #25a7b92e
+import datetime, json, logging, os, pickle, shutil, socket, subprocess, sys, tempfile, time, traceback
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from .errors import KitError, bad_value
 
-# %% ../nbs/00_launch.ipynb #7991ed85
+# %% ../nbs/00_launch.ipynb #3202a974
 def default_backend() -> str:
     "The process-group backend for this machine: NCCL where CUDA is available, else gloo."
     import torch
     return "nccl" if torch.cuda.is_available() else "gloo"
 
-# %% ../nbs/00_launch.ipynb #e597a85f
+# %% ../nbs/00_launch.ipynb #812297a6
 def environment() -> dict:
     "Versions of the stack, device type, backend and GPU count, as a JSON-ready dict."
     import importlib.metadata as md, platform, torch
@@ -33,7 +33,7 @@ def environment() -> dict:
                 backend=default_backend(), gpu_count=torch.cuda.device_count() if cuda else 0,
                 gpu_name=torch.cuda.get_device_name(0) if cuda else None, cpu_count=os.cpu_count())
 
-# %% ../nbs/00_launch.ipynb #cd3650ae
+# %% ../nbs/00_launch.ipynb #25eec090
 def fork_traps() -> list:
     "What in this process would break a forked launch, each with what to change."
     import torch
@@ -47,14 +47,14 @@ def fork_traps() -> list:
                          "launched function, not in a notebook cell")
     return traps
 
-# %% ../nbs/00_launch.ipynb #8d929bd2
+# %% ../nbs/00_launch.ipynb #536a7964
 def _write_json(path:Path, data:dict):
     "Write `data` to `path` atomically (a temporary name, then a rename)."
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.rename(path)
 
-# %% ../nbs/00_launch.ipynb #c5159001
+# %% ../nbs/00_launch.ipynb #38b159e0
 def _init_process_group(backend:str, timeout:float):
     "Bring up the default process group from the launcher's environment variables."
     import torch, torch.distributed as dist
@@ -63,7 +63,7 @@ def _init_process_group(backend:str, timeout:float):
     else: torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
 
-# %% ../nbs/00_launch.ipynb #2800cca7
+# %% ../nbs/00_launch.ipynb #8a1ef8db
 def run_worker(fn, # the function each rank runs
                args:tuple, # its positional arguments
                backend:str, # "gloo" or "nccl"
@@ -86,15 +86,16 @@ def run_worker(fn, # the function each rank runs
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
 
-# %% ../nbs/00_launch.ipynb #bf119812
+# %% ../nbs/00_launch.ipynb #e32e1c49
 class WorkerError(RuntimeError):
-    "A launched function raised: `rank` is the first rank that failed, `worker_traceback` its traceback."
+    "A launched function raised: `rank` is the first rank that failed (None if none reported), `worker_traceback` its traceback."
     def __init__(self, rank:int, message:str, worker_traceback:str='', others:tuple=()):
         self.rank, self.worker_traceback, self.others = rank, worker_traceback, tuple(others)
+        if rank is None: return super().__init__(f"the launch failed before any rank reported: {message}")
         also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
         super().__init__(f"rank {rank} failed{also}: {message}\n\n--- traceback of rank {rank} ---\n{worker_traceback}")
 
-# %% ../nbs/00_launch.ipynb #765d1b2f
+# %% ../nbs/00_launch.ipynb #dcf8dbfd
 def collect(run_dir:str, # the launch's run folder
             exit_note:str='' # what the launcher said, used when no rank left an error
            ):
@@ -106,17 +107,17 @@ def collect(run_dir:str, # the launch's run folder
         raise WorkerError(first["rank"], f"{first['type']}: {first['message']}", first["traceback"],
                           [e["rank"] for e in errors[1:]])
     result = run_dir/"result.pkl"
-    if not result.exists(): raise WorkerError(-1, f"no rank returned a result and none reported an error. {exit_note}".strip())
+    if not result.exists(): raise WorkerError(None, f"no rank returned a result and none reported an error. {exit_note}".strip())
     return pickle.loads(result.read_bytes())
 
-# %% ../nbs/00_launch.ipynb #154621f3
+# %% ../nbs/00_launch.ipynb #eabcf6ff
 def free_port() -> int:
     "A TCP port on localhost that nothing is listening on right now."
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-# %% ../nbs/00_launch.ipynb #e74fc67f
+# %% ../nbs/00_launch.ipynb #b64397d1
 @contextmanager
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
@@ -127,7 +128,7 @@ def _quiet_launch_logs():
     finally:
         for l, level in zip(loggers, levels): l.setLevel(level)
 
-# %% ../nbs/00_launch.ipynb #6836fe7d
+# %% ../nbs/00_launch.ipynb #05bad80f
 class _DropBanner:
     "A stdout that passes everything through except accelerate's banner, which says 'CUDAs' even on CPU."
     def __init__(self, stream): self.stream, self.dropping = stream, False
@@ -138,7 +139,7 @@ class _DropBanner:
         return self.stream.write(text)
     def __getattr__(self, name): return getattr(self.stream, name)
 
-# %% ../nbs/00_launch.ipynb #0ed80893
+# %% ../nbs/00_launch.ipynb #65e118c4
 def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     "Fork `nprocs` workers through `accelerate.notebook_launcher`."
     from accelerate import notebook_launcher
@@ -150,7 +151,7 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
         except Exception as e: return f"{type(e).__name__}: {str(e)[:500]}"
     return ""
 
-# %% ../nbs/00_launch.ipynb #e99834bd
+# %% ../nbs/00_launch.ipynb #847085ce
 def _launch_here(fn, args, backend, timeout, run_dir):
     "Run one rank in this process, in a process group of size 1."
     import torch
@@ -166,7 +167,7 @@ def _launch_here(fn, args, backend, timeout, run_dir):
             else: os.environ[k] = v
     return ""
 
-# %% ../nbs/00_launch.ipynb #8abca6e3
+# %% ../nbs/00_launch.ipynb #0c457d05
 def torchrun_command(module:str, # the module torchrun runs with `-m`
                      args:list=(), # arguments for that module
                      nproc:int=2, # processes per node
@@ -190,7 +191,7 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if max_restarts: cmd += ["--max-restarts", str(max_restarts)]
     return cmd + ["--nproc-per-node", str(nproc), "-m", module, *map(str, args)]
 
-# %% ../nbs/00_launch.ipynb #ac48821e
+# %% ../nbs/00_launch.ipynb #f362f5c9
 def _check_importable(fn):
     "Refuse a function that worker processes started by torchrun could not import."
     module = getattr(fn, "__module__", None)
@@ -198,7 +199,7 @@ def _check_importable(fn):
         raise bad_value("fn", getattr(fn, "__qualname__", fn), "a module-level function of an importable module with launcher='torchrun'",
                         "Move it into a module, or use launcher='notebook'.")
 
-# %% ../nbs/00_launch.ipynb #f122d6f5
+# %% ../nbs/00_launch.ipynb #fe47f003
 def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir):
     "Run `nprocs` workers under `torchrun` in a subprocess: their prints go to stderr, torchrun's log to the run folder."
     _check_importable(fn)
@@ -213,13 +214,13 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir):
     return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
 
-# %% ../nbs/00_launch.ipynb #07fd655c
+# %% ../nbs/00_launch.ipynb #4580ffae
 def worker_main(run_dir:str):
     "What each torchrun rank runs: unpickle the call in `run_dir` and run it with `run_worker`."
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
     run_worker(fn, args, backend, timeout, run_dir)
 
-# %% ../nbs/00_launch.ipynb #df9f1247
+# %% ../nbs/00_launch.ipynb #027b8b1a
 def launch(fn, # the function every rank runs; rank 0's return value is returned
            *args, # positional arguments for `fn`
            nprocs:int=2, # number of processes
