@@ -2,6 +2,7 @@
 
 Modules:
 
-- `fsdp_kit.cli`: The `fsdp-kit` command: thin argument parsing over the library; every subcommand can write `--json`."""
+- `fsdp_kit.cli`: The `fsdp-kit` command: thin argument parsing over the library; every subcommand can write `--json`.
+- `fsdp_kit.docs`: `fsdp-kit docs --out DIR`: the notebooks as a browsable site."""
 
 __version__ = "0.1.0"

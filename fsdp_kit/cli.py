@@ -55,6 +55,7 @@ def _cmd_train(a):
     model_config(spec.model)  # refuse an unknown model before launching
     result = launch(train_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = f"{result.world_size} ranks, losses " + " ".join(f"{l:.3f}" for l in result.losses)
+    text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     emit(result, a.json, text)
 
@@ -83,6 +84,16 @@ def _cmd_compare(a):
         print(f"wrote {a.plot}", file=sys.stderr if a.json == "-" else sys.stdout)
     emit(dict(model=a.model, world_size=a.nproc, notes=fsdp_config.notes if fsdp_config else [], runs=[asdict(r) for r in runs]),
          a.json, runs_table(runs))
+
+
+def _cmd_docs(a):
+    from fsdp_kit.docs import docs
+    manifest = docs(a.out, a.nbs, a.quarto)
+    pages = manifest["pages"]
+    text = f"built {len(pages)} pages with {manifest['builder']} into {a.out}/ (open {a.out}/index.html)"
+    if manifest["builder"] == "nbconvert":
+        text += f"; {sum(p['figures'] > 0 for p in pages)} pages carry figures"
+    emit(manifest, a.json, text)
 
 
 def _cmd_tour(a):
@@ -124,8 +135,8 @@ def parser() -> argparse.ArgumentParser:
     s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the root)")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--steps", type=int, default=10)
-    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     s.add_argument("--lr", type=float, default=3e-3)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
@@ -141,6 +152,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PNG", help="write the comparison plot here")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report (default ./tour)")
+    s = add("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", launches=False)
+    s.add_argument("--out", default="site", help="folder for the site (default ./site)")
+    s.add_argument("--nbs", help="the notebooks folder (default: nbs/ of this checkout)")
+    s.add_argument("--quarto", action=argparse.BooleanOptionalAction, default=None, help="force (or refuse) Quarto; default: use it where installed")
     s = sub.add_parser("worker", help=argparse.SUPPRESS)  # what torchrun runs in each rank
     s.add_argument("run_dir")
     s.set_defaults(fn=_cmd_worker)

@@ -7,13 +7,13 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 # %% auto #0
 __all__ = ['TrainSpec', 'shard_per_layer', 'train_loop', 'TrainResult', 'train_worker', 'plot_losses']
 
-# %% ../nbs/01_train.ipynb #c7c3821e
-import time
+# %% ../nbs/01_train.ipynb #99587ea2
+import statistics, time
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
 
-# %% ../nbs/01_train.ipynb #feb112b3
+# %% ../nbs/01_train.ipynb #40010ef0
 @dataclass
 class TrainSpec:
     "Settings of a training run."
@@ -32,30 +32,32 @@ class TrainSpec:
         if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
         return self
 
-# %% ../nbs/01_train.ipynb #239021fa
+# %% ../nbs/01_train.ipynb #aef328d5
 def shard_per_layer(model, mesh):
     "Apply `fully_shard` to each decoder layer, then to the root; return the model."
     from torch.distributed.fsdp import fully_shard
     for layer in decoder_layers(model): fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
-# %% ../nbs/01_train.ipynb #d8514b5a
-def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=None) -> list:
-    "Train `model` for `spec.steps` steps on this rank's rows of each global batch; return its losses."
+# %% ../nbs/01_train.ipynb #a9bff00a
+def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=None, times:list=None) -> list:
+    "Train `model` for `spec.steps` steps on this rank's rows of each global batch; return its losses (and fill `times`)."
     import torch
     rows = rows or spec.batch * world_size
     optim = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     losses = []
     for step in range(spec.steps):
+        start = time.perf_counter()
         tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optim.step()
         optim.zero_grad()
         losses.append(loss.detach())
+        if times is not None: times.append(time.perf_counter() - start)
     return losses
 
-# %% ../nbs/01_train.ipynb #58e6b25c
+# %% ../nbs/01_train.ipynb #d920dec8
 @dataclass
 class TrainResult:
     "What a training run measured."
@@ -63,24 +65,25 @@ class TrainResult:
     world_size:int # processes
     n_params:int # parameters of the whole model
     losses:list # mean loss over ranks, one per step
-    step_seconds:float # mean wall time per step on rank 0
+    step_seconds:float # median wall time of a step on rank 0, the first (warm-up) step excluded
+    tokens_per_second:float # tokens of the global batch per step / step_seconds
     backend:str # process-group backend
     reference_losses:list=None # the one-process run's losses, with check_parity
     max_param_diff:float=None # largest |sharded - one process| over all parameters, with check_parity
 
-# %% ../nbs/01_train.ipynb #2dc312bd
+# %% ../nbs/01_train.ipynb #51f797e9
 def _reference(spec:TrainSpec, world_size:int):
     "One process, the same model and global batches: (losses, full state dict)."
     model = build_model(model_config(spec.model), spec.seed)
     losses = train_loop(model, spec, rows=spec.batch * world_size)
     return [l.item() for l in losses], model.state_dict()
 
-# %% ../nbs/01_train.ipynb #d97f2151
+# %% ../nbs/01_train.ipynb #de930799
 def _max_diff(full:dict, reference:dict) -> float:
     "Largest absolute difference between two state dicts with the same keys."
     return max((full[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
-# %% ../nbs/01_train.ipynb #9b6dd95c
+# %% ../nbs/01_train.ipynb #f63abe18
 def train_worker(spec:TrainSpec) -> TrainResult:
     "Shard a model per decoder layer, train it on this process group, and measure (rank 0 returns)."
     import torch, torch.distributed as dist
@@ -88,19 +91,19 @@ def train_worker(spec:TrainSpec) -> TrainResult:
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = shard_per_layer(build_model(model_config(spec.model), spec.seed), fsdp_mesh(build_mesh()))
-    start = time.perf_counter()
-    losses = torch.stack(train_loop(model, spec, rank, world_size))
-    seconds = (time.perf_counter() - start) / spec.steps
+    times = []
+    losses = torch.stack(train_loop(model, spec, rank, world_size, times=times))
+    seconds = statistics.median(times[1:] or times)
     dist.all_reduce(losses)
     losses = (losses / world_size).tolist()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
-    result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, dist.get_backend())
+    result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds, dist.get_backend())
     if spec.check_parity and rank == 0:
         result.reference_losses, reference = _reference(spec, world_size)
         result.max_param_diff = _max_diff(full, reference)
     return result
 
-# %% ../nbs/01_train.ipynb #3c3b9569
+# %% ../nbs/01_train.ipynb #91f8b3bc
 def plot_losses(result:TrainResult, ax=None):
     "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt

@@ -1,0 +1,196 @@
+"""`fsdp-kit docs --out DIR`: the notebooks as a browsable site.
+
+Where Quarto is installed, this is nbdev's own site (`nbdev-docs`). Where it is not (Quarto has no PyPI or Debian
+package), the same notebooks are rendered with nbconvert from their stored outputs: one page per notebook, a
+sidebar linking them in order, each page's headings as its table of contents, and an API reference of the
+exported functions with their signatures and parameter comments (docments).
+"""
+import html, importlib, inspect, json, re, shutil, subprocess
+from pathlib import Path
+
+from fsdp_kit.errors import KitError
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+HIDDEN = re.compile(r"^#\|\s*(hide|exporti?\s+.*hide)\b")
+DIRECTIVE = re.compile(r"^\s*(#\|.*|# NBVAL_\w+)\s*$")
+
+
+def find_nbs(start: Path = None) -> Path:
+    "The notebooks folder: `nbs/` next to the nearest pyproject.toml with [tool.nbdev], or beside the package."
+    for folder in [Path(start or Path.cwd()).resolve(), *Path(start or Path.cwd()).resolve().parents]:
+        project = folder / "pyproject.toml"
+        if project.exists() and "[tool.nbdev]" in project.read_text() and (folder / "nbs").is_dir():
+            return folder / "nbs"
+    beside = Path(__file__).resolve().parents[1] / "nbs"
+    if beside.is_dir():
+        return beside
+    raise KitError("no nbs/ folder found: run `fsdp-kit docs` inside a checkout of fsdp_kit (the notebooks are the docs' source)")
+
+
+def page_name(notebook: Path) -> str:
+    "nbdev's page name: `00_launch.ipynb` -> `launch.html`, `index.ipynb` -> `index.html`."
+    return re.sub(r"^\d+[a-z]?_", "", notebook.stem) + ".html"
+
+
+def notebooks(nbs: Path) -> list:
+    "The site's notebooks in sidebar order: the landing page first, then by file name."
+    found = sorted(p for p in nbs.glob("*.ipynb") if not p.name.startswith("_"))
+    return sorted(found, key=lambda p: (p.stem != "index", p.name))
+
+
+def _clean(nb):
+    "Drop hidden cells and directive lines; show widgets in their static (text) form."
+    keep = []
+    for cell in nb.cells:
+        lines = cell.source.splitlines()
+        if cell.cell_type == "code" and any(HIDDEN.match(l) for l in lines):
+            continue
+        if cell.cell_type == "code":
+            cell.source = "\n".join(l for l in lines if not DIRECTIVE.match(l)).strip("\n")
+            if not cell.source:
+                continue
+            for out in cell.get("outputs", []):
+                if WIDGET_MIME in out.get("data", {}):
+                    out["data"].pop(WIDGET_MIME)
+                    out["data"]["text/plain"] = "[interactive widget, static form; run the notebook to use it]\n" + out["data"].get("text/plain", "")
+        keep.append(cell)
+    nb.cells = keep
+    return nb
+
+
+def _title(nb, fallback: str) -> str:
+    "The notebook's first level-1 heading."
+    for cell in nb.cells:
+        m = re.search(r"^#\s+(.+)$", cell.source, re.M) if cell.cell_type == "markdown" else None
+        if m:
+            return m.group(1).replace("`", "").strip()
+    return fallback
+
+
+def render_notebook(path: Path) -> dict:
+    "One notebook as an HTML fragment with its title, table of contents and counts of figures and errors."
+    import nbformat
+    from nbconvert import HTMLExporter
+    nb = nbformat.read(path, as_version=4)
+    errors = sum(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    figures = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []) if not any(HIDDEN.match(l) for l in c.source.splitlines()))
+    nb = _clean(nb)
+    body, _ = HTMLExporter(template_name="basic").from_notebook_node(nb)
+    body = re.sub(r'<div class="prompt[^"]*">.*?</div>', "", body, flags=re.S)  # no In [ ]: prompts
+    toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor, text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
+    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, page=page_name(path), source=path.name)
+
+
+def _signature_comments(obj) -> dict:
+    "Parameter -> its trailing comment in the source (nbdev's docments style), for functions and dataclasses."
+    try:
+        lines = inspect.getsource(obj).splitlines()
+    except (OSError, TypeError):
+        return {}
+    found = {}
+    for line in lines[:60]:
+        m = re.match(r"^\s*(?:def \w+\()?\s*\**(\w+)\s*(?::[^#=]+)?(?:=[^#]*)?,?\s*(?:\)\s*(?:->[^#]*)?:?)?\s*#\s*(.+)$", line)
+        if m and m.group(1) not in ("return", "if", "for", "else"):
+            found.setdefault(m.group(1), m.group(2).strip())
+    return found
+
+
+def api_reference(modules=None) -> str:
+    "HTML for every exported name of the kit's modules: signature, docstring, parameter comments."
+    modules = modules or ["errors", "launch", "mesh", "models", "train", "config", "measure", "wrap"]
+    parts = []
+    for name in modules:
+        try:
+            mod = importlib.import_module(f"fsdp_kit.{name}")
+        except ImportError:
+            continue
+        parts.append(f'<h2 id="{name}">fsdp_kit.{name}</h2><p>{html.escape((mod.__doc__ or "").splitlines()[0] if mod.__doc__ else "")}</p>')
+        for attr in getattr(mod, "__all__", []):
+            obj = getattr(mod, attr)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                sig = "()"
+            comments = _signature_comments(obj)
+            rows = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{html.escape(v)}</td></tr>" for k, v in comments.items())
+            parts.append(f'<div class="api"><h3 id="{name}.{attr}"><code>{attr}{html.escape(sig)}</code></h3>'
+                         f"<p>{html.escape(inspect.getdoc(obj) or '')}</p>" + (f'<table class="params">{rows}</table>' if rows else "") + "</div>")
+    return "\n".join(parts)
+
+
+CSS = """
+body { margin: 0; font: 15px/1.55 -apple-system, 'Segoe UI', Roboto, sans-serif; color: #1d2330; }
+nav.side { position: fixed; top: 0; left: 0; bottom: 0; width: 230px; overflow-y: auto; background: #f4f6fa; border-right: 1px solid #dde3ee; padding: 16px; box-sizing: border-box; }
+nav.side a { display: block; color: #23395b; text-decoration: none; padding: 3px 6px; border-radius: 4px; font-size: 14px; }
+nav.side a.here { background: #dbe6f7; font-weight: 600; }
+nav.side .brand { font-weight: 700; font-size: 17px; margin-bottom: 10px; }
+main { margin-left: 250px; margin-right: 250px; padding: 10px 28px 60px; max-width: 980px; }
+aside.toc { position: fixed; top: 0; right: 0; width: 230px; padding: 16px; font-size: 13px; box-sizing: border-box; }
+aside.toc a { display: block; color: #4a5a75; text-decoration: none; padding: 2px 0; }
+aside.toc a.l3 { padding-left: 12px; }
+pre { background: #f7f8fa; padding: 8px 10px; overflow-x: auto; border-radius: 4px; font-size: 13px; }
+.output_area pre, .jp-OutputArea pre { background: none; border-left: 2px solid #f0a57a; border-radius: 0; }
+img { max-width: 100%; }
+table { border-collapse: collapse; } td, th { border: 1px solid #dde3ee; padding: 3px 8px; }
+.pager { display: flex; justify-content: space-between; margin-top: 40px; border-top: 1px solid #dde3ee; padding-top: 10px; }
+.anchor-link { display: none; }
+.api { border-top: 1px solid #eef1f6; padding-top: 4px; }
+"""
+
+# Counts the figures that really decoded, so a browser test can read them back from the rendered page.
+IMAGE_CHECK = """<script>window.addEventListener('load', () => {
+  const imgs = [...document.querySelectorAll('main img')];
+  document.body.dataset.images = imgs.length;
+  document.body.dataset.loadedImages = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+});</script>"""
+
+
+def _page(page: dict, pages: list) -> str:
+    "A whole HTML page: sidebar, content, table of contents, previous / next."
+    from pygments.formatters import HtmlFormatter
+    links = "".join(f'<a href="{p["page"]}" class="{"here" if p["page"] == page["page"] else ""}">{html.escape(p["title"])}</a>' for p in pages)
+    toc = "".join(f'<a class="l{level}" href="#{anchor}">{html.escape(html.unescape(text))}</a>' for level, anchor, text in page.get("toc", []))
+    i = [p["page"] for p in pages].index(page["page"])
+    prev = f'<a href="{pages[i - 1]["page"]}">&larr; {html.escape(pages[i - 1]["title"])}</a>' if i > 0 else "<span></span>"
+    nxt = f'<a href="{pages[i + 1]["page"]}">{html.escape(pages[i + 1]["title"])} &rarr;</a>' if i + 1 < len(pages) else "<span></span>"
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(page["title"])} | fsdp_kit</title>'
+            f'<style>{CSS}{HtmlFormatter().get_style_defs(".highlight")}</style></head><body>'
+            f'<nav class="side"><div class="brand">fsdp_kit</div>{links}</nav>'
+            f'<aside class="toc"><b>On this page</b>{toc}</aside>'
+            f'<main>{page["body"]}<div class="pager">{prev}{nxt}</div></main>{IMAGE_CHECK}</body></html>')
+
+
+def build_site(out: str, nbs: str = None) -> dict:
+    "Render every notebook and the API reference into `out`; return the manifest (pages, figures, errors)."
+    try:
+        import nbconvert  # noqa: F401
+    except ImportError:
+        raise KitError("fsdp-kit docs needs nbconvert: pip install -e '.[dev]'") from None
+    nbs, out = (Path(nbs) if nbs else find_nbs()), Path(out)
+    if not nbs.is_dir(): raise KitError(f"nbs={str(nbs)!r} is not a folder of notebooks")
+    out.mkdir(parents=True, exist_ok=True)
+    pages = [render_notebook(p) for p in notebooks(nbs)]
+    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(), toc=[], figures=0, errors=0, page="api.html", source=None))
+    for page in pages:
+        (out / page["page"]).write_text(_page(page, pages))
+    manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "source")} for p in pages])
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def build_with_quarto(out: str) -> dict:
+    "nbdev's own site through Quarto (`nbdev-docs`), copied to `out`."
+    root = find_nbs().parent
+    subprocess.run(["nbdev-docs"], cwd=root, check=True)
+    shutil.copytree(root / "_docs", out, dirs_exist_ok=True)
+    return dict(builder="quarto", pages=[{"page": p.name} for p in Path(out).glob("*.html")])
+
+
+def docs(out: str = "site", nbs: str = None, quarto: bool = None) -> dict:
+    "Build the docs site into `out`: with Quarto where it is installed, else offline with nbconvert."
+    use_quarto = shutil.which("quarto") is not None if quarto is None else quarto
+    if use_quarto and not shutil.which("quarto"):
+        raise KitError("quarto=True but no `quarto` on PATH: install Quarto (https://quarto.org) or build offline without --quarto")
+    return build_with_quarto(out) if use_quarto else build_site(out, nbs)

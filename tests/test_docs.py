@@ -1,0 +1,93 @@
+"""The docs site: built offline from the notebooks' stored outputs, checked in a real headless browser."""
+import json, os, re, shutil, subprocess
+from pathlib import Path
+import pytest
+from fsdp_kit.docs import build_site, notebooks, page_name
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    return out, build_site(out, ROOT / "nbs")
+
+
+def _browser():
+    exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+    if exe is None:
+        if os.environ.get("FSDP_KIT_REQUIRE_BROWSER"):
+            pytest.fail("FSDP_KIT_REQUIRE_BROWSER is set but no chromium is installed (apt-get install chromium)")
+        pytest.skip("no chromium on this machine (CI installs Debian's chromium)")
+    return exe
+
+
+def _chrome(exe, tmp, *args):
+    out = subprocess.run([exe, *CHROME_FLAGS, f"--user-data-dir={tmp}", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_a_page_per_notebook_and_figures(site):
+    out, manifest = site
+    pages = {p["page"]: p for p in manifest["pages"]}
+    expected = [page_name(nb) for nb in notebooks(ROOT / "nbs")]
+    assert expected[0] == "index.html" and set(expected) <= set(pages) and "api.html" in pages
+    for name in pages:
+        text = (out / name).read_text()
+        assert "Traceback (most recent call last)" not in text, name
+        assert all(f'href="{p}"' in text for p in expected), f"{name} lacks navigation"
+    assert all(p["errors"] == 0 for p in pages.values())
+    with_figures = [p for p in pages.values() if p["figures"]]
+    assert len(with_figures) >= 4, with_figures
+    for p in with_figures:
+        assert (out / p["page"]).read_text().count('src="data:image/png;base64,') == p["figures"]
+
+
+def test_headings_become_the_table_of_contents_and_api_has_docments(site):
+    out, _ = site
+    wrap = (out / "wrap.html").read_text()
+    assert '<aside class="toc"><b>On this page</b><a class="l2" href="#Units">Units</a>' in wrap
+    api = (out / "api.html").read_text()
+    assert "launch(fn, *args, nprocs: int = 2" in api and "the function every rank runs" in api
+    assert "reshard_after_forward" in api and "free gathered parameters after forward" in api
+
+
+def test_every_page_renders_in_chromium_with_its_figures(site, tmp_path):
+    exe = _browser()
+    out, manifest = site
+    for page in manifest["pages"]:
+        dom = _chrome(exe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", (out / page["page"]).as_uri())
+        body = re.search(r'<body data-images="(\d+)" data-loaded-images="(\d+)"', dom)
+        assert body, f"{page['page']} did not finish loading"
+        assert int(body.group(1)) == int(body.group(2)) == page["figures"], (page["page"], body.groups())
+        assert "Traceback (most recent call last)" not in dom
+
+
+def test_screenshots_of_landing_and_a_lab_page(site, tmp_path):
+    from PIL import Image
+    exe = _browser()
+    out, _ = site
+    shots = ROOT / "site-screenshots" if os.environ.get("CI") else tmp_path
+    shots.mkdir(exist_ok=True)
+    for name in ("index.html", "wrap.html"):
+        png = shots / name.replace(".html", ".png")
+        _chrome(exe, tmp_path / "profile", "--window-size=1400,1800", f"--screenshot={png}", (out / name).as_uri())
+        image = Image.open(png).convert("RGB")
+        assert image.size == (1400, 1800)
+        colours = len(image.resize((280, 360)).getcolors(maxcolors=1 << 20))
+        assert colours > 100, f"{png.name} looks blank ({colours} colours)"
+
+
+def test_readme_commands_are_on_the_landing_page():
+    readme = (ROOT / "README.md").read_text()
+    commands = [l.strip() for block in re.findall(r"```sh\n(.*?)```", readme, re.S) for l in block.splitlines() if l.strip()]
+    assert "pip install torch==2.13.0 -e . && fsdp-kit tour --out tour" in commands
+    assert 'pip install torch==2.13.0 -e ".[dev]" && make test' in commands
+    assert any(c.startswith("fsdp-kit docs --out") for c in commands)
+    index = "\n".join("".join(c["source"]) for c in json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"])
+    missing = [c for c in commands if c not in index]
+    assert missing == []
