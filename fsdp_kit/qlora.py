@@ -10,17 +10,17 @@ __all__ = ['STORAGE_BYTES', 'MIXED_PRECISION', 'PARAMETER_CATEGORIES', 'dtype_na
            'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'save_adapter',
            'qlora_worker', 'plot_memory', 'plot_qlora_losses']
 
-# %% ../nbs/05_qlora.ipynb #2ee793c3
+# %% ../nbs/05_qlora.ipynb #a73d4672
 import gc, logging, math, os, shutil, tempfile, warnings
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, synthetic_tokens, rank_rows
 
-# %% ../nbs/05_qlora.ipynb #6efaa627
+# %% ../nbs/05_qlora.ipynb #045a8068
 STORAGE_BYTES = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each storage dtype
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # accelerate / CLI spelling -> dtype name
 
-# %% ../nbs/05_qlora.ipynb #3021d87e
+# %% ../nbs/05_qlora.ipynb #b604f12d
 def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.bfloat16
                field:str="quant_storage" # the field being read, named in the error
               ) -> str:
@@ -32,24 +32,25 @@ def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.b
                         "Under FSDP set quant_storage to the param_dtype of the MixedPrecisionPolicy, e.g. quant_storage='bfloat16' with param_dtype='bfloat16'")
     return name
 
-# %% ../nbs/05_qlora.ipynb #339f40ae
+# %% ../nbs/05_qlora.ipynb #538cde54
 def params_per_element(quant_storage # the storage dtype: uint8, bfloat16, float16 or float32
                       ) -> int:
     "How many 4-bit codes one element of `quant_storage` holds."
     return 2 * STORAGE_BYTES[dtype_name(quant_storage)]
 
-# %% ../nbs/05_qlora.ipynb #0843e251
+# %% ../nbs/05_qlora.ipynb #1a4706fb
 def pack_codes(codes, # 4-bit codes (0..15), any shape; flattened in row-major order
-               quant_storage:str="uint8" # the storage dtype to view the bytes as
+               quant_storage:str="uint8", # the storage dtype to view the bytes as
+               pad_code:int=7 # the nibble after an odd count: bitsandbytes quantizes a 0.0 there, NF4's code 7
               ):
     "Pack 4-bit codes the way bitsandbytes stores them: two per byte, high nibble first, viewed as `quant_storage`, shape (N, 1)."
     import torch
     q = codes.reshape(-1).to(torch.uint8)
-    if q.numel() % 2: q = torch.cat([q, q.new_zeros(1)])
+    if q.numel() % 2: q = torch.cat([q, q.new_full((1,), pad_code)])
     packed = (q[::2] << 4) | q[1::2]
     return packed.view(getattr(torch, dtype_name(quant_storage))).unsqueeze(1)
 
-# %% ../nbs/05_qlora.ipynb #f7d2852e
+# %% ../nbs/05_qlora.ipynb #5e4a16d5
 def unpack_codes(packed, # a packed tensor of any storage dtype
                  n:int # how many codes it holds
                 ):
@@ -58,7 +59,7 @@ def unpack_codes(packed, # a packed tensor of any storage dtype
     b = packed.reshape(-1).view(torch.uint8)
     return torch.stack([b >> 4, b & 0xF], 1).reshape(-1)[:n]
 
-# %% ../nbs/05_qlora.ipynb #e3630923
+# %% ../nbs/05_qlora.ipynb #aeb682f8
 def plot_codes_in_word(codes:list, # four codes, 0..15
                        ax=None):
     "Draw four 4-bit codes packed into one bfloat16 word: memory order, and the 16 bits as bfloat16 reads them."
@@ -80,7 +81,7 @@ def plot_codes_in_word(codes:list, # four codes, 0..15
     ax.set_title(f"codes {codes} in one bfloat16 (bit 15 left): byte 1 = codes 2,3 | byte 0 = codes 0,1;  as a number: {word.item():.4g}")
     return ax.figure
 
-# %% ../nbs/05_qlora.ipynb #668b722d
+# %% ../nbs/05_qlora.ipynb #e5121d9f
 def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e.g. (out_features, in_features)
                  quant_storage:str="uint8" # the storage dtype
                 ) -> tuple:
@@ -93,7 +94,7 @@ def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e
                         f"{n} codes need {nbytes} bytes; bitsandbytes cannot store them as {name}. Use quant_storage='uint8' or pad the weight")
     return (nbytes // size, 1)
 
-# %% ../nbs/05_qlora.ipynb #8167609f
+# %% ../nbs/05_qlora.ipynb #9d615b66
 def quant_state_bytes(weight_shape:tuple, # the weight's shape before quantization
                       blocksize:int=64, # weights per absmax block
                       double_quant:bool=True, # absmax quantized to 8 bits (nested quantization)
@@ -104,7 +105,7 @@ def quant_state_bytes(weight_shape:tuple, # the weight's shape before quantizati
     if not double_quant: return dict(absmax=4 * blocks, quant_map=16 * 4)
     return dict(absmax=blocks, quant_map=16 * 4, nested_absmax=4 * -(blocks // -nested_blocksize), nested_quant_map=256 * 4, offset=4)
 
-# %% ../nbs/05_qlora.ipynb #ad0b2769
+# %% ../nbs/05_qlora.ipynb #467fb6df
 def check_quantization(quant_storage, # bnb_4bit_quant_storage
                        param_dtype=None, # MixedPrecisionPolicy's param_dtype; None: no mixed precision
                        load_in_8bit:bool=False # bitsandbytes 8-bit instead of 4-bit
@@ -114,17 +115,17 @@ def check_quantization(quant_storage, # bnb_4bit_quant_storage
     param = None if param_dtype is None else dtype_name(param_dtype, "param_dtype")
     good = param if param and param != "uint8" else "bfloat16"
     if load_in_8bit:
-        raise bad_value("load_in_8bit", True, "false under FSDP: 8-bit weights are int8, with no quant_storage to match param_dtype",
+        raise bad_value("load_in_8bit", True, "only false under FSDP (8-bit weights are int8, with no quant_storage to match param_dtype)",
                         f"Use 4-bit: load_in_4bit=True, bnb_4bit_quant_storage={good} and param_dtype={good}")
     if param and storage == "uint8":
         raise bad_value("quant_storage", storage, f"a floating dtype equal to param_dtype={param!r} under FSDP mixed precision",
                         f"Set quant_storage={param!r} (bnb_4bit_quant_storage=torch.{param}), or no mixed precision (param_dtype=None)")
     if param and storage != param:
-        raise bad_value("quant_storage", storage, f"the FSDP param_dtype {param!r}: FSDP casts parameters to param_dtype as numbers, which scrambles packed codes",
+        raise bad_value("quant_storage", storage, f"only param_dtype={param!r} (FSDP casts parameters to param_dtype as numbers, which scrambles packed codes)",
                         f"Set quant_storage={param!r}, or param_dtype={storage!r}")
     return storage, param
 
-# %% ../nbs/05_qlora.ipynb #4f0e688b
+# %% ../nbs/05_qlora.ipynb #f3a7e4df
 @dataclass
 class QLoRASpec:
     "Settings of a QLoRA run under FSDP2."
@@ -157,7 +158,7 @@ class QLoRASpec:
         if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
         return self
 
-# %% ../nbs/05_qlora.ipynb #ee2abe15
+# %% ../nbs/05_qlora.ipynb #67e3506f
 def _quiet_libraries():
     "Silence progress bars and the warnings of loading a 4-bit model from a local folder."
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # a missing optional CPU kernel package
@@ -165,13 +166,13 @@ def _quiet_libraries():
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
-# %% ../nbs/05_qlora.ipynb #5b3e4e72
+# %% ../nbs/05_qlora.ipynb #dc81291e
 def model_dtype(spec:QLoRASpec) -> str:
     "The dtype of the unquantized parameters and of compute: param_dtype, else a floating storage, else bfloat16."
     storage = dtype_name(spec.quant_storage)
     return spec.param_dtype or (storage if storage != "uint8" else "bfloat16")
 
-# %% ../nbs/05_qlora.ipynb #f47820a5
+# %% ../nbs/05_qlora.ipynb #466a7328
 def load_base(checkpoint:str, # a folder written by save_pretrained
               spec:QLoRASpec, # quant_storage and the model dtype
               quantized:bool=True # 4-bit in `spec.quant_storage`; False loads the same weights in bfloat16
@@ -184,7 +185,7 @@ def load_base(checkpoint:str, # a folder written by save_pretrained
                                       bnb_4bit_quant_storage=getattr(torch, dtype_name(spec.quant_storage)), bnb_4bit_compute_dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization if quantized else None, dtype=dtype)
 
-# %% ../nbs/05_qlora.ipynb #233fdbc9
+# %% ../nbs/05_qlora.ipynb #faf9bc45
 def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
@@ -197,7 +198,7 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
     lora = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, target_modules="all-linear", lora_dropout=0.0)
     return get_peft_model(model, lora).train()
 
-# %% ../nbs/05_qlora.ipynb #ce328d31
+# %% ../nbs/05_qlora.ipynb #325a85ca
 def shard_lora_model(model, # from load_lora_model
                      mesh, # the mesh to shard over
                      param_dtype:str=None # FSDP's param_dtype; None for no mixed precision
@@ -211,7 +212,7 @@ def shard_lora_model(model, # from load_lora_model
     for layer in layers: fully_shard(layer, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
-# %% ../nbs/05_qlora.ipynb #6977b66a
+# %% ../nbs/05_qlora.ipynb #37c14406
 @dataclass
 class QLoRAResult:
     "What a QLoRA run under FSDP2 measured (rank 0's copy; per-rank values are lists indexed by rank)."
@@ -234,7 +235,7 @@ class QLoRAResult:
     backend:str='' # process-group backend
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
 
-# %% ../nbs/05_qlora.ipynb #0b257eee
+# %% ../nbs/05_qlora.ipynb #c0398313
 def _shared_tempdir() -> str:
     "A temporary folder made by rank 0, its path sent to every rank."
     import torch.distributed as dist
@@ -242,20 +243,20 @@ def _shared_tempdir() -> str:
     dist.broadcast_object_list(path)
     return path[0]
 
-# %% ../nbs/05_qlora.ipynb #49da8151
+# %% ../nbs/05_qlora.ipynb #b6d27ec8
 def _batch(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
     "Rows `rank` of `world_size` of step `step`'s global batch (`spec.batch` rows per process); world_size=1: all of it."
     import torch.distributed as dist
     rows = spec.batch * dist.get_world_size()
     return rank_rows(synthetic_tokens(vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size)
 
-# %% ../nbs/05_qlora.ipynb #9f31a2f0
+# %% ../nbs/05_qlora.ipynb #9969f8dc
 def _loss(model, tokens, grad:bool=False):
     "The model's loss on `tokens` (train mode: no in-place repack of 4-bit weights)."
     import torch
     with torch.set_grad_enabled(grad): return model(input_ids=tokens, labels=tokens).loss
 
-# %% ../nbs/05_qlora.ipynb #138ab80f
+# %% ../nbs/05_qlora.ipynb #ce466bb6
 def _storage_shapes(model) -> dict:
     "Each 4-bit weight: its original shape, the stored shape, and packed_shape's prediction."
     out = {}
@@ -268,7 +269,7 @@ def _storage_shapes(model) -> dict:
                 predicted=list(packed_shape(shape, str(weight.dtype))))
     return out
 
-# %% ../nbs/05_qlora.ipynb #e8eb5ee8
+# %% ../nbs/05_qlora.ipynb #d3f7ad39
 def _quant_state_bytes(model) -> dict:
     "Bytes of quantization state this process holds for its 4-bit weights (measured) and as quant_state_bytes predicts."
     held = predicted = 0
@@ -280,13 +281,13 @@ def _quant_state_bytes(model) -> dict:
         predicted += sum(quant_state_bytes(tuple(state.shape), state.blocksize, state.nested).values())
     return dict(held=held, predicted=predicted)
 
-# %% ../nbs/05_qlora.ipynb #1a435b08
+# %% ../nbs/05_qlora.ipynb #7a71c3f4
 def _snapshot(model) -> dict:
     "A copy of every parameter's bytes (uint8 view: packed codes may read as NaN, which never equals itself)."
     import torch
     return {n: p.detach().reshape(-1).view(torch.uint8).clone() for n, p in model.named_parameters()}
 
-# %% ../nbs/05_qlora.ipynb #7daccb01
+# %% ../nbs/05_qlora.ipynb #c40a2000
 def _changed(model, before:dict) -> list:
     "Names of parameters whose gathered bytes differ from `before` (a collective: every rank calls it)."
     import torch
@@ -296,7 +297,7 @@ def _changed(model, before:dict) -> list:
         if not torch.equal(full.detach().reshape(-1).view(torch.uint8), before[name]): changed.append(name)
     return changed
 
-# %% ../nbs/05_qlora.ipynb #73058953
+# %% ../nbs/05_qlora.ipynb #17c0f44f
 def save_adapter(model, # a sharded PeftModel
                  adapter_dir:str # folder to write (rank 0)
                 ) -> dict:
@@ -313,7 +314,7 @@ def save_adapter(model, # a sharded PeftModel
     dist.barrier()
     return shards
 
-# %% ../nbs/05_qlora.ipynb #161c7211
+# %% ../nbs/05_qlora.ipynb #3cf35824
 def _check_adapter(adapter_dir:str, shards:list) -> dict:
     "The saved tensors, their shapes, and whether each one's rows are every rank's shard in order."
     import torch
@@ -328,7 +329,7 @@ def _check_adapter(adapter_dir:str, shards:list) -> dict:
     return dict(files=sorted(os.listdir(adapter_dir)), tensors=len(saved), shapes={k: list(v.shape) for k, v in saved.items()},
                 rows_per_rank=rows, every_rank_share_saved=bool(matches) and len(saved) == len(shards[0]))
 
-# %% ../nbs/05_qlora.ipynb #dd421894
+# %% ../nbs/05_qlora.ipynb #f43a8ba8
 def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dict:
     "Load the saved adapter onto an unsharded 4-bit base; its loss on `tokens`, as loaded and with LoRA in param_dtype (as FSDP computed)."
     import torch
@@ -340,7 +341,7 @@ def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dic
             if "lora_" in name: p.data = p.data.to(getattr(torch, spec.param_dtype))
     return dict(as_loaded=as_loaded, in_param_dtype=_loss(model, tokens).item())
 
-# %% ../nbs/05_qlora.ipynb #8fcec941
+# %% ../nbs/05_qlora.ipynb #fe13a3d3
 def _measure(model, spec:QLoRASpec) -> dict:
     "Peak bytes of one training step of `model` on this rank, by category (measure_step)."
     import torch, torch.distributed as dist
@@ -352,7 +353,7 @@ def _measure(model, spec:QLoRASpec) -> dict:
         optim.step(); optim.zero_grad()
     return measure_step(model, optim, step, timed_steps=1).peak_bytes
 
-# %% ../nbs/05_qlora.ipynb #659896c2
+# %% ../nbs/05_qlora.ipynb #58a29f1a
 def _gather(value) -> list:
     "`value` from every rank, in rank order."
     import torch.distributed as dist
@@ -360,7 +361,7 @@ def _gather(value) -> list:
     dist.all_gather_object(out, value)
     return out
 
-# %% ../nbs/05_qlora.ipynb #ad8ef8af
+# %% ../nbs/05_qlora.ipynb #3e444660
 def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     "Train the LoRA weights for `spec.steps` steps; the mean loss over ranks of each step."
     import torch, torch.distributed as dist
@@ -374,7 +375,7 @@ def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     dist.all_reduce(losses)
     return (losses / world_size).tolist()
 
-# %% ../nbs/05_qlora.ipynb #575d2d3f
+# %% ../nbs/05_qlora.ipynb #15d93f9a
 def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     "Save the adapter gathered from every rank, check it, reload it on rank 0 and compare the held-out loss."
     import torch.distributed as dist
@@ -388,7 +389,7 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"], reloaded_loss_as_loaded=reloaded["as_loaded"],
                       reload_loss_diff=abs(trained - reloaded["in_param_dtype"]))
 
-# %% ../nbs/05_qlora.ipynb #b1bd29fa
+# %% ../nbs/05_qlora.ipynb #ed4c306b
 def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
     "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
     import torch.distributed as dist
@@ -426,7 +427,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
                        environment()["versions"])
 
-# %% ../nbs/05_qlora.ipynb #771b6e0f
+# %% ../nbs/05_qlora.ipynb #b6f81e5d
 PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffers")
 
 def plot_memory(result:QLoRAResult):
@@ -442,7 +443,7 @@ def plot_memory(result:QLoRAResult):
     fig.tight_layout()
     return fig
 
-# %% ../nbs/05_qlora.ipynb #6f25ff45
+# %% ../nbs/05_qlora.ipynb #59cd34a4
 def plot_qlora_losses(result:QLoRAResult, ax=None):
     "LoRA loss per step under FSDP2, with the one-process first step."
     import matplotlib.pyplot as plt
