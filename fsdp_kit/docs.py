@@ -95,9 +95,17 @@ def _signature_comments(obj) -> dict:
     return found
 
 
-def api_reference(modules=None) -> str:
+def exported_modules(nbs: Path) -> list:
+    "The modules the notebooks export (their `#| default_exp`), in the notebooks' order."
+    found = []
+    for nb in notebooks(nbs):
+        m = re.search(r"#\|\s*default_exp\s+([\w.]+)", nb.read_text())
+        if m: found.append(m.group(1))
+    return found
+
+
+def api_reference(modules: list) -> str:
     "HTML for every exported name of the kit's modules: signature, docstring, parameter comments."
-    modules = modules or ["errors", "launch", "mesh", "models", "train", "config", "measure", "wrap"]
     parts = []
     for name in modules:
         try:
@@ -172,7 +180,7 @@ def build_site(out: str, nbs: str = None) -> dict:
     if not nbs.is_dir(): raise KitError(f"nbs={str(nbs)!r} is not a folder of notebooks")
     out.mkdir(parents=True, exist_ok=True)
     pages = [render_notebook(p) for p in notebooks(nbs)]
-    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(), toc=[], figures=0, errors=0, page="api.html", source=None))
+    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(exported_modules(nbs)), toc=[], figures=0, errors=0, page="api.html", source=None))
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))
     manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "source")} for p in pages])

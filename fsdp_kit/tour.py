@@ -37,7 +37,16 @@ def _steps(nproc: int):
                 f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
         return dict(runs=[asdict(r) for r in runs]), plot_compare(runs), line
 
-    return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare)]
+    def qlora():
+        from fsdp_kit.qlora import QLoRASpec, qlora_worker, plot_qlora_losses
+        r = launch(qlora_worker, QLoRASpec(model="tiny", steps=5), nprocs=nproc, launcher="torchrun")
+        mib = lambda key: max(r.peak_bytes[key]) / 2**20
+        line = (f"LoRA on a 4-bit tiny Llama (bfloat16 storage) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
+                f"first step vs one process {r.sharded_vs_unsharded_loss_diff:.1e}, peak MiB per rank 4-bit {mib('qlora'):.2f} vs bf16 base "
+                f"{mib('bf16_lora'):.2f}, adapter reload diff {r.adapter['reload_loss_diff']:.1e}")
+        return asdict(r), plot_qlora_losses(r), line
+
+    return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora)]
 
 
 def tour(out: str = "tour", nproc: int = 2) -> dict:

@@ -22,6 +22,9 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     train = report["train"]["data"]
     assert train["losses"][-1] < train["losses"][0] and train["max_param_diff"] <= 1e-4
     assert (tmp_path / "tour" / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    qlora = report["qlora"]["data"]
+    assert "qlora.png" in files and qlora["losses"][-1] < qlora["losses"][0] and qlora["sharded_vs_unsharded_loss_diff"] < 1e-4
+    assert all(q < b for q, b in zip(qlora["peak_bytes"]["qlora"], qlora["peak_bytes"]["bf16_lora"]))
 
 
 def test_no_subcommand_is_a_usage_error(cli):

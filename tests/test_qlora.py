@@ -1,0 +1,173 @@
+"""QLoRA under FSDP2: packing checked against bitsandbytes itself, the guards, and real runs through the CLI.
+
+bitsandbytes and peft are imported only in subprocesses: imported here, they would make every later
+`launch(..., launcher="notebook")` in this pytest process refuse to fork.
+"""
+import json, math, subprocess, sys
+import pytest
+from fsdp_kit.errors import KitError
+from fsdp_kit.qlora import params_per_element, packed_shape, quant_state_bytes, check_quantization, pack_codes, unpack_codes, QLoRASpec
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+SHAPES = [(64, 64), (32, 64), (176, 64), (64, 176), (3, 5), (5, 3), (7, 7), (2, 3), (33, 17), (1, 1), (10,), (4, 6), (256, 257), (1000, 70)]
+STORAGES = ["uint8", "bfloat16", "float16", "float32"]
+
+BNB_PROBE = r"""
+import json, sys, torch, bitsandbytes as bnb
+shapes, storages = json.loads(sys.argv[1])
+out = []
+for shape in shapes:
+    for storage in storages:
+        torch.manual_seed(0)
+        weight = torch.randn(shape)
+        try:
+            p = bnb.nn.Params4bit(weight, requires_grad=False, quant_storage=getattr(torch, storage), compress_statistics=True, quant_type="nf4")._quantize("cpu")
+        except RuntimeError as e:
+            out.append(dict(shape=shape, storage=storage, error=str(e)[:200])); continue
+        s = p.quant_state
+        state = dict(absmax=s.absmax.nbytes, quant_map=s.code.nbytes, nested_absmax=s.state2.absmax.nbytes,
+                     nested_quant_map=s.state2.code.nbytes, offset=s.offset.nbytes)
+        raw = p.data.reshape(-1).view(torch.uint8)
+        nibbles = torch.stack([raw >> 4, raw & 0xF], 1).reshape(-1)
+        out.append(dict(shape=shape, storage=storage, stored=list(p.shape), dtype=str(p.dtype), state=state,
+                        nibbles=nibbles.tolist(), raw=raw.tolist()))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def bnb_storage():
+    "What bitsandbytes really stores for each shape and storage dtype, measured in a subprocess."
+    proc = subprocess.run([sys.executable, "-c", BNB_PROBE, json.dumps([SHAPES, STORAGES])], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return {(tuple(r["shape"]), r["storage"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def test_params_per_element():
+    assert {s: params_per_element(s) for s in STORAGES} == {"uint8": 2, "bfloat16": 4, "float16": 4, "float32": 8}
+    assert params_per_element("torch.bfloat16") == 4 and params_per_element("bf16") == 4
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_packed_shape_equals_bitsandbytes(bnb_storage, storage):
+    odd_seen = refused_seen = 0
+    for shape in SHAPES:
+        real = bnb_storage[shape, storage]
+        if "error" in real:  # bitsandbytes cannot view these bytes as the storage dtype: packed_shape refuses them too
+            with pytest.raises(KitError, match=r"weight_shape=.*quant_storage="):
+                packed_shape(shape, storage)
+            refused_seen += 1
+            continue
+        assert list(packed_shape(shape, storage)) == real["stored"], (shape, storage)
+        assert real["dtype"] == f"torch.{storage}"
+        odd_seen += math.prod(shape) % 2
+    assert odd_seen >= 1  # odd code counts, whose last byte is half padding, were compared
+    assert refused_seen == (0 if storage == "uint8" else sum(1 for s in SHAPES if ((math.prod(s) + 1) // 2) % (params_per_element(storage) // 2)))
+
+
+def test_quant_state_bytes_equal_bitsandbytes(bnb_storage):
+    for shape in SHAPES:
+        assert bnb_storage[shape, "uint8"]["state"] == quant_state_bytes(shape), shape
+    assert quant_state_bytes((256, 257))["nested_absmax"] == 4 * 5  # 1028 blocks of 64 -> 5 nested blocks of 256
+
+
+def test_pack_codes_is_bitsandbytes_layout(bnb_storage):
+    import torch
+    for shape in [(64, 64), (3, 5), (33, 17)]:
+        real = bnb_storage[shape, "uint8"]
+        n = math.prod(shape)
+        codes = torch.tensor(real["nibbles"][:n])
+        assert pack_codes(codes, "uint8").reshape(-1).tolist() == real["raw"]
+        assert unpack_codes(pack_codes(codes, "bfloat16" if (n + 1) // 2 % 2 == 0 else "uint8"), n).tolist() == codes.tolist()
+
+
+def test_module_imports_neither_peft_nor_bitsandbytes():
+    code = "import sys, fsdp_kit.qlora; print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.stdout.strip() == "[]", proc.stderr
+
+
+@pytest.mark.parametrize("args, text", [
+    (("float32", "bfloat16"), "quant_storage='float32' is not allowed: only param_dtype='bfloat16'"),
+    (("bfloat16", "float32"), "quant_storage='bfloat16' is not allowed: only param_dtype='float32'"),
+    (("uint8", "bf16"), "quant_storage='uint8' is not allowed: a floating dtype equal to param_dtype='bfloat16'"),
+    (("bfloat16", "bfloat16", True), "load_in_8bit=True is not allowed"),
+    (("int4", "bfloat16"), "quant_storage='int4' is not allowed: one of uint8, bfloat16, float16, float32"),
+    (("bfloat16", "fp8"), "param_dtype='fp8' is not allowed: one of uint8, bfloat16, float16, float32"),
+])
+def test_guards_name_quant_storage_and_param_dtype(args, text):
+    with pytest.raises(KitError) as e: check_quantization(*args)
+    assert text in str(e.value) and "quant_storage" in str(e.value) and "param_dtype" in str(e.value)
+
+
+def test_guards_allow_matching_storage():
+    assert check_quantization("bfloat16", "bf16") == ("bfloat16", "bfloat16")
+    assert check_quantization(__import__("torch").float32, "fp32") == ("float32", "float32")
+    assert check_quantization("uint8", None) == ("uint8", None)
+    assert QLoRASpec(quant_storage="uint8").check().param_dtype is None
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--quant-storage", "float32", "--mixed-precision", "bf16"], "quant_storage='float32' is not allowed: only param_dtype='bfloat16'"),
+    (["--quant-storage", "uint8", "--mixed-precision", "bf16"], "quant_storage='uint8' is not allowed"),
+    (["--load-in-8bit"], "load_in_8bit=True is not allowed"),
+    (["--quant-storage", "int4"], "quant_storage='int4' is not allowed"),
+    (["--mixed-precision", "fp8"], "mixed_precision='fp8' is not allowed"),
+])
+def test_cli_guards_exit_2_without_traceback(cli, args, text):
+    out = cli("qlora", "--nproc", 2, *args, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert text in out.stderr and "quant_storage" in out.stderr and "param_dtype" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_qlora_bfloat16_trains_matches_saves_and_saves_memory(cli, tmp_path):
+    adapter = tmp_path / "adapter"
+    out = cli("qlora", "--nproc", 2, "--model", "tiny", "--quant-storage", "bfloat16", "--steps", 10, "--json", tmp_path / "out.json",
+              "--adapter-dir", adapter, timeout=280)
+    assert out.returncode == 0, out.stderr
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["packing"] == {"uint8": 2, "bfloat16": 4, "float32": 8}
+    assert r["world_size"] == 2 and r["quant_storage"] == "bfloat16" and r["param_dtype"] == "bfloat16"
+    # losses fall; the first step equals one process
+    assert len(r["losses"]) == 10 and r["losses"][-1] < r["losses"][0] - 0.1
+    assert r["sharded_vs_unsharded_loss_diff"] < 1e-4
+    # only LoRA parameters train: exactly the trainable ones changed, all of them LoRA
+    assert len(r["trainable_parameters"]) == 2 * 7 * 2  # 2 layers x 7 linears x (lora_A, lora_B)
+    assert sorted(r["changed_parameters"]) == sorted(r["trainable_parameters"])
+    assert all("lora_" in n for n in r["changed_parameters"])
+    # stored shapes equal packed_shape, and each rank holds half of each
+    shapes = r["storage_shapes"]
+    assert len(shapes) == 14 and all(s["stored"] == s["predicted"] == list(packed_shape(s["weight"], "bfloat16")) for s in shapes.values())
+    assert all(sum(rows for rows, _ in ranks) == shapes[name]["stored"][0] for name, ranks in r["shard_shapes"].items())
+    assert r["quant_state_bytes"]["held"] == r["quant_state_bytes"]["predicted"]
+    # the 4-bit base uses less memory per rank than the bf16 base, measured
+    for rank in range(2):
+        assert r["peak_bytes"]["qlora"][rank] < r["peak_bytes"]["bf16_lora"][rank]
+        q, b = r["peak_by_category"]["qlora"][rank], r["peak_by_category"]["bf16_lora"][rank]
+        assert q["sharded_params"] < b["sharded_params"] and q["total"] == r["peak_bytes"]["qlora"][rank]
+    # the adapter holds every rank's share and reloads with the same loss
+    a = r["adapter"]
+    assert a["every_rank_share_saved"] and a["tensors"] == 28 and a["path"] == str(adapter)
+    assert a["reload_loss_diff"] < 1e-4
+    assert all(len(rows) == 2 and min(rows) > 0 and sum(rows) == a["shapes"][k][0] for k, rows in a["rows_per_rank"].items())
+    from safetensors.torch import load_file
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert saved["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"].shape == (64, 8)
+    assert saved["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (8, 176)
+    assert all(v.abs().sum() > 0 for v in saved.values())  # lora_B starts at zero: every tensor was trained and saved
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+
+
+@pytest.mark.parametrize("storage, mixed_precision", [("uint8", None), ("float32", "fp32")])
+def test_cli_qlora_other_storages(cli, tmp_path, storage, mixed_precision):
+    extra = ["--mixed-precision", mixed_precision] if mixed_precision else []
+    out = cli("qlora", "--nproc", 2, "--quant-storage", storage, *extra, "--steps", 2, "--json", tmp_path / "out.json", timeout=280)
+    assert out.returncode == 0, out.stderr
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["param_dtype"] == (None if storage == "uint8" else "float32")
+    assert r["sharded_vs_unsharded_loss_diff"] < 1e-4
+    assert all(s["dtype"] == storage and s["stored"] == s["predicted"] for s in r["storage_shapes"].values())
+    assert r["adapter"]["every_rank_share_saved"] and r["adapter"]["reload_loss_diff"] < 1e-4 and r["adapter"]["path"] is None
