@@ -34,15 +34,21 @@ def run(cmd, **kw):
 
 
 def bench_train(pairs: int, model="small", batch=4, seq_len=128, steps=30) -> dict:
-    "fsdp-kit train against the plain loop, alternating; ratio of median step times per pair."
+    "fsdp-kit train against the plain loop, alternating which goes first; ratio of median step times per pair."
     ratios, kit, plain = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(pairs):
+        def run_kit():
             run([PY, "-m", "fsdp_kit", "train", "--nproc", "2", "--model", model, "--batch", batch, "--seq-len", seq_len, "--steps", steps,
                  "--json", f"{tmp}/kit.json"])
+
+        def run_plain():
             run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/plain_fsdp.py", "--model", model,
                  "--batch", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--out", f"{tmp}/plain.json"],
                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+        for i in range(pairs):
+            for side in ((run_kit, run_plain) if i % 2 == 0 else (run_plain, run_kit)):  # A B, B A, ...: no side always goes first
+                side()
             k, p = json.load(open(f"{tmp}/kit.json"))["step_seconds"], json.load(open(f"{tmp}/plain.json"))["step_seconds"]
             kit.append(k); plain.append(p); ratios.append(k / p)
             log(f"train pair {i + 1}/{pairs}: kit {k * 1e3:.1f} ms, plain {p * 1e3:.1f} ms, ratio {k / p:.3f}")
@@ -156,6 +162,8 @@ def bench_labs() -> dict:
     "Wall time of each notebook under nbval, and of fsdp-kit tour."
     times = {}
     for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
+        if nb.name == "11_benchmarks.ipynb":
+            continue  # it shows the results this run is producing
         start = time.time()
         run([PY, "-m", "pytest", "-q", "--nbval-lax", "--nbval-cell-timeout=300", "-p", "no:cacheprovider", str(nb)])
         times[nb.name] = round(time.time() - start, 1)
@@ -172,25 +180,33 @@ def bench_labs() -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="benchmarks/results.json")
-    p.add_argument("--pairs", type=int, default=5, help="alternating pairs for the train-step comparison")
+    p.add_argument("--pairs", type=int, default=6, help="alternating pairs for the train-step comparison")
     p.add_argument("--repeats", type=int, default=5, help="rounds of the launch comparison")
     p.add_argument("--skip-labs", action="store_true")
     a = p.parse_args()
     start = time.time()
     results = dict(machine=machine())
-    log("train step: fsdp-kit train vs a plain fully_shard loop"); results["train"] = bench_train(a.pairs)
-    log("launch: launch() vs bare torchrun"); results["launch"] = bench_launch(a.repeats)
-    log("measurement overhead"); results["overhead"] = bench_overhead(5)
+    steps = [("train", "train step: fsdp-kit train vs a plain fully_shard loop", lambda: bench_train(a.pairs)),
+             ("launch", "launch: launch() vs bare torchrun", lambda: bench_launch(a.repeats)),
+             ("overhead", "measurement overhead", lambda: bench_overhead(5))]
     if not a.skip_labs:
-        log("labs under nbval, and the tour"); results["labs"] = bench_labs()
+        steps.append(("labs", "labs under nbval, and the tour", bench_labs))
+    for key, title, fn in steps:
+        log(title)
+        try:
+            results[key] = fn()
+        except Exception as e:  # keep what was measured; say what failed
+            results[key] = dict(error=f"{type(e).__name__}: {str(e)[:2000]}")
+            log(f"{key} failed: {results[key]['error'][:300]}")
     results["gpu"] = dict(available=False, note="no GPU on this machine; the GPU benchmark runs where torch.cuda.is_available()") \
         if results["machine"]["gpu"] is None else dict(available=True, note="GPU benchmark not yet implemented")
     results["seconds"] = round(time.time() - start, 1)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=2))
-    log(f"wrote {a.json} in {results['seconds']} s: train ratio {results['train']['ratio']:.3f}, "
-        f"launch first-collective ratio {results['launch']['first_collective_ratio_script']:.2f} (script), "
-        f"{results['launch']['first_collective_ratio_notebook']:.2f} (notebook)")
+    log(f"wrote {a.json} in {results['seconds']} s: train ratio {results['train'].get('ratio')}, launch first-collective ratio "
+        f"{results['launch'].get('first_collective_ratio_script')} (script), {results['launch'].get('first_collective_ratio_notebook')} (notebook)")
+    if any("error" in v for v in results.values() if isinstance(v, dict)):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

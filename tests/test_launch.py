@@ -112,3 +112,10 @@ def test_one_process_still_gets_a_process_group():
     with pytest.raises(WorkerError) as info:
         launch(fails_on_rank, 0, nprocs=1)
     assert info.value.rank == 0
+
+
+def test_many_forked_launches_in_a_row_never_hang():
+    "Forking next to torchelastic's store thread once hung a worker in glibc's resolver; workers now start together first."
+    for i in range(25):
+        out = launch(rank_info, nprocs=4, timeout=30)
+        assert out["world_size"] == 4 and out["rank_sum"] == 6.0, i
