@@ -10,17 +10,17 @@ __all__ = ['STORAGE_BYTES', 'MIXED_PRECISION', 'PARAMETER_CATEGORIES', 'dtype_na
            'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'save_adapter',
            'qlora_worker', 'plot_memory', 'plot_qlora_losses']
 
-# %% ../nbs/05_qlora.ipynb #59064d44
+# %% ../nbs/05_qlora.ipynb #dfa8c51a
 import gc, logging, math, os, shutil, tempfile, warnings
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, synthetic_tokens, rank_rows
 
-# %% ../nbs/05_qlora.ipynb #84e16440
+# %% ../nbs/05_qlora.ipynb #10feb0e8
 STORAGE_BYTES = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each storage dtype
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # accelerate / CLI spelling -> dtype name
 
-# %% ../nbs/05_qlora.ipynb #1500230e
+# %% ../nbs/05_qlora.ipynb #69515103
 def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.bfloat16
                field:str="quant_storage" # the field being read, named in the error
               ) -> str:
@@ -32,13 +32,13 @@ def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.b
                         "Under FSDP set quant_storage to the param_dtype of the MixedPrecisionPolicy, e.g. quant_storage='bfloat16' with param_dtype='bfloat16'")
     return name
 
-# %% ../nbs/05_qlora.ipynb #38a6fc00
+# %% ../nbs/05_qlora.ipynb #a8105a83
 def params_per_element(quant_storage # the storage dtype: uint8, bfloat16, float16 or float32
                       ) -> int:
     "How many 4-bit codes one element of `quant_storage` holds."
     return 2 * STORAGE_BYTES[dtype_name(quant_storage)]
 
-# %% ../nbs/05_qlora.ipynb #b529ec7a
+# %% ../nbs/05_qlora.ipynb #cf45b64f
 def pack_codes(codes, # 4-bit codes (0..15), any shape; flattened in row-major order
                quant_storage:str="uint8", # the storage dtype to view the bytes as
                pad_code:int=7 # the nibble after an odd count: bitsandbytes quantizes a 0.0 there, NF4's code 7
@@ -50,7 +50,7 @@ def pack_codes(codes, # 4-bit codes (0..15), any shape; flattened in row-major o
     packed = (q[::2] << 4) | q[1::2]
     return packed.view(getattr(torch, dtype_name(quant_storage))).unsqueeze(1)
 
-# %% ../nbs/05_qlora.ipynb #f00d4a21
+# %% ../nbs/05_qlora.ipynb #777f5f02
 def unpack_codes(packed, # a packed tensor of any storage dtype
                  n:int # how many codes it holds
                 ):
@@ -59,7 +59,7 @@ def unpack_codes(packed, # a packed tensor of any storage dtype
     b = packed.reshape(-1).view(torch.uint8)
     return torch.stack([b >> 4, b & 0xF], 1).reshape(-1)[:n]
 
-# %% ../nbs/05_qlora.ipynb #72313f61
+# %% ../nbs/05_qlora.ipynb #3fddde6a
 def plot_codes_in_word(codes:list, # four codes, 0..15
                        ax=None):
     "Draw four 4-bit codes packed into one bfloat16 word: memory order, and the 16 bits as bfloat16 reads them."
@@ -81,7 +81,7 @@ def plot_codes_in_word(codes:list, # four codes, 0..15
     ax.set_title(f"codes {codes} in one bfloat16 (bit 15 left): byte 1 = codes 2,3 | byte 0 = codes 0,1;  as a number: {word.item():.4g}")
     return ax.figure
 
-# %% ../nbs/05_qlora.ipynb #27544345
+# %% ../nbs/05_qlora.ipynb #31d7d3c7
 def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e.g. (out_features, in_features)
                  quant_storage:str="uint8" # the storage dtype
                 ) -> tuple:
@@ -94,7 +94,7 @@ def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e
                         f"{n} codes need {nbytes} bytes; bitsandbytes cannot store them as {name}. Use quant_storage='uint8' or pad the weight")
     return (nbytes // size, 1)
 
-# %% ../nbs/05_qlora.ipynb #3cd315d2
+# %% ../nbs/05_qlora.ipynb #cfbb23de
 def quant_state_bytes(weight_shape:tuple, # the weight's shape before quantization
                       blocksize:int=64, # weights per absmax block
                       double_quant:bool=True, # absmax quantized to 8 bits (nested quantization)
@@ -105,7 +105,7 @@ def quant_state_bytes(weight_shape:tuple, # the weight's shape before quantizati
     if not double_quant: return dict(absmax=4 * blocks, quant_map=16 * 4)
     return dict(absmax=blocks, quant_map=16 * 4, nested_absmax=4 * -(blocks // -nested_blocksize), nested_quant_map=256 * 4, offset=4)
 
-# %% ../nbs/05_qlora.ipynb #b99024ab
+# %% ../nbs/05_qlora.ipynb #e947d0e9
 def check_quantization(quant_storage, # bnb_4bit_quant_storage
                        param_dtype=None, # MixedPrecisionPolicy's param_dtype; None: no mixed precision
                        load_in_8bit:bool=False # bitsandbytes 8-bit instead of 4-bit
@@ -125,7 +125,7 @@ def check_quantization(quant_storage, # bnb_4bit_quant_storage
                         f"Set quant_storage={param!r}, or param_dtype={storage!r}")
     return storage, param
 
-# %% ../nbs/05_qlora.ipynb #7d64033b
+# %% ../nbs/05_qlora.ipynb #e0128c90
 @dataclass
 class QLoRASpec:
     "Settings of a QLoRA run under FSDP2."
@@ -158,7 +158,7 @@ class QLoRASpec:
         if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
         return self
 
-# %% ../nbs/05_qlora.ipynb #e7bdd25b
+# %% ../nbs/05_qlora.ipynb #02d95e10
 def _quiet_libraries():
     "Silence progress bars and the warnings of loading a 4-bit model from a local folder."
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # a missing optional CPU kernel package
@@ -166,13 +166,13 @@ def _quiet_libraries():
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
-# %% ../nbs/05_qlora.ipynb #e470c24f
+# %% ../nbs/05_qlora.ipynb #64332af0
 def model_dtype(spec:QLoRASpec) -> str:
     "The dtype of the unquantized parameters and of compute: param_dtype, else a floating storage, else bfloat16."
     storage = dtype_name(spec.quant_storage)
     return spec.param_dtype or (storage if storage != "uint8" else "bfloat16")
 
-# %% ../nbs/05_qlora.ipynb #a7c25e4a
+# %% ../nbs/05_qlora.ipynb #794ba170
 def load_base(checkpoint:str, # a folder written by save_pretrained
               spec:QLoRASpec, # quant_storage and the model dtype
               quantized:bool=True # 4-bit in `spec.quant_storage`; False loads the same weights in bfloat16
@@ -185,7 +185,7 @@ def load_base(checkpoint:str, # a folder written by save_pretrained
                                       bnb_4bit_quant_storage=getattr(torch, dtype_name(spec.quant_storage)), bnb_4bit_compute_dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization if quantized else None, dtype=dtype)
 
-# %% ../nbs/05_qlora.ipynb #9e03a728
+# %% ../nbs/05_qlora.ipynb #3372b164
 def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
@@ -198,7 +198,7 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
     lora = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, target_modules="all-linear", lora_dropout=0.0)
     return get_peft_model(model, lora).train()
 
-# %% ../nbs/05_qlora.ipynb #0093ef05
+# %% ../nbs/05_qlora.ipynb #70d8447e
 def shard_lora_model(model, # from load_lora_model
                      mesh, # the mesh to shard over
                      param_dtype:str=None # FSDP's param_dtype; None for no mixed precision
@@ -212,7 +212,7 @@ def shard_lora_model(model, # from load_lora_model
     for layer in layers: fully_shard(layer, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
-# %% ../nbs/05_qlora.ipynb #2f2e3081
+# %% ../nbs/05_qlora.ipynb #122c2e41
 @dataclass
 class QLoRAResult:
     "What a QLoRA run under FSDP2 measured (rank 0's copy; per-rank values are lists indexed by rank)."
@@ -235,7 +235,7 @@ class QLoRAResult:
     backend:str='' # process-group backend
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
 
-# %% ../nbs/05_qlora.ipynb #8f024204
+# %% ../nbs/05_qlora.ipynb #466b7cc9
 def _shared_tempdir() -> str:
     "A temporary folder made by rank 0, its path sent to every rank."
     import torch.distributed as dist
@@ -243,20 +243,20 @@ def _shared_tempdir() -> str:
     dist.broadcast_object_list(path)
     return path[0]
 
-# %% ../nbs/05_qlora.ipynb #f81d1d68
+# %% ../nbs/05_qlora.ipynb #cc7b741f
 def _batch(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
     "Rows `rank` of `world_size` of step `step`'s global batch (`spec.batch` rows per process); world_size=1: all of it."
     import torch.distributed as dist
     rows = spec.batch * dist.get_world_size()
     return rank_rows(synthetic_tokens(vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size)
 
-# %% ../nbs/05_qlora.ipynb #30cbe12c
+# %% ../nbs/05_qlora.ipynb #2439e54a
 def _loss(model, tokens, grad:bool=False):
     "The model's loss on `tokens` (train mode: no in-place repack of 4-bit weights)."
     import torch
     with torch.set_grad_enabled(grad): return model(input_ids=tokens, labels=tokens).loss
 
-# %% ../nbs/05_qlora.ipynb #982f6966
+# %% ../nbs/05_qlora.ipynb #4e0626ac
 def _storage_shapes(model) -> dict:
     "Each 4-bit weight: its original shape, the stored shape, and packed_shape's prediction."
     out = {}
@@ -269,7 +269,7 @@ def _storage_shapes(model) -> dict:
                 predicted=list(packed_shape(shape, str(weight.dtype))))
     return out
 
-# %% ../nbs/05_qlora.ipynb #72ca26cf
+# %% ../nbs/05_qlora.ipynb #ceed3d3b
 def _quant_state_bytes(model) -> dict:
     "Bytes of quantization state this process holds for its 4-bit weights (measured) and as quant_state_bytes predicts."
     held = predicted = 0
@@ -281,13 +281,13 @@ def _quant_state_bytes(model) -> dict:
         predicted += sum(quant_state_bytes(tuple(state.shape), state.blocksize, state.nested).values())
     return dict(held=held, predicted=predicted)
 
-# %% ../nbs/05_qlora.ipynb #691d743d
+# %% ../nbs/05_qlora.ipynb #d3f85a48
 def _snapshot(model) -> dict:
     "A copy of every parameter's bytes (uint8 view: packed codes may read as NaN, which never equals itself)."
     import torch
     return {n: p.detach().reshape(-1).view(torch.uint8).clone() for n, p in model.named_parameters()}
 
-# %% ../nbs/05_qlora.ipynb #e827fe8c
+# %% ../nbs/05_qlora.ipynb #01670c87
 def _changed(model, before:dict) -> list:
     "Names of parameters whose gathered bytes differ from `before` (a collective: every rank calls it)."
     import torch
@@ -297,7 +297,7 @@ def _changed(model, before:dict) -> list:
         if not torch.equal(full.detach().reshape(-1).view(torch.uint8), before[name]): changed.append(name)
     return changed
 
-# %% ../nbs/05_qlora.ipynb #77721e66
+# %% ../nbs/05_qlora.ipynb #5faba7bf
 def save_adapter(model, # a sharded PeftModel
                  adapter_dir:str # folder to write (rank 0)
                 ) -> dict:
@@ -314,7 +314,7 @@ def save_adapter(model, # a sharded PeftModel
     dist.barrier()
     return shards
 
-# %% ../nbs/05_qlora.ipynb #029176fb
+# %% ../nbs/05_qlora.ipynb #16ee0dcb
 def _check_adapter(adapter_dir:str, shards:list) -> dict:
     "The saved tensors, their shapes, and whether each one's rows are every rank's shard in order."
     import torch
@@ -329,7 +329,7 @@ def _check_adapter(adapter_dir:str, shards:list) -> dict:
     return dict(files=sorted(os.listdir(adapter_dir)), tensors=len(saved), shapes={k: list(v.shape) for k, v in saved.items()},
                 rows_per_rank=rows, every_rank_share_saved=bool(matches) and len(saved) == len(shards[0]))
 
-# %% ../nbs/05_qlora.ipynb #aafc6b4b
+# %% ../nbs/05_qlora.ipynb #c368be5a
 def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dict:
     "Load the saved adapter onto an unsharded 4-bit base; its loss on `tokens`, as loaded and with LoRA in param_dtype (as FSDP computed)."
     import torch
@@ -341,7 +341,7 @@ def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dic
             if "lora_" in name: p.data = p.data.to(getattr(torch, spec.param_dtype))
     return dict(as_loaded=as_loaded, in_param_dtype=_loss(model, tokens).item())
 
-# %% ../nbs/05_qlora.ipynb #9715864f
+# %% ../nbs/05_qlora.ipynb #10c7181a
 def _measure(model, spec:QLoRASpec) -> dict:
     "Peak bytes of one training step of `model` on this rank, by category (measure_step)."
     import torch, torch.distributed as dist
@@ -353,7 +353,7 @@ def _measure(model, spec:QLoRASpec) -> dict:
         optim.step(); optim.zero_grad()
     return measure_step(model, optim, step, timed_steps=1).peak_bytes
 
-# %% ../nbs/05_qlora.ipynb #f46d24c4
+# %% ../nbs/05_qlora.ipynb #d32a1f82
 def _gather(value) -> list:
     "`value` from every rank, in rank order."
     import torch.distributed as dist
@@ -361,21 +361,13 @@ def _gather(value) -> list:
     dist.all_gather_object(out, value)
     return out
 
-# %% ../nbs/05_qlora.ipynb #416f31c3
+# %% ../nbs/05_qlora.ipynb #f860a1a0
 def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
-    "Train the LoRA weights for `spec.steps` steps; the mean loss over ranks of each step."
-    import torch, torch.distributed as dist
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
-    losses = []
-    for step in range(spec.steps):
-        loss = _loss(model, _batch(spec, model.config.vocab_size, step, rank, world_size), grad=True)
-        loss.backward(); optim.step(); optim.zero_grad()
-        losses.append(loss.detach())
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)
-    return (losses / world_size).tolist()
+    "Train the LoRA weights for `spec.steps` steps with the kit's training loop; the mean loss over ranks of each step."
+    from fsdp_kit.train import train_loop, mean_over_ranks
+    return mean_over_ranks(train_loop(model, spec, rank, world_size))
 
-# %% ../nbs/05_qlora.ipynb #e89580f9
+# %% ../nbs/05_qlora.ipynb #944daa2d
 def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     "Save the adapter gathered from every rank, check it, reload it on rank 0 and compare the held-out loss."
     import torch.distributed as dist
@@ -389,7 +381,7 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"], reloaded_loss_as_loaded=reloaded["as_loaded"],
                       reload_loss_diff=abs(trained - reloaded["in_param_dtype"]))
 
-# %% ../nbs/05_qlora.ipynb #13f46957
+# %% ../nbs/05_qlora.ipynb #7e03a318
 def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
     "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
     import torch.distributed as dist
@@ -427,7 +419,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
                        environment()["versions"])
 
-# %% ../nbs/05_qlora.ipynb #26a96d57
+# %% ../nbs/05_qlora.ipynb #607a83ca
 PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffers")
 
 def plot_memory(result:QLoRAResult):
@@ -449,7 +441,7 @@ def plot_memory(result:QLoRAResult):
     fig.tight_layout()
     return fig
 
-# %% ../nbs/05_qlora.ipynb #e016c465
+# %% ../nbs/05_qlora.ipynb #a312cd8d
 def plot_qlora_losses(result:QLoRAResult, ax=None):
     "LoRA loss per step under FSDP2, with the one-process first step."
     import matplotlib.pyplot as plt
