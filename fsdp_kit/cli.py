@@ -4,6 +4,7 @@
     fsdp-kit mesh --nproc 4 --dp-replicate 2 --dp-shard 2 --json
     fsdp-kit train --nproc 2 --model tiny --steps 10 --check-parity --json out.json
     fsdp-kit qlora --nproc 2 --model tiny --quant-storage bfloat16 --steps 10 --json out.json
+    fsdp-kit cp-eval --nproc 2 --cp 2 --rotate alltoall --json out.json
     fsdp-kit tour --out tour
 """
 import argparse, json, re, sys
@@ -115,6 +116,24 @@ def _cmd_qlora(a):
     emit(r, a.json, text)
 
 
+def _cmd_cp_eval(a):
+    from fsdp_kit.launch import launch
+    from fsdp_kit.models import model_config
+    from fsdp_kit.cp import CPSpec, cp_eval_worker
+    spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
+                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed)
+    spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
+    model_config(spec.model)
+    r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
+            f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
+            f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")
+    if r.predictions_match_reference is not None:
+        text += f"\ngathered predictions equal the reference argmax: {r.predictions_match_reference} (max |logit diff| {r.max_logit_diff:.1e})"
+    text += "\npeak MiB per rank: " + " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes)
+    emit(r, a.json, text)
+
+
 def _cmd_tour(a):
     from fsdp_kit.tour import tour
     tour(a.out, nproc=a.nproc)
@@ -181,6 +200,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
+    s = add("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
+    s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence (default 2)")
+    s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills (default)")
+    s.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (refused above 1 together with --cp above 1)")
+    s.add_argument("--rotate", default="allgather", help="allgather or alltoall (default allgather)")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
+    s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp (default 128)")
+    s.add_argument("--rows", type=int, default=4, help="sequences in the global batch (default 4)")
+    s.add_argument("--mask", default="causal", help="attention mask: causal or none (default causal)")
+    s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
+    s.add_argument("--seed", type=int, default=0)
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report (default ./tour)")
     s = add("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", launches=False)
