@@ -60,21 +60,34 @@ def _check(r, cp, rotate):
     assert all(b > 0 for b in r.peak_bytes)
 
 
-def test_cli_cp2_and_dp2_cp2(cli, tmp_path):
+def test_padding_mask_refused_by_the_model():
+    from fsdp_kit.cp import use_cp_attention
+    from fsdp_kit.models import build_model, model_config, synthetic_tokens
+    model = use_cp_attention(build_model(model_config("tiny"))).eval()
+    ids = synthetic_tokens(256, 2, 32)
+    padding = torch.ones_like(ids); padding[:, -4:] = 0
+    with pytest.raises(KitError, match=r"attention_mask='a padding mask with 8 masked positions'.*labels of -100"):
+        model(input_ids=ids, attention_mask=padding)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, model(input_ids=ids).logits)
+
+
+def test_cli_cp1_cp2_and_dp2_cp2(cli, tmp_path):
     out = {}
-    for name, args in (("cp2", ["--nproc", "2", "--cp", "2"]), ("dp2cp2", ["--nproc", "4", "--dp-shard", "2", "--cp", "2", "--rotate", "alltoall"])):
+    for name, args in (("cp1", ["--nproc", "1", "--cp", "1"]), ("cp2", ["--nproc", "2", "--cp", "2"]),
+                       ("dp2cp2", ["--nproc", "4", "--dp-shard", "2", "--cp", "2", "--rotate", "alltoall"])):
         proc = cli("cp-eval", *args, "--json", tmp_path / f"{name}.json")
         assert proc.returncode == 0, proc.stderr
         out[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    for name, rotate, cp in (("cp2", "allgather", 2), ("dp2cp2", "alltoall", 2)):
+    for name, rotate, cp in (("cp1", "allgather", 1), ("cp2", "allgather", 2), ("dp2cp2", "alltoall", 2)):
         r = out[name]
         assert {"eval_loss", "eval_loss_reference", "cp_size", "rotate_method", "tokens", "peak_bytes"} <= set(r)
         assert (r["cp_size"], r["rotate_method"]) == (cp, rotate)
         assert abs(r["eval_loss"] - r["eval_loss_reference"]) <= 1e-5 and r["predictions_match_reference"]
     assert out["dp2cp2"]["groups"]["dp_shard_cp"] == [0, 1, 2, 3] and out["dp2cp2"]["dp_shard"] == 2
     assert len(set(out["dp2cp2"]["tokens_per_rank"])) > 1  # ranks hold different numbers of valid tokens
-    assert out["cp2"]["tokens"] == out["dp2cp2"]["tokens"]
-    assert abs(out["cp2"]["eval_loss"] - out["dp2cp2"]["eval_loss"]) <= 1e-5
+    assert out["cp1"]["tokens"] == out["cp2"]["tokens"] == out["dp2cp2"]["tokens"]
+    assert abs(out["cp1"]["eval_loss"] - out["cp2"]["eval_loss"]) <= 1e-5 and abs(out["cp2"]["eval_loss"] - out["dp2cp2"]["eval_loss"]) <= 1e-5
 
 
 def test_eval_loss_does_not_change_with_cp():
