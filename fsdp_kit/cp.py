@@ -10,18 +10,18 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
            'cp_attention_forward', 'cp_attention_mask', 'use_cp_attention', 'CPSpec', 'eval_batch', 'shift_labels',
            'token_loss_sum', 'CPEvalResult', 'cp_eval_worker', 'attention_sweep_worker', 'plot_attention_sweep']
 
-# %% ../nbs/06_cp_eval.ipynb #b75e7bdd
+# %% ../nbs/06_cp_eval.ipynb #18908165
 import math, os, statistics, time
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, synthetic_tokens, rank_rows
 
-# %% ../nbs/06_cp_eval.ipynb #d3160d21
+# %% ../nbs/06_cp_eval.ipynb #49f86ce3
 ROTATE_METHODS = ("allgather", "alltoall")  # how key/value shards reach every rank: gathered once, or passed around the ring
 MASK_TYPES = ("causal", None)  # attention masks CP attention computes exactly across shards
 ATTENTION_NAME = "fsdp_kit_cp"  # the name the CP attention is registered under in transformers' AttentionInterface
 
-# %% ../nbs/06_cp_eval.ipynb #d5621cfa
+# %% ../nbs/06_cp_eval.ipynb #7bc8d770
 def check_rotate(rotate:str # the rotate method asked for
                 ) -> str:
     "Refuse a rotate method other than allgather or alltoall."
@@ -51,7 +51,7 @@ def check_seq_len(seq_len:int, # tokens per sequence
                  ) -> int:
     "Refuse a length that cannot be cut into 2 x cp equal chunks (no silent padding)."
     if not isinstance(seq_len, int) or seq_len < 1: raise bad_value("seq_len", seq_len, "a whole number >= 1")
-    if seq_len % (2 * cp):
+    if cp > 1 and seq_len % (2 * cp):  # one rank holds the whole sequence at cp=1
         raise bad_value("seq_len", seq_len, f"a multiple of 2 x cp_size = {2 * cp} (each rank holds an early and a late chunk)",
                         f"The nearest lengths that work are {' and '.join(map(str, nearest_lengths(seq_len, cp)))}; the kit does not pad silently")
     return seq_len
@@ -74,7 +74,7 @@ def check_sizes(world_size:int, # processes
         raise bad_value("cp_size", cp, f"a divisor of the world size {world_size}: one of {', '.join(map(str, divisors))}")
     return MeshSpec(1, dp_shard, cp).resolve(world_size)
 
-# %% ../nbs/06_cp_eval.ipynb #c80c2498
+# %% ../nbs/06_cp_eval.ipynb #59b89b0a
 def shard_sequence(x, # a tensor with a sequence dim
                    cp:int, # context-parallel ranks
                    cp_rank:int, # this rank's place on the cp axis
@@ -94,7 +94,7 @@ def unshard_sequence(shards:list, # every cp rank's slice, in cp-rank order
     halves = [s.chunk(2, dim) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
 
-# %% ../nbs/06_cp_eval.ipynb #18d03d4a
+# %% ../nbs/06_cp_eval.ipynb #0eb2cdb2
 def _repeat_kv(x, groups:int):
     "Repeat key/value heads to the query heads (grouped-query attention)."
     if groups == 1: return x
@@ -119,7 +119,7 @@ def _merge(out, lse, out_b, lse_b):
     new = torch.logaddexp(lse, lse_b)
     return out * (lse - new).exp()[..., None] + out_b * (lse_b - new).exp()[..., None], new
 
-# %% ../nbs/06_cp_eval.ipynb #c8114523
+# %% ../nbs/06_cp_eval.ipynb #a7c73851
 def _gather(x, group):
     "All-gather `x` over `group` along the sequence dim (dim 2 for B,H,S,D; dim 1 for positions)."
     import torch, torch.distributed as dist
@@ -161,7 +161,7 @@ def ring_attention(q, k, v, q_pos, group, causal:bool, scaling:float, groups:int
         block = incoming
     return out.to(q.dtype)
 
-# %% ../nbs/06_cp_eval.ipynb #20416a0e
+# %% ../nbs/06_cp_eval.ipynb #89ec5ccc
 def cp_attention_forward(module, # the attention module (gives num_key_value_groups and is_causal)
                          query, key, value, # (batch, heads, local seq, head_dim), after RoPE
                          attention_mask, # must be None: the kit builds the causal mask from positions
@@ -204,7 +204,7 @@ def use_cp_attention(model):
     model.set_attn_implementation(ATTENTION_NAME)
     return model
 
-# %% ../nbs/06_cp_eval.ipynb #8008cd5f
+# %% ../nbs/06_cp_eval.ipynb #ada13ab1
 @dataclass
 class CPSpec:
     "Settings of a CP evaluation."
@@ -227,7 +227,7 @@ class CPSpec:
             raise bad_value("rows", self.rows, f"a whole number, a multiple of the data-parallel size dp_shard={mesh.dp_shard}")
         return mesh
 
-# %% ../nbs/06_cp_eval.ipynb #3df0ff2c
+# %% ../nbs/06_cp_eval.ipynb #79ee303f
 def eval_batch(vocab_size:int, # tokens are in [0, vocab_size)
                rows:int, # sequences
                seq_len:int, # tokens per sequence
@@ -246,7 +246,7 @@ def shift_labels(labels):
     import torch
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
 
-# %% ../nbs/06_cp_eval.ipynb #2fe987f6
+# %% ../nbs/06_cp_eval.ipynb #4d2e9087
 def token_loss_sum(logits, # (batch, local seq, vocab)
                    shifted_labels # (batch, local seq): labels shifted before the split, -100 ignored
                   ):
@@ -255,7 +255,7 @@ def token_loss_sum(logits, # (batch, local seq, vocab)
     total = F.cross_entropy(logits.float().flatten(0, 1), shifted_labels.flatten(), ignore_index=-100, reduction="sum")
     return total.double(), int((shifted_labels != -100).sum())
 
-# %% ../nbs/06_cp_eval.ipynb #1974e26b
+# %% ../nbs/06_cp_eval.ipynb #6c213bd0
 @dataclass
 class CPEvalResult:
     "What a CP evaluation measured (rank 0's copy; per-rank values are lists indexed by rank)."
@@ -283,7 +283,7 @@ class CPEvalResult:
     device:str='cpu' # device type
     versions:dict=field(default_factory=dict) # torch, transformers
 
-# %% ../nbs/06_cp_eval.ipynb #9eb8c907
+# %% ../nbs/06_cp_eval.ipynb #d85333a9
 def _reference(spec:CPSpec, config, input_ids, labels, device:str="cpu"):
     "Loss (transformers' own) and logits of the same model in one process, no CP: sdpa attention (causal), or no mask."
     import copy, torch
@@ -311,7 +311,7 @@ def _axis_groups(mesh) -> dict:
     names = list(mesh.mesh_dim_names) + (["dp_shard_cp"] if "cp" in mesh.mesh_dim_names else [])
     return {n: axis_mesh(mesh, n).mesh.tolist() for n in names}
 
-# %% ../nbs/06_cp_eval.ipynb #624de8bc
+# %% ../nbs/06_cp_eval.ipynb #2168b83d
 def _forward(model, input_ids, position_ids, cp_group, rotate:str):
     "Logits of this rank's slice, with the evaluation forward's peak memory (by category) and wall time."
     import torch
@@ -340,7 +340,7 @@ def _all_gather(x, group) -> list:
     dist.all_gather(parts, x.contiguous(), group=group)
     return parts
 
-# %% ../nbs/06_cp_eval.ipynb #dc21aa52
+# %% ../nbs/06_cp_eval.ipynb #a6ec8638
 def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
     "Logits of this rank's slice through torch's context_parallel (CUDA), the peak allocated bytes and the wall time."
     import torch
@@ -357,7 +357,7 @@ def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
     assert all(torch.equal(b.cpu(), e) for b, e in zip(buffers, expected)), "torch's load balancer placed tokens differently from shard_sequence"
     return logits.float().cpu(), {"total": torch.cuda.max_memory_allocated()}, seconds, expected
 
-# %% ../nbs/06_cp_eval.ipynb #e035f570
+# %% ../nbs/06_cp_eval.ipynb #4c8708d9
 def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
     "Evaluate a model under CP on a dp_shard x cp mesh, FSDP2 over dp_shard_cp; check it against one process without CP."
     import torch, torch.distributed as dist
@@ -399,7 +399,7 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
                         _axis_groups(mesh), model.config._attn_implementation if device == "cpu" else "torch context_parallel (sdpa)",
                         dist.get_backend(), device, environment()["versions"])
 
-# %% ../nbs/06_cp_eval.ipynb #56e876f1
+# %% ../nbs/06_cp_eval.ipynb #74c8776b
 def _subgroups(world:int, cp:int) -> tuple:
     "Create the cp-sized groups of consecutive ranks (every rank takes part); return this rank's group and its position."
     import torch.distributed as dist
@@ -445,7 +445,7 @@ def attention_sweep_worker(seq_lens:list, # full sequence lengths
             out += [dict(cp=cp, seq_len=seq_len, rotate=r, peak_bytes=c[0], seconds=c[1], max_diff_to_allgather=diff) for r, c in costs.items()]
     return out if dist.get_rank() == 0 else None
 
-# %% ../nbs/06_cp_eval.ipynb #ea3d4106
+# %% ../nbs/06_cp_eval.ipynb #6ff53f90
 def plot_attention_sweep(points:list):
     "Peak attention memory per rank against sequence length, one line per cp x rotate method; and time per call."
     import matplotlib.pyplot as plt
