@@ -78,6 +78,22 @@ def _cmd_train(a):
     emit(result, a.json, text)
 
 
+def _cmd_hf(a):
+    from fsdp_kit.config import load_fsdp_config
+    from fsdp_kit.hf import training_arguments, accelerate_config, accelerate_yaml, hf_worker
+    cfg = load_fsdp_config(a.fsdp_config)
+    out = dict(source=a.fsdp_config, notes=cfg.notes, training_arguments=training_arguments(cfg),
+               accelerate_config=accelerate_config(cfg, a.nproc))
+    text = (f"{a.fsdp_config} as TrainingArguments:\n  TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in out["training_arguments"].items())
+            + ", ...)\nas an accelerate config (accelerate launch --config_file):\n" + "".join(f"  {l}\n" for l in accelerate_yaml(cfg, a.nproc).splitlines())
+            + "".join(f"note: {n}\n" for n in cfg.notes))
+    if a.check:
+        from fsdp_kit.launch import launch
+        out["check"] = launch(hf_worker, cfg, a.model, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+        text += "\n".join(out["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit"))
+    emit(out, a.json, text.rstrip())
+
+
 def _cmd_ckpt(a):
     from fsdp_kit.checkpoint import list_checkpoints
     from pathlib import Path
@@ -193,6 +209,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dict", default="sharded", help="sharded (DCP, one file per rank) or full (a transformers folder); default sharded")
     s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
     s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (default 2)")
+    s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
+    s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
+    s.add_argument("--check", action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
     s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train)")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
