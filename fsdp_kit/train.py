@@ -8,13 +8,13 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 __all__ = ['TrainSpec', 'shard_per_layer', 'make_optimizer', 'train_loop', 'mean_over_ranks', 'TrainResult', 'train_worker',
            'plot_losses']
 
-# %% ../nbs/01_train.ipynb #6cda575f
+# %% ../nbs/01_train.ipynb #c4ffc459
 import statistics, time
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
 
-# %% ../nbs/01_train.ipynb #328766b4
+# %% ../nbs/01_train.ipynb #75c7daee
 @dataclass
 class TrainSpec:
     "Settings of a training run."
@@ -41,23 +41,23 @@ class TrainSpec:
         if self.ckpt is not None: self.ckpt.check()
         return self
 
-# %% ../nbs/01_train.ipynb #b48e200d
+# %% ../nbs/01_train.ipynb #5333e563
 def shard_per_layer(model, mesh):
     "Apply `fully_shard` to each decoder layer, then to the root; return the model."
     from torch.distributed.fsdp import fully_shard
     for layer in decoder_layers(model): fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
-# %% ../nbs/01_train.ipynb #eaedcbde
+# %% ../nbs/01_train.ipynb #e2767663
 def make_optimizer(model, spec:TrainSpec):
     "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
     import torch
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
-    warmup = spec.warmup
+    warmup = getattr(spec, "warmup", 0)  # specs of other labs (QLoRASpec) have no warm-up
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
 
-# %% ../nbs/01_train.ipynb #0a83fb0e
+# %% ../nbs/01_train.ipynb #1b03718c
 def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=None, times:list=None,
                optimizer:tuple=None, # (optimizer, schedule) from `make_optimizer`; None makes them
                start_step:int=0, # the global step to start at (a resumed run starts where its checkpoint ended)
@@ -80,7 +80,7 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
         if after_step is not None: after_step(step + 1)
     return losses
 
-# %% ../nbs/01_train.ipynb #1cb32791
+# %% ../nbs/01_train.ipynb #7b59dc21
 def mean_over_ranks(losses:list) -> list:
     "Each step's loss averaged over all ranks (an all_reduce): the loss of the whole global batch."
     import torch, torch.distributed as dist
@@ -89,7 +89,7 @@ def mean_over_ranks(losses:list) -> list:
     dist.all_reduce(losses)
     return (losses / dist.get_world_size()).tolist()
 
-# %% ../nbs/01_train.ipynb #f787fce6
+# %% ../nbs/01_train.ipynb #2b274827
 @dataclass
 class TrainResult:
     "What a training run measured."
@@ -106,19 +106,19 @@ class TrainResult:
     checkpoint:dict=None # what was saved and resumed, with ckpt (see `checkpoint.CheckpointSpec`)
     adapter:dict=None # the LoRA adapter saved and reloaded, with lora
 
-# %% ../nbs/01_train.ipynb #b6a1b2cb
+# %% ../nbs/01_train.ipynb #11267a3a
 def _reference(spec:TrainSpec, world_size:int):
     "One process, the same model and global batches: (losses, full state dict)."
     model = build_model(model_config(spec.model), spec.seed)
     losses = train_loop(model, spec, rows=spec.batch * world_size)
     return [l.item() for l in losses], model.state_dict()
 
-# %% ../nbs/01_train.ipynb #1c0f565b
+# %% ../nbs/01_train.ipynb #34c4ab69
 def _max_diff(full:dict, reference:dict) -> float:
     "Largest absolute difference between two state dicts with the same keys."
     return max((full[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
-# %% ../nbs/01_train.ipynb #3ea07ab6
+# %% ../nbs/01_train.ipynb #20156dc8
 def train_worker(spec:TrainSpec) -> TrainResult:
     "Shard a model per decoder layer, train it on this process group, and measure (rank 0 returns)."
     import torch, torch.distributed as dist
@@ -150,7 +150,7 @@ def train_worker(spec:TrainSpec) -> TrainResult:
         result.max_param_diff = _max_diff(full, reference)
     return result
 
-# %% ../nbs/01_train.ipynb #40dd7be9
+# %% ../nbs/01_train.ipynb #321965d2
 def plot_losses(result:TrainResult, ax=None):
     "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt
