@@ -10,18 +10,18 @@ __all__ = ['STATE_DICT_TYPES', 'FORMAT', 'LOADING_MODEL', 'CheckpointSpec', 'ste
            'adapter_round_trip', 'merge_and_save', 'merge_worker', 'load_sharded', 'rss_bytes', 'loading_worker',
            'save_loading_model']
 
-# %% ../nbs/08_checkpoint.ipynb #d34f8787
+# %% ../nbs/08_checkpoint.ipynb #c60647f3
 import hashlib, json, os, shutil, tempfile, threading, time
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from .errors import KitError, bad_value
 from .models import model_config, build_model, synthetic_tokens, rank_rows
 
-# %% ../nbs/08_checkpoint.ipynb #8e5497be
+# %% ../nbs/08_checkpoint.ipynb #324eeabf
 STATE_DICT_TYPES = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"}  # the kit's spelling -> upstream's
 FORMAT = "fsdp_kit checkpoint 1"  # written into every manifest
 
-# %% ../nbs/08_checkpoint.ipynb #c02bb813
+# %% ../nbs/08_checkpoint.ipynb #44afc3d5
 @dataclass
 class CheckpointSpec:
     "Where and how a training run checkpoints, and whether it resumes."
@@ -45,7 +45,7 @@ class CheckpointSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < low: raise bad_value(name, value, f"a whole number >= {low}")
         return self
 
-# %% ../nbs/08_checkpoint.ipynb #3157d903
+# %% ../nbs/08_checkpoint.ipynb #ac74366c
 def step_name(step:int) -> str:
     "The folder name of the checkpoint after `step` steps."
     return f"step-{step:06d}"
@@ -62,7 +62,7 @@ def _files(folder:Path) -> dict:
     return {str(p.relative_to(folder)): dict(bytes=p.stat().st_size, sha256=_sha256(p))
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
-# %% ../nbs/08_checkpoint.ipynb #23024881
+# %% ../nbs/08_checkpoint.ipynb #87276a0e
 def verify(folder) -> list:
     "What is wrong with the checkpoint in `folder`, checked against its manifest (an empty list: it is complete)."
     folder = Path(folder)
@@ -79,7 +79,7 @@ def verify(folder) -> list:
         elif _sha256(p) != info["sha256"]: problems.append(f"{rel} does not match its SHA-256 in the manifest (altered after the save)")
     return problems
 
-# %% ../nbs/08_checkpoint.ipynb #070c026b
+# %% ../nbs/08_checkpoint.ipynb #0a23c445
 def list_checkpoints(root) -> list:
     "Every checkpoint folder under `root`, newest first: name, step, whether it verifies and what is wrong."
     root = Path(root)
@@ -94,7 +94,7 @@ def list_checkpoints(root) -> list:
                         bytes=sum(f["bytes"] for f in m.get("files", {}).values())))
     return out
 
-# %% ../nbs/08_checkpoint.ipynb #1975c1ba
+# %% ../nbs/08_checkpoint.ipynb #c84250a5
 def find_checkpoint(root) -> tuple:
     "(the newest complete checkpoint folder under `root` or None, notes on what was skipped and why)."
     found = list_checkpoints(root) if Path(root).is_dir() else []
@@ -106,7 +106,7 @@ def find_checkpoint(root) -> tuple:
                              + ". Remove the damaged folders to start again from step 0.")
     return None, [f"no checkpoint in {root} yet: starting at step 0"]
 
-# %% ../nbs/08_checkpoint.ipynb #12b842a8
+# %% ../nbs/08_checkpoint.ipynb #5c863c29
 def _is_peft(model) -> bool: return hasattr(model, "peft_config")
 
 def _plain_key(key:str) -> str:
@@ -117,7 +117,7 @@ def _barrier():
     import torch.distributed as dist
     if dist.is_initialized(): dist.barrier()
 
-# %% ../nbs/08_checkpoint.ipynb #4586f7d6
+# %% ../nbs/08_checkpoint.ipynb #90744d37
 def _save_model_optim(folder:Path, model, optim, kind:str):
     "Write model and optimizer state into `folder`: DCP shards from every rank, or a transformers folder from rank 0."
     import torch, torch.distributed as dist
@@ -134,7 +134,7 @@ def _save_model_optim(folder:Path, model, optim, kind:str):
     base.save_pretrained(folder, state_dict=weights)  # config.json + model.safetensors, as from_pretrained reads them
     torch.save(osd, folder/"optimizer.pt")
 
-# %% ../nbs/08_checkpoint.ipynb #3f645435
+# %% ../nbs/08_checkpoint.ipynb #4dc99f11
 def _trainer_state(step:int, schedule) -> dict:
     "What besides model and optimizer a resume needs: step (= data position), schedule, every rank's RNG state."
     import torch, torch.distributed as dist
@@ -142,7 +142,7 @@ def _trainer_state(step:int, schedule) -> dict:
     dist.all_gather_object(rng, torch.get_rng_state())
     return dict(step=step, data_position=step, schedule=schedule.state_dict(), rng=rng)
 
-# %% ../nbs/08_checkpoint.ipynb #a589ee19
+# %% ../nbs/08_checkpoint.ipynb #c7311ab5
 def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int):
     "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints."
     manifest["files"] = _files(tmp)
@@ -162,7 +162,7 @@ def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int):
     for old in newer + older[:max(0, len(older) - (keep - 1))]: old.rename(root/f".trash-{old.name}-{time.time_ns()}")
     for trash in root.glob(".trash-*"): shutil.rmtree(trash, ignore_errors=True)
 
-# %% ../nbs/08_checkpoint.ipynb #150d509b
+# %% ../nbs/08_checkpoint.ipynb #58722fbf
 def save_checkpoint(root, # the checkpoint folder
                     step:int, # steps done
                     model, # the sharded model (a PeftModel's adapter is also saved whole, in peft's format)
@@ -193,7 +193,7 @@ def save_checkpoint(root, # the checkpoint folder
     _barrier()
     return root/name
 
-# %% ../nbs/08_checkpoint.ipynb #0a839015
+# %% ../nbs/08_checkpoint.ipynb #a0add0d4
 def _full_weights(folder:Path, model) -> dict:
     "Rank 0: the weights in a full checkpoint, keyed as `model` (a PEFT model's base and adapter keys included)."
     from safetensors.torch import load_file
@@ -210,7 +210,7 @@ def _full_weights(folder:Path, model) -> dict:
         else: raise KitError(f"{folder} has no tensor {plain!r}: it was saved from another model")
     return out
 
-# %% ../nbs/08_checkpoint.ipynb #cbe923be
+# %% ../nbs/08_checkpoint.ipynb #0b3e2ae9
 def load_checkpoint(folder, # a checkpoint folder (step-NNNNNN)
                     model, # the sharded model to load into
                     optim, # its optimizer
@@ -239,7 +239,7 @@ def load_checkpoint(folder, # a checkpoint folder (step-NNNNNN)
     torch.set_rng_state(trainer["rng"][rank] if rank < len(trainer["rng"]) else trainer["rng"][0])
     return manifest
 
-# %% ../nbs/08_checkpoint.ipynb #e77c2faf
+# %% ../nbs/08_checkpoint.ipynb #6e68f728
 def _decide_on_rank0(fn):
     "Run `fn` on rank 0 and return its result on every rank; a KitError it raises is raised on every rank."
     import torch.distributed as dist
@@ -252,7 +252,7 @@ def _decide_on_rank0(fn):
     if status == "error": raise KitError(value)
     return value
 
-# %% ../nbs/08_checkpoint.ipynb #54cb9c00
+# %% ../nbs/08_checkpoint.ipynb #ca77ee34
 def _check_same_run(manifest:dict, info:dict, folder:Path):
     "Refuse to resume a checkpoint written for another model or LoRA setting."
     for key, value in info.items():
@@ -270,7 +270,7 @@ def check_resume(spec) -> tuple:
     if folder is not None: _check_same_run(json.loads((folder/"manifest.json").read_text()), _run_info(spec), folder)
     return folder, notes
 
-# %% ../nbs/08_checkpoint.ipynb #75990f41
+# %% ../nbs/08_checkpoint.ipynb #aa39bb27
 class Saver:
     "Checkpoints a training run: `resume()` before the loop, called after each step, `finish()` at the end."
     def __init__(self, ckpt:CheckpointSpec, model, optim, schedule, spec):
@@ -311,7 +311,7 @@ class Saver:
         "Where the finished run's adapter goes: DIR/adapter."
         return str(Path(self.ckpt.dir)/"adapter")
 
-# %% ../nbs/08_checkpoint.ipynb #73c6db3a
+# %% ../nbs/08_checkpoint.ipynb #716743cc
 def add_lora(model, # a transformers causal LM, not yet sharded
              r:int, # LoRA rank
              seed:int=0 # seed for the adapters' initial values (the same on every rank)
@@ -324,7 +324,7 @@ def add_lora(model, # a transformers causal LM, not yet sharded
     torch.manual_seed(seed)
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0))
 
-# %% ../nbs/08_checkpoint.ipynb #384f8758
+# %% ../nbs/08_checkpoint.ipynb #2a36c5f3
 def _global_loss(model, tokens, rank:int, world_size:int) -> float:
     "The model's loss on the whole of `tokens`, each rank computing its rows (every rank calls this)."
     import torch
@@ -332,7 +332,7 @@ def _global_loss(model, tokens, rank:int, world_size:int) -> float:
     with torch.no_grad(): loss = model(input_ids=rank_rows(tokens, rank, world_size), labels=rank_rows(tokens, rank, world_size)).loss
     return mean_over_ranks([loss])[0]
 
-# %% ../nbs/08_checkpoint.ipynb #65e6dded
+# %% ../nbs/08_checkpoint.ipynb #e9a6967b
 def adapter_round_trip(model, # a sharded PeftModel
                        spec, # the run's TrainSpec
                        adapter_dir:str=None # where to save the adapter; None: a temporary folder, removed afterwards
@@ -364,7 +364,7 @@ def adapter_round_trip(model, # a sharded PeftModel
     if rank == 0 and not adapter_dir: shutil.rmtree(os.path.dirname(target), ignore_errors=True)
     return out
 
-# %% ../nbs/08_checkpoint.ipynb #6e2bebee
+# %% ../nbs/08_checkpoint.ipynb #1d757b9f
 def merge_and_save(model, # a sharded PeftModel
                    out_dir:str # the transformers folder to write (rank 0)
                   ) -> dict:
@@ -387,9 +387,9 @@ def merge_and_save(model, # a sharded PeftModel
     _barrier()
     return out
 
-# %% ../nbs/08_checkpoint.ipynb #f89277e1
+# %% ../nbs/08_checkpoint.ipynb #335f6eb5
 def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None) -> dict:
-    "Shard a LoRA model (non-zero adapters), merge while sharded and save; compare with one process's merge."
+    "Shard a model with two LoRA adapters (non-zero), switch between them, merge while sharded and save; compare with one process."
     import torch, torch.distributed as dist
     from fsdp_kit.qlora import _quiet_libraries
     _quiet_libraries()
@@ -399,17 +399,30 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None) -> dict:
     def lora_model():
         base = build_model(model_config("tiny"), seed)
         torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so merging changes the weights
-        return get_peft_model(base, LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))
+        model = get_peft_model(base, LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))
+        model.add_adapter("second", LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))  # before sharding
+        return model
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     out_dir = out_dir or _decide_on_rank0(lambda: tempfile.mkdtemp(prefix="fsdp_kit_merged_"))
-    result = merge_and_save(shard_per_layer(lora_model(), fsdp_mesh(build_mesh())), out_dir)
-    if dist.get_rank() == 0:
+    model, tokens = shard_per_layer(lora_model(), fsdp_mesh(build_mesh())), synthetic_tokens(256, 2 * world_size, 32, step=10_002)
+    switched = {}
+    for name in ("second", "default"):  # set_adapter on the sharded model, each adapter's loss
+        model.set_adapter(name)
+        switched[name] = _global_loss(model, tokens, rank, world_size)
+    result = merge_and_save(model, out_dir)
+    if rank == 0:
         from transformers import AutoModelForCausalLM
-        reference = lora_model().merge_and_unload().state_dict()
+        one = lora_model()
+        for name in ("second", "default"):
+            one.set_adapter(name)
+            with torch.no_grad(): loss = one(input_ids=tokens, labels=tokens).loss.item()
+            result[f"set_adapter_{name}"] = dict(sharded=switched[name], one_process=loss, diff=abs(switched[name] - loss))
+        reference = one.merge_and_unload().state_dict()
         saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
         result["max_weight_diff_vs_one_process_merge"] = max((saved[k] - reference[k]).abs().max().item() for k in reference)
     return result
 
-# %% ../nbs/08_checkpoint.ipynb #549282bf
+# %% ../nbs/08_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
                  efficient:bool=True # cpu_ram_efficient_loading: rank 0 reads, the others receive their shards
@@ -434,7 +447,7 @@ def load_sharded(path:str, # a transformers folder (config.json + safetensors)
         for name, b in model.named_buffers(): b.copy_(buffers[0][name])
     return model
 
-# %% ../nbs/08_checkpoint.ipynb #0c475cf1
+# %% ../nbs/08_checkpoint.ipynb #ec1bb366
 def rss_bytes() -> int:
     "This process's resident set size (Linux: /proc/self/statm; elsewhere psutil)."
     try:
@@ -459,11 +472,11 @@ class _PeakRSS:
     def __exit__(self, *exc):
         self._stop.set(); self._thread.join()
 
-# %% ../nbs/08_checkpoint.ipynb #ef534a60
+# %% ../nbs/08_checkpoint.ipynb #ce89d045
 LOADING_MODEL = dict(model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)  # big enough to see in host memory
 
-# %% ../nbs/08_checkpoint.ipynb #4c8828ca
+# %% ../nbs/08_checkpoint.ipynb #9f6be494
 def loading_worker(path:str, # a transformers folder to load
                    efficient:bool # cpu_ram_efficient_loading
                   ) -> dict:
@@ -484,7 +497,7 @@ def loading_worker(path:str, # a transformers folder to load
     dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20))
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
 
-# %% ../nbs/08_checkpoint.ipynb #2604bedb
+# %% ../nbs/08_checkpoint.ipynb #dd810a07
 def save_loading_model(path:str, seed:int=0) -> str:
     "Build `LOADING_MODEL` with random weights and save it as a transformers folder at `path`."
     from transformers import AutoConfig

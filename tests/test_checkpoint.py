@@ -177,3 +177,13 @@ def test_resume_refuses_another_models_checkpoint(cli, runs, tmp_path):
     res = cli("train", "--nproc", 2, "--model", EXAMPLES / "qwen2-tiny" / "config.json", "--ckpt", runs["tmp"] / "sharded", "--resume")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "model=" in res.stderr and "as the checkpoint" in res.stderr and "'tiny'" in res.stderr
+
+
+def test_set_adapter_and_merge_while_sharded(tmp_path):
+    from fsdp_kit.launch import launch
+    from fsdp_kit.checkpoint import merge_worker
+    r = launch(merge_worker, 8, 0, str(tmp_path / "merged"), nprocs=2, launcher="torchrun", timeout=120)
+    first, second = r["set_adapter_default"], r["set_adapter_second"]
+    assert first["diff"] < 1e-5 and second["diff"] < 1e-5 and abs(first["sharded"] - second["sharded"]) > 1e-3
+    assert r["diff"] < 1e-5 and r["max_weight_diff_vs_one_process_merge"] == 0
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "merged"))
