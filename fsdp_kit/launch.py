@@ -8,19 +8,19 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 __all__ = ['default_backend', 'environment', 'fork_traps', 'run_worker', 'WorkerError', 'collect', 'free_port',
            'torchrun_command', 'worker_main', 'launch']
 
-# %% ../nbs/00_launch.ipynb #cb7bb8a5
+# %% ../nbs/00_launch.ipynb #cbc6c57c
 import datetime, json, logging, os, pickle, shutil, socket, subprocess, sys, tempfile, time, traceback
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from .errors import KitError, bad_value
 
-# %% ../nbs/00_launch.ipynb #0386435c
+# %% ../nbs/00_launch.ipynb #696cfdc3
 def default_backend() -> str:
     "The process-group backend for this machine: NCCL where CUDA is available, else gloo."
     import torch
     return "nccl" if torch.cuda.is_available() else "gloo"
 
-# %% ../nbs/00_launch.ipynb #fc31c3e5
+# %% ../nbs/00_launch.ipynb #131633dc
 def environment() -> dict:
     "Versions of the stack, device type, backend and GPU count, as a JSON-ready dict."
     import importlib.metadata as md, platform, torch
@@ -33,7 +33,7 @@ def environment() -> dict:
                 backend=default_backend(), gpu_count=torch.cuda.device_count() if cuda else 0,
                 gpu_name=torch.cuda.get_device_name(0) if cuda else None, cpu_count=os.cpu_count())
 
-# %% ../nbs/00_launch.ipynb #956bf1ca
+# %% ../nbs/00_launch.ipynb #79e0a0b4
 def fork_traps() -> list:
     "What in this process would break a forked launch, each with what to change."
     import torch
@@ -47,14 +47,14 @@ def fork_traps() -> list:
                          "launched function, not in a notebook cell")
     return traps
 
-# %% ../nbs/00_launch.ipynb #864a9781
+# %% ../nbs/00_launch.ipynb #05e32580
 def _write_json(path:Path, data:dict):
     "Write `data` to `path` atomically (a temporary name, then a rename)."
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.rename(path)
 
-# %% ../nbs/00_launch.ipynb #5252bca5
+# %% ../nbs/00_launch.ipynb #00cef0e5
 def _init_process_group(backend:str, timeout:float):
     "Bring up the default process group from the launcher's environment variables."
     import torch, torch.distributed as dist
@@ -63,7 +63,7 @@ def _init_process_group(backend:str, timeout:float):
     else: torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
 
-# %% ../nbs/00_launch.ipynb #90790197
+# %% ../nbs/00_launch.ipynb #5e20dad2
 def _wait_for_siblings(run_dir:str, timeout:float):
     "Block until every local worker of this launch has started (a file each), so no fork overlaps a connection."
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -73,7 +73,7 @@ def _wait_for_siblings(run_dir:str, timeout:float):
         if time.monotonic() > deadline: raise TimeoutError(f"only some of the {local_world} local workers started within {timeout} s")
         time.sleep(0.005)
 
-# %% ../nbs/00_launch.ipynb #4b66dc43
+# %% ../nbs/00_launch.ipynb #58988a58
 def run_worker(fn, # the function each rank runs
                args:tuple, # its positional arguments
                backend:str, # "gloo" or "nccl"
@@ -97,7 +97,7 @@ def run_worker(fn, # the function each rank runs
     finally:
         if dist.is_initialized(): dist.destroy_process_group()
 
-# %% ../nbs/00_launch.ipynb #2a4dbbe7
+# %% ../nbs/00_launch.ipynb #d96c3134
 class WorkerError(RuntimeError):
     "A launched function raised: `rank` is the first rank that failed (None if none reported), `worker_traceback` its traceback."
     def __init__(self, rank:int, message:str, worker_traceback:str='', others:tuple=()):
@@ -106,7 +106,7 @@ class WorkerError(RuntimeError):
         also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
         super().__init__(f"rank {rank} failed{also}: {message}\n\n--- traceback of rank {rank} ---\n{worker_traceback}")
 
-# %% ../nbs/00_launch.ipynb #95e1c44b
+# %% ../nbs/00_launch.ipynb #e2748df2
 def collect(run_dir:str, # the launch's run folder
             exit_note:str='' # what the launcher said, used when no rank left an error
            ):
@@ -121,14 +121,14 @@ def collect(run_dir:str, # the launch's run folder
     if not result.exists(): raise WorkerError(None, f"no rank returned a result and none reported an error. {exit_note}".strip())
     return pickle.loads(result.read_bytes())
 
-# %% ../nbs/00_launch.ipynb #0511f08c
+# %% ../nbs/00_launch.ipynb #b0fb8093
 def free_port() -> int:
     "A TCP port on localhost that nothing is listening on right now."
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-# %% ../nbs/00_launch.ipynb #f6142387
+# %% ../nbs/00_launch.ipynb #0c91d4f9
 @contextmanager
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
@@ -139,7 +139,7 @@ def _quiet_launch_logs():
     finally:
         for l, level in zip(loggers, levels): l.setLevel(level)
 
-# %% ../nbs/00_launch.ipynb #f1995a9d
+# %% ../nbs/00_launch.ipynb #8b6be425
 class _DropBanner:
     "A stdout that passes everything through except accelerate's banner, which says 'CUDAs' even on CPU."
     def __init__(self, stream): self.stream, self.dropping = stream, False
@@ -150,7 +150,7 @@ class _DropBanner:
         return self.stream.write(text)
     def __getattr__(self, name): return getattr(self.stream, name)
 
-# %% ../nbs/00_launch.ipynb #3e37e650
+# %% ../nbs/00_launch.ipynb #eed371aa
 def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     "Fork `nprocs` workers through `accelerate.notebook_launcher`."
     from accelerate import notebook_launcher
@@ -162,7 +162,7 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
         except Exception as e: return f"{type(e).__name__}: {str(e)[:500]}"
     return ""
 
-# %% ../nbs/00_launch.ipynb #b7bc3f7b
+# %% ../nbs/00_launch.ipynb #d69f9e98
 def _launch_here(fn, args, backend, timeout, run_dir):
     "Run one rank in this process, in a process group of size 1."
     import torch
@@ -178,7 +178,7 @@ def _launch_here(fn, args, backend, timeout, run_dir):
             else: os.environ[k] = v
     return ""
 
-# %% ../nbs/00_launch.ipynb #47a4a828
+# %% ../nbs/00_launch.ipynb #c3d51808
 def torchrun_command(module:str, # the module torchrun runs with `-m`
                      args:list=(), # arguments for that module
                      nproc:int=2, # processes per node
@@ -202,7 +202,7 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if max_restarts: cmd += ["--max-restarts", str(max_restarts)]
     return cmd + ["--nproc-per-node", str(nproc), "-m", module, *map(str, args)]
 
-# %% ../nbs/00_launch.ipynb #2d4831bd
+# %% ../nbs/00_launch.ipynb #c0acb2d2
 def _check_importable(fn):
     "Refuse a function that worker processes started by torchrun could not import."
     module = getattr(fn, "__module__", None)
@@ -210,7 +210,7 @@ def _check_importable(fn):
         raise bad_value("fn", getattr(fn, "__qualname__", fn), "a module-level function of an importable module with launcher='torchrun'",
                         "Move it into a module, or use launcher='notebook'.")
 
-# %% ../nbs/00_launch.ipynb #f86190d2
+# %% ../nbs/00_launch.ipynb #47eac709
 def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir):
     "Run `nprocs` workers under `torchrun` in a subprocess: their prints go to stderr, torchrun's log to the run folder."
     _check_importable(fn)
@@ -218,20 +218,23 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir):
     cmd = torchrun_command("fsdp_kit", ["worker", run_dir], nproc=nprocs, python=sys.executable)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
     log = Path(run_dir)/"torchrun.log"
-    with open(log, "w") as err: proc = subprocess.run(cmd, stdout=sys.stderr, stderr=err, env=env)
+    try: out = sys.stderr.fileno() and sys.stderr  # a real file: the workers write to it directly
+    except (AttributeError, OSError, ValueError): out = subprocess.PIPE  # pytest's or nbval's captured stream: pass the text on
+    with open(log, "w") as err: proc = subprocess.run(cmd, stdout=out, stderr=err, env=env, text=True)
+    if proc.stdout: sys.stderr.write(proc.stdout)
     if proc.returncode == 0: return ""
     lines = log.read_text().splitlines()
     native = [l for l in lines if any(k in l for k in ("terminate called", "what()", "Fatal Python error", "Segmentation fault"))]
     return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
 
-# %% ../nbs/00_launch.ipynb #e092c78d
+# %% ../nbs/00_launch.ipynb #da353f82
 def worker_main(run_dir:str):
     "What each torchrun rank runs: unpickle the call in `run_dir` and run it with `run_worker`."
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
     run_worker(fn, args, backend, timeout, run_dir)
 
-# %% ../nbs/00_launch.ipynb #b4355625
+# %% ../nbs/00_launch.ipynb #e16bae76
 def launch(fn, # the function every rank runs; rank 0's return value is returned
            *args, # positional arguments for `fn`
            nprocs:int=2, # number of processes
