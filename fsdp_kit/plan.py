@@ -11,14 +11,14 @@ __all__ = ['LINEARS', 'MODEL_PRESETS', 'ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES
            'validate_worker', 'validation_matrix', 'ValidationRun', 'compare', 'validate', 'validation_table',
            'plot_validation', 'GPUPlan', 'plan_gpu', 'plan_text', 'recommend', 'published_table']
 
-# %% ../nbs/07_plan.ipynb #dabb4d71
+# %% ../nbs/07_plan.ipynb #c3f18b8c
 import gc, math, os, shutil
 from dataclasses import dataclass, field, asdict, replace
 from .errors import KitError, bad_value
 from .config import FSDPConfig
 from .models import model_config, build_model
 
-# %% ../nbs/07_plan.ipynb #bee6e4ee
+# %% ../nbs/07_plan.ipynb #0f0d942e
 @dataclass
 class PlanSpec:
     "One training setting to predict (and, on this machine, to measure)."
@@ -48,7 +48,7 @@ class PlanSpec:
         parts = [self.model, f"w{self.world_size}", self.method, policy, reshard, "bf16" if self.mixed_precision == "bf16" or self.method != "full" else "fp32"]
         return " ".join(parts + (["ac"] if self.activation_checkpointing else []))
 
-# %% ../nbs/07_plan.ipynb #321bf264
+# %% ../nbs/07_plan.ipynb #eef01e4d
 @dataclass
 class Tensor:
     "One parameter as FSDP2 sees it."
@@ -63,7 +63,7 @@ class Tensor:
     def shard_numel(self, world:int) -> int: return -(self.shape[0] // -world) * (self.numel() // max(1, self.shape[0]))
     def padded_numel(self, world:int) -> int: return self.shard_numel(world) * world
 
-# %% ../nbs/07_plan.ipynb #f809107e
+# %% ../nbs/07_plan.ipynb #2fef4d87
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 def _layer_index(name:str) -> int:
@@ -96,7 +96,7 @@ def model_tensors(config, spec:PlanSpec) -> list:
                     Tensor(name.replace("weight", "lora_B"), (full[0], spec.lora_r), 4, compute, True, layer)]
     return out
 
-# %% ../nbs/07_plan.ipynb #f58c1efd
+# %% ../nbs/07_plan.ipynb #490e31da
 def unit_of(t:Tensor, policy:str) -> str:
     "The FSDP unit holding `t`: 'root', 'layers.N', or a Linear's name under PER_LINEAR."
     if policy == "NO_WRAP": return "root"
@@ -132,7 +132,7 @@ def units(tensors:list, spec:PlanSpec) -> dict:
                          sum(t.shard_numel(W) * 4 for t in tr), len(tr), max([t.shard_numel(W) * 4 for t in tr], default=0))
     return out
 
-# %% ../nbs/07_plan.ipynb #aa7a2da5
+# %% ../nbs/07_plan.ipynb #acd25aa5
 def dims(config, spec:PlanSpec) -> dict:
     "The sizes the activation formulas use: tokens per rank and the model's widths."
     heads = config.num_attention_heads
@@ -158,7 +158,7 @@ def activation_bytes(d:dict) -> dict:
     return dict(layer=layer, fixed=fixed, final_norm=final_norm, recompute_extra=3 * T * H * b, loss_extra=loss_extra, checkpointed_layer=T * H * b, mlp_freed=T * I * b,
                 mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=2 * T * V * 4)
 
-# %% ../nbs/07_plan.ipynb #ef610ba2
+# %% ../nbs/07_plan.ipynb #17fd6292
 def _sum(units_:list, key:str) -> int: return sum(getattr(u, key) for u in units_)
 
 def _grad_bytes(tensors:list, test, b:int) -> int:
@@ -221,7 +221,7 @@ def predict_peak(config, spec:PlanSpec) -> tuple:
     "The largest of the candidate moments: (name, {category: bytes, total})."
     return max(moments(config, spec), key=lambda m: m[1]["total"])
 
-# %% ../nbs/07_plan.ipynb #65a6c43e
+# %% ../nbs/07_plan.ipynb #fa5ae4f7
 def predict_comm(config, spec:PlanSpec) -> dict:
     "All-gather and reduce-scatter calls and bytes of one step on one rank (each collective's full, padded buffer)."
     if spec.world_size == 1: return {}
@@ -232,7 +232,7 @@ def predict_comm(config, spec:PlanSpec) -> dict:
     return dict(all_gather=dict(count=sum(n for n, _ in gathers), bytes=sum(n * b for n, b in gathers)),
                 reduce_scatter=dict(count=len(scatters), bytes=sum(scatters)))
 
-# %% ../nbs/07_plan.ipynb #8cb20c7f
+# %% ../nbs/07_plan.ipynb #c315d50a
 MODEL_PRESETS = {  # public architectures' config.json values (no weights), built on the meta device to count parameters
     "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
@@ -277,7 +277,7 @@ def list_models() -> list:
                         hidden_size=d["hidden_size"], vocab_size=d["vocab_size"], kv_heads=d["num_key_value_heads"]))
     return out
 
-# %% ../nbs/07_plan.ipynb #a5f0f8cc
+# %% ../nbs/07_plan.ipynb #38812e61
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
     from fsdp_kit.qlora import QLoRASpec
@@ -327,7 +327,7 @@ def validate_worker(specs:list) -> list:
             for path in checkpoints.values(): shutil.rmtree(path, ignore_errors=True)
     return out
 
-# %% ../nbs/07_plan.ipynb #b459b81c
+# %% ../nbs/07_plan.ipynb #a8e4acb4
 def validation_matrix(max_world:int=2) -> list:
     "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each feature."
     T, F = True, False
@@ -344,7 +344,7 @@ def validation_matrix(max_world:int=2) -> list:
                   PlanSpec("small", 4, activation_checkpointing=True), PlanSpec("tiny", 4, method="qlora")]
     return specs
 
-# %% ../nbs/07_plan.ipynb #7ce7cea5
+# %% ../nbs/07_plan.ipynb #50a5430a
 @dataclass
 class ValidationRun:
     "One setting: the planner's prediction beside the measured step, per rank."
@@ -373,7 +373,7 @@ def compare(spec:PlanSpec, peak:dict, collectives:dict) -> ValidationRun:
                          (predicted["total"] - peak["total"]) / peak["total"], moment, {k: v for k, v in predicted.items() if v and k != "total"},
                          {k: v for k, v in peak.items() if v and k != "total"}, comm, measured_comm)
 
-# %% ../nbs/07_plan.ipynb #8c92e492
+# %% ../nbs/07_plan.ipynb #fdfb77b1
 def validate(specs:list=None, # the settings to run; None: validation_matrix(max_world)
              max_world:int=2, # the largest world size
              launcher:str="torchrun", # how to start the processes: "torchrun" or "notebook"
@@ -401,7 +401,7 @@ def validation_table(result:dict) -> str:
     rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
     return "\n".join(rows)
 
-# %% ../nbs/07_plan.ipynb #2f392675
+# %% ../nbs/07_plan.ipynb #94323799
 def plot_validation(result:dict):
     "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak."
     import matplotlib.pyplot as plt
@@ -428,7 +428,7 @@ def plot_validation(result:dict):
     fig.tight_layout()
     return fig
 
-# %% ../nbs/07_plan.ipynb #c2ae5fc7
+# %% ../nbs/07_plan.ipynb #3ac2141d
 ALLOCATOR_OVERHEAD = 0.10  # CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak
 
 CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds)
@@ -553,7 +553,7 @@ def plan_text(p:GPUPlan) -> str:
                  + (f", context parallel {c['context_parallel']['bytes'] / GB:.2f} GB" if c["context_parallel"]["bytes"] else ""))
     return "\n".join(lines)
 
-# %% ../nbs/07_plan.ipynb #639c4a85
+# %% ../nbs/07_plan.ipynb #a91ea3ab
 def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lora_r:int=8, batch:int=1, seq_len:int=2048,
               mixed_precision:str="bf16", cp:int=1) -> dict:
     "Search reshard, checkpointing, offload, QLoRA (for LoRA), batch and GPU count; pick what fits and moves the fewest bytes per token."
@@ -581,17 +581,15 @@ def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lor
     fitting.sort(key=key)
     best, cost = fitting[0]
     why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB",
-           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB moved per training token per GPU (collectives and host-device copies)",
-           "offload is avoided where anything fits without it (host-device copies every step)" if not best.settings["offload"] else "only settings with CPU offload fit",
-           f"reshard_after_forward={best.settings['reshard']}: " + ("parameters stay gathered from forward to backward, one all-gather per unit instead of two" if not best.settings["reshard"] else "gathering again in backward is what makes it fit"),
-           f"activation checkpointing {'on: without it nothing this cheap fits' if best.settings['grad_ckpt'] else 'off: no recomputation needed'}",
-           f"batch {best.settings['batch']} per GPU: the largest that fits with these settings; communication per step does not grow with batch, so per token it falls"]
-    if len(fitting) > 1:
-        runner, rcost = fitting[1]
-        why.append(f"runner-up: {_describe(runner)} ({runner.per_gpu_peak_bytes / GB:.1f} GB/GPU, {rcost / 2**20:.2f} MiB/token)")
+           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB moved per training token per GPU (collectives and host-device copies)"]
+    for field_, name in (("offload", "CPU offload"), ("reshard", "reshard_after_forward"), ("grad_ckpt", "activation checkpointing")):
+        other = [(p, c) for p, c in fitting if p.settings[field_] != best.settings[field_]]
+        why.append(f"{name}={best.settings[field_]}: " + (f"the best setting with {name}={other[0][0].settings[field_]} moves {other[0][1] / 2**20:.2f} MiB/token ({_describe(other[0][0])})"
+                                                          if other else f"nothing fits with {name}={not best.settings[field_]}"))
+    why.append(f"batch {best.settings['batch']} per GPU: communication per step does not grow with the batch, so per token it falls as the batch grows")
     return dict(fits=True, candidates=len(tried), fitting=len(fitting), plan=asdict(best), explanation=why)
 
-# %% ../nbs/07_plan.ipynb #7756210b
+# %% ../nbs/07_plan.ipynb #ae684dbe
 PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give
     dict(source="https://huggingface.co/docs/peft/accelerate/fsdp", model="llama-2-70b", published_gb=19.6,
          setting="Llama-2-70B QLoRA r=8 (bf16 storage), 2 GPUs, batch 2, seq 2048, checkpointing, CPU offload",
