@@ -7,18 +7,18 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan.html.md"""
 # %% auto #0
 __all__ = ['LINEARS', 'MODEL_PRESETS', 'ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PUBLISHED', 'PlanSpec', 'Param',
            'meta_shapes', 'model_tensors', 'unit_of', 'Unit', 'units', 'dims', 'activation_bytes', 'moments',
-           'buffer_bytes', 'predict_peak', 'predict_comm', 'plan_config', 'count_parameters', 'list_models',
-           'validate_worker', 'validation_matrix', 'ValidationRun', 'compare', 'validate', 'validation_table',
-           'plot_validation', 'GPUPlan', 'plan_gpu', 'plan_text', 'recommend', 'published_table']
+           'buffer_bytes', 'predict_peak', 'comm_per_unit', 'predict_comm', 'plan_config', 'count_parameters',
+           'list_models', 'validate_worker', 'validation_matrix', 'ValidationRun', 'compare', 'validate',
+           'validation_table', 'plot_validation', 'GPUPlan', 'plan_gpu', 'plan_text', 'recommend', 'published_table']
 
-# %% ../nbs/07_plan.ipynb #6200e078
+# %% ../nbs/07_plan.ipynb #f38f063a
 import gc, math, os, shutil
 from dataclasses import dataclass, field, asdict, replace
 from .errors import KitError, bad_value
 from .config import FSDPConfig
 from .models import model_config, build_model
 
-# %% ../nbs/07_plan.ipynb #a08f45c4
+# %% ../nbs/07_plan.ipynb #0752fdfc
 @dataclass
 class PlanSpec:
     "One training setting to predict (and, on this machine, to measure)."
@@ -48,7 +48,7 @@ class PlanSpec:
         parts = [self.model, f"w{self.world_size}", self.method, policy, reshard, "bf16" if self.mixed_precision == "bf16" or self.method != "full" else "fp32"]
         return " ".join(parts + (["ac"] if self.activation_checkpointing else []))
 
-# %% ../nbs/07_plan.ipynb #43137afb
+# %% ../nbs/07_plan.ipynb #c6ad0115
 @dataclass
 class Param:
     "One parameter as FSDP2 sees it."
@@ -63,7 +63,7 @@ class Param:
     def shard_numel(self, world:int) -> int: return -(self.shape[0] // -world) * (self.numel() // max(1, self.shape[0]))
     def padded_numel(self, world:int) -> int: return self.shard_numel(world) * world
 
-# %% ../nbs/07_plan.ipynb #674e7e8e
+# %% ../nbs/07_plan.ipynb #caf2675c
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 def _layer_index(name:str) -> int:
@@ -96,7 +96,7 @@ def model_tensors(config, spec:PlanSpec) -> list:
                     Param(name.replace("weight", "lora_B"), (full[0], spec.lora_r), 4, compute, True, layer)]
     return out
 
-# %% ../nbs/07_plan.ipynb #30e8f007
+# %% ../nbs/07_plan.ipynb #322322fb
 def unit_of(t:Param, policy:str) -> str:
     "The FSDP unit holding `t`: 'root', 'layers.N', or a Linear's name under PER_LINEAR."
     if policy == "NO_WRAP": return "root"
@@ -132,7 +132,7 @@ def units(tensors:list, spec:PlanSpec) -> dict:
                          sum(t.shard_numel(W) * 4 for t in tr), len(tr), max([t.shard_numel(W) * 4 for t in tr], default=0))
     return out
 
-# %% ../nbs/07_plan.ipynb #f5d52bc2
+# %% ../nbs/07_plan.ipynb #3368db26
 def dims(config, spec:PlanSpec) -> dict:
     "The sizes the activation formulas use: tokens per rank and the model's widths."
     heads = config.num_attention_heads
@@ -158,7 +158,7 @@ def activation_bytes(d:dict) -> dict:
     return dict(layer=layer, fixed=fixed, final_norm=final_norm, recompute_extra=3 * T * H * b, loss_extra=loss_extra, checkpointed_layer=T * H * b, mlp_freed=T * I * b,
                 mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=2 * T * V * 4)
 
-# %% ../nbs/07_plan.ipynb #23201076
+# %% ../nbs/07_plan.ipynb #235fa219
 def _sum(units_:list, key:str) -> int: return sum(getattr(u, key) for u in units_)
 
 def _grad_bytes(tensors:list, test, b:int) -> int:
@@ -221,18 +221,25 @@ def predict_peak(config, spec:PlanSpec) -> tuple:
     "The largest of the candidate moments: (name, {category: bytes, total})."
     return max(moments(config, spec), key=lambda m: m[1]["total"])
 
-# %% ../nbs/07_plan.ipynb #517d85e6
+# %% ../nbs/07_plan.ipynb #6b5eaaf2
+def comm_per_unit(config, spec:PlanSpec) -> list:
+    "Per FSDP unit, one step on one rank: all-gathers and their bytes, reduce-scatters and their bytes (none on one rank)."
+    if spec.world_size == 1: return []
+    out = []
+    for u in units(model_tensors(config, spec), spec).values():
+        gathers = (1 + (spec.reshard_after_forward is not False and (u.name != "root" or u.trainable_tensors > 0))) if u.unsharded else 0
+        out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded, reduce_scatters=int(u.reduce > 0), reduce_scatter_bytes=u.reduce))
+    return out
+
 def predict_comm(config, spec:PlanSpec) -> dict:
     "All-gather and reduce-scatter calls and bytes of one step on one rank (each collective's full, padded buffer)."
-    if spec.world_size == 1: return {}
-    us = units(model_tensors(config, spec), spec).values()
-    again = lambda u: spec.reshard_after_forward is not False and (u.name != "root" or u.trainable_tensors > 0)
-    gathers = [(1 + again(u), u.unsharded) for u in us if u.unsharded]
-    scatters = [u.reduce for u in us if u.reduce]
-    return dict(all_gather=dict(count=sum(n for n, _ in gathers), bytes=sum(n * b for n, b in gathers)),
-                reduce_scatter=dict(count=len(scatters), bytes=sum(scatters)))
+    per_unit = comm_per_unit(config, spec)
+    if not per_unit: return {}
+    total = lambda key: sum(u[key] for u in per_unit)
+    return dict(all_gather=dict(count=total("all_gathers"), bytes=total("all_gather_bytes")),
+                reduce_scatter=dict(count=total("reduce_scatters"), bytes=total("reduce_scatter_bytes")))
 
-# %% ../nbs/07_plan.ipynb #7fb6d9fd
+# %% ../nbs/07_plan.ipynb #b298d817
 MODEL_PRESETS = {  # public architectures' config.json values (no weights), built on the meta device to count parameters
     "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
@@ -277,7 +284,7 @@ def list_models() -> list:
                         hidden_size=d["hidden_size"], vocab_size=d["vocab_size"], kv_heads=d["num_key_value_heads"]))
     return out
 
-# %% ../nbs/07_plan.ipynb #1b117c64
+# %% ../nbs/07_plan.ipynb #1e5c9325
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
     from fsdp_kit.qlora import QLoRASpec
@@ -327,7 +334,7 @@ def validate_worker(specs:list) -> list:
             for path in checkpoints.values(): shutil.rmtree(path, ignore_errors=True)
     return out
 
-# %% ../nbs/07_plan.ipynb #988fa56d
+# %% ../nbs/07_plan.ipynb #28cdafc9
 def validation_matrix(max_world:int=2) -> list:
     "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each feature."
     T, F = True, False
@@ -344,7 +351,7 @@ def validation_matrix(max_world:int=2) -> list:
                   PlanSpec("small", 4, activation_checkpointing=True), PlanSpec("tiny", 4, method="qlora")]
     return specs
 
-# %% ../nbs/07_plan.ipynb #934a0602
+# %% ../nbs/07_plan.ipynb #e657de3d
 @dataclass
 class ValidationRun:
     "One setting: the planner's prediction beside the measured step, per rank."
@@ -373,7 +380,7 @@ def compare(spec:PlanSpec, peak:dict, collectives:dict) -> ValidationRun:
                          (predicted["total"] - peak["total"]) / peak["total"], moment, {k: v for k, v in predicted.items() if v and k != "total"},
                          {k: v for k, v in peak.items() if v and k != "total"}, comm, measured_comm)
 
-# %% ../nbs/07_plan.ipynb #83b57cda
+# %% ../nbs/07_plan.ipynb #c4bf1b1f
 def validate(specs:list=None, # the settings to run; None: validation_matrix(max_world)
              max_world:int=2, # the largest world size
              launcher:str="torchrun", # how to start the processes: "torchrun" or "notebook"
@@ -401,7 +408,7 @@ def validation_table(result:dict) -> str:
     rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
     return "\n".join(rows)
 
-# %% ../nbs/07_plan.ipynb #e533bce1
+# %% ../nbs/07_plan.ipynb #17169cc3
 def plot_validation(result:dict):
     "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak."
     import matplotlib.pyplot as plt
@@ -428,7 +435,7 @@ def plot_validation(result:dict):
     fig.tight_layout()
     return fig
 
-# %% ../nbs/07_plan.ipynb #125428c3
+# %% ../nbs/07_plan.ipynb #7a280d94
 ALLOCATOR_OVERHEAD = 0.10  # CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak
 
 CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds)
@@ -449,7 +456,7 @@ class GPUPlan:
     host_bytes:int # host memory per GPU process during training (offloaded states), bytes
     host_load_bytes:dict # host memory per node while loading weights, with and without cpu_ram_efficient_loading
     fits:bool # per_gpu_peak_bytes <= gpu_mem_gb
-    communication:dict # per GPU per step: all_gather / reduce_scatter {count, bytes}, context_parallel bytes, total_bytes
+    communication:dict # per GPU per step: all_gather / reduce_scatter {count, bytes}, per_unit, context_parallel, host_device, total_bytes
     notes:list=field(default_factory=list) # what the model assumes
 
 def _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r):
@@ -514,6 +521,7 @@ def plan_gpu(model:str, # preset or config.json path
     breakdown["cuda_context"] = CUDA_CONTEXT_BYTES
     per_gpu = sum(breakdown.values())
     comm = predict_comm(config, spec)
+    comm["per_unit"] = comm_per_unit(config, spec)
     comm["context_parallel"] = dict(bytes=_cp_comm(config, spec))
     if offload:  # each all-gather first copies the unit's shard to the GPU; each reduce-scatter's output goes back to the host
         us = units(tensors, spec).values()
@@ -553,7 +561,7 @@ def plan_text(p:GPUPlan) -> str:
                  + (f", context parallel {c['context_parallel']['bytes'] / GB:.2f} GB" if c["context_parallel"]["bytes"] else ""))
     return "\n".join(lines)
 
-# %% ../nbs/07_plan.ipynb #4b68fd49
+# %% ../nbs/07_plan.ipynb #84620501
 def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lora_r:int=8, batch:int=1, seq_len:int=2048,
               mixed_precision:str="bf16", cp:int=1) -> dict:
     "Search reshard, checkpointing, offload, QLoRA (for LoRA), batch and GPU count; pick what fits and moves the fewest bytes per token."
@@ -589,7 +597,7 @@ def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lor
     why.append(f"batch {best.settings['batch']} per GPU: communication per step does not grow with the batch, so per token it falls as the batch grows")
     return dict(fits=True, candidates=len(tried), fitting=len(fitting), plan=asdict(best), explanation=why)
 
-# %% ../nbs/07_plan.ipynb #10bbb431
+# %% ../nbs/07_plan.ipynb #f5a154eb
 PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give
     dict(source="https://huggingface.co/docs/peft/accelerate/fsdp", model="llama-2-70b", published_gb=19.6,
          setting="Llama-2-70B QLoRA r=8 (bf16 storage), 2 GPUs, batch 2, seq 2048, checkpointing, CPU offload",
