@@ -3,7 +3,9 @@
     fsdp-kit env --json
     fsdp-kit mesh --nproc 4 --dp-replicate 2 --dp-shard 2 --json
     fsdp-kit train --nproc 2 --model tiny --steps 10 --check-parity --json out.json
+    fsdp-kit train --nproc 2 --steps 20 --ckpt ckpt --save-every 5 --resume --json out.json
     fsdp-kit qlora --nproc 2 --model tiny --quant-storage bfloat16 --steps 10 --json out.json
+    fsdp-kit cp-eval --nproc 2 --cp 2 --rotate alltoall --json out.json
     fsdp-kit plan --model llama-2-70b --gpus 2 --gpu-mem-gb 24 --method qlora --grad-ckpt --offload --json plan.json
     fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
@@ -53,14 +55,56 @@ def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec, train_worker
     from fsdp_kit.models import model_config
+    from fsdp_kit.checkpoint import CheckpointSpec, check_resume
+    ckpt = None
+    if a.ckpt:
+        ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=a.state_dict, resume=a.resume, keep=a.keep)
+    elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                     check_parity=a.check_parity).check()
+                     check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, ckpt=ckpt).check()
     model_config(spec.model)  # refuse an unknown model before launching
+    if a.resume:
+        folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
+        for note in notes: print(f"  {note}", file=sys.stderr)
     result = launch(train_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
-    text = f"{result.world_size} ranks, losses " + " ".join(f"{l:.3f}" for l in result.losses)
-    text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
+    text = f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
+    if result.losses: text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
+    if result.checkpoint:
+        c = result.checkpoint
+        if c["resumed_from"]: text += f"\nresumed from {c['resumed_from']['path']} (saved by {c['resumed_from']['world_size']} ranks)"
+        text += f"\n{c['state_dict']} checkpoints saved at steps {c['saved_steps']}; latest: {c['latest']}" + "".join(f"\n  {n}" for n in c["notes"])
+    if result.adapter:
+        d = result.adapter
+        text += (f"\nLoRA adapter: {d['tensors']} tensors, every rank's rows saved: {d['every_rank_share_saved']}, "
+                 f"reloaded with peft: loss diff {d['reload_loss_diff']:.1e}" + (f", in {d['path']}" if d["path"] else ""))
     emit(result, a.json, text)
+
+
+def _cmd_hf(a):
+    from fsdp_kit.config import load_fsdp_config
+    from fsdp_kit.hf import training_arguments, accelerate_config, accelerate_yaml, hf_worker
+    cfg = load_fsdp_config(a.fsdp_config)
+    out = dict(source=a.fsdp_config, notes=cfg.notes, training_arguments=training_arguments(cfg),
+               accelerate_config=accelerate_config(cfg, a.nproc))
+    text = (f"{a.fsdp_config} as TrainingArguments:\n  TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in out["training_arguments"].items())
+            + ", ...)\nas an accelerate config (accelerate launch --config_file):\n" + "".join(f"  {l}\n" for l in accelerate_yaml(cfg, a.nproc).splitlines())
+            + "".join(f"note: {n}\n" for n in cfg.notes))
+    if a.check:
+        from fsdp_kit.launch import launch
+        out["check"] = launch(hf_worker, cfg, a.model, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+        text += "\n".join(out["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit"))
+    emit(out, a.json, text.rstrip())
+
+
+def _cmd_ckpt(a):
+    from fsdp_kit.checkpoint import list_checkpoints
+    from pathlib import Path
+    if not Path(a.dir).is_dir(): raise KitError(f"ckpt={a.dir!r} is not allowed: an existing checkpoint folder")
+    found = list_checkpoints(a.dir)
+    rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} bytes" if c["ok"]
+            else "DAMAGED: " + "; ".join(c["problems"])) for c in found]
+    emit(dict(dir=a.dir, checkpoints=found), a.json, "\n".join(rows) or f"no checkpoints in {a.dir}")
 
 
 def _cmd_compare(a):
@@ -114,6 +158,24 @@ def _cmd_qlora(a):
             + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}"
             + f"\nadapter: {r.adapter['tensors']} tensors, every rank's share saved: {r.adapter['every_rank_share_saved']}, "
             + f"reloaded loss diff {r.adapter['reload_loss_diff']:.1e}" + (f", saved in {r.adapter['path']}" if r.adapter["path"] else ""))
+    emit(r, a.json, text)
+
+
+def _cmd_cp_eval(a):
+    from fsdp_kit.launch import launch
+    from fsdp_kit.models import model_config
+    from fsdp_kit.cp import CPSpec, cp_eval_worker
+    spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
+                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed)
+    spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
+    model_config(spec.model)
+    r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
+            f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
+            f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")
+    if r.predictions_match_reference is not None:
+        text += f"\ngathered predictions equal the reference argmax: {r.predictions_match_reference} (max |logit diff| {r.max_logit_diff:.1e})"
+    text += "\npeak MiB per rank: " + " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes)
     emit(r, a.json, text)
 
 
@@ -189,6 +251,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=3e-3)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
+    s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up (default 0)")
+    s.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter")
+    s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
+    s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
+    s.add_argument("--state-dict", default="sharded", help="sharded (DCP, one file per rank) or full (a transformers folder); default sharded")
+    s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
+    s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (default 2)")
+    s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
+    s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
+    s.add_argument("--check", action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check")
+    s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
+    s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train)")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
@@ -211,6 +286,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
+    s = add("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
+    s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence (default 2)")
+    s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills (default)")
+    s.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (refused above 1 together with --cp above 1)")
+    s.add_argument("--rotate", default="allgather", help="allgather or alltoall (default allgather)")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
+    s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp (default 128)")
+    s.add_argument("--rows", type=int, default=4, help="sequences in the global batch (default 4)")
+    s.add_argument("--mask", default="causal", help="attention mask: causal or none (default causal)")
+    s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
+    s.add_argument("--seed", type=int, default=0)
     s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
     s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")

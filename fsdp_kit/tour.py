@@ -46,7 +46,28 @@ def _steps(nproc: int):
                 f"{mib('bf16_lora'):.2f}, adapter reload diff {r.adapter['reload_loss_diff']:.1e}")
         return asdict(r), plot_qlora_losses(r), line
 
-    return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora)]
+    def cp_eval():
+        from fsdp_kit.cp import CPSpec, cp_eval_worker
+        r = launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall"), nprocs=nproc, launcher="torchrun")
+        line = (f"context-parallel eval, cp={r.cp_size} ({r.rotate_method}), {r.tokens} valid tokens: eval_loss {r.eval_loss:.6f} vs one "
+                f"process without CP {r.eval_loss_reference:.6f} (|diff| {r.loss_diff:.1e}); gathered predictions equal: {r.predictions_match_reference}")
+        return asdict(r), None, line
+
+    def checkpoint():
+        import tempfile, shutil
+        from fsdp_kit.checkpoint import CheckpointSpec
+        folder = tempfile.mkdtemp(prefix="fsdp_kit_tour_ckpt_")
+        run = lambda steps, ckpt=None: launch(train_worker, TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt),
+                                              nprocs=nproc, launcher="torchrun")
+        try: straight, first, second = run(6), run(3, CheckpointSpec(folder)), run(6, CheckpointSpec(folder, resume=True))
+        finally: shutil.rmtree(folder, ignore_errors=True)
+        same = first.losses + second.losses == straight.losses
+        line = (f"sharded checkpoint at step 3, resumed to step 6 from step {second.first_step}: losses bit-identical to one "
+                f"6-step run: {same}")
+        return dict(straight=straight.losses, first=first.losses, resumed=second.losses, bit_identical=same), None, line
+
+    return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora),
+            ("cp_eval", cp_eval), ("checkpoint", checkpoint)]
 
 
 def tour(out: str = "tour", nproc: int = 2) -> dict:

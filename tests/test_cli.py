@@ -2,7 +2,7 @@
 import json
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 
 
 def test_env_json(cli):
@@ -13,7 +13,7 @@ def test_env_json(cli):
 
 
 def test_tour_writes_figures_and_json(cli, tmp_path):
-    out = cli("tour", "--out", tmp_path / "tour")
+    out = cli("tour", "--out", tmp_path / "tour", timeout=420)
     assert out.returncode == 0, out.stderr
     files = {p.name for p in (tmp_path / "tour").iterdir()}
     assert {"report.json", "summary.md", "train.png", "mesh.png", "train.json"} <= files
@@ -25,6 +25,9 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     qlora = report["qlora"]["data"]
     assert "qlora.png" in files and qlora["losses"][-1] < qlora["losses"][0] and qlora["sharded_vs_unsharded_loss_diff"] < 1e-4
     assert all(q < b for q, b in zip(qlora["peak_bytes"]["qlora"], qlora["peak_bytes"]["bf16_lora"]))
+    cp = report["cp_eval"]["data"]
+    assert cp["cp_size"] == 2 and abs(cp["eval_loss"] - cp["eval_loss_reference"]) < 1e-5 and cp["predictions_match_reference"]
+    assert report["checkpoint"]["data"]["bit_identical"] is True
 
 
 def test_no_subcommand_is_a_usage_error(cli):

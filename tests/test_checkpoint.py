@@ -1,0 +1,179 @@
+"""Checkpoints: resume bit-identical (sharded and full), another world size, from_pretrained, SIGKILL mid-save, damage, LoRA."""
+import json, os, shutil, signal, subprocess, sys, time
+from pathlib import Path
+import pytest
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+TRAIN = ("train", "--nproc", 2, "--model", "tiny", "--warmup", 3)
+
+
+def train(cli, tmp, name, *args):
+    "Run `fsdp-kit train` and return its JSON result."
+    out = tmp / f"{name}.json"
+    res = cli(*TRAIN, *args, "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    "One uninterrupted 20-step run, and for each format 10 steps with checkpoints then a resume to 20."
+    from tests.conftest import run_cli as cli
+    tmp = tmp_path_factory.mktemp("ckpt")
+    out = dict(tmp=tmp, straight=train(cli, tmp, "straight", "--steps", 20))
+    for kind in ("sharded", "full"):
+        ck = tmp / kind
+        out[kind] = [train(cli, tmp, f"{kind}1", "--steps", 10, "--ckpt", ck, "--save-every", 5, "--state-dict", kind),
+                     train(cli, tmp, f"{kind}2", "--steps", 20, "--ckpt", ck, "--save-every", 5, "--state-dict", kind, "--resume")]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_resume_is_bit_identical(runs, kind):
+    first, second = runs[kind]
+    assert first["first_step"] == 0 and second["first_step"] == 10
+    assert first["checkpoint"]["saved_steps"] == [5, 10] and second["checkpoint"]["saved_steps"] == [15, 20]
+    assert second["checkpoint"]["resumed_from"]["step"] == 10
+    assert first["losses"] + second["losses"] == runs["straight"]["losses"]  # equal, not close
+
+
+def test_sharded_checkpoint_resumes_on_one_rank(cli, runs, tmp_path):
+    ck = tmp_path / "one"
+    shutil.copytree(runs["tmp"] / "sharded", ck, symlinks=True)
+    os.unlink(ck / "latest"); shutil.rmtree(ck / "step-000020")  # resume the 2-rank checkpoint of step 15
+    out = tmp_path / "one.json"
+    res = cli("train", "--nproc", 1, "--model", "tiny", "--warmup", 3, "--batch", 8, "--steps", 17, "--ckpt", ck, "--resume", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 1 and r["first_step"] == 15 and r["checkpoint"]["resumed_from"]["world_size"] == 2
+    # batch 8 on one rank is the same global batch as 4 on each of two: the same losses, to float rounding
+    assert max(abs(a - b) for a, b in zip(r["losses"], runs["straight"]["losses"][15:17])) < 1e-5
+
+
+def test_full_checkpoint_loads_with_from_pretrained(runs):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from fsdp_kit.models import synthetic_tokens
+    latest = runs["tmp"] / "full" / "latest"
+    assert os.readlink(latest) == "step-000020"
+    assert {"config.json", "model.safetensors", "optimizer.pt", "manifest.json"} <= set(os.listdir(latest))
+    model = AutoModelForCausalLM.from_pretrained(latest)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == runs["straight"]["n_params"]
+    with torch.no_grad(): loss = model(input_ids=synthetic_tokens(256, 8, 64, step=19), labels=synthetic_tokens(256, 8, 64, step=19)).loss.item()
+    assert loss < runs["straight"]["losses"][19]  # trained weights: lower than the loss before step 20's update
+
+
+def _tree(pid):
+    import psutil
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def _kill_mid_save(args, ck, deadline=120):
+    "Start `fsdp-kit train ARGS`, wait until a save is in progress (a .tmp- folder), SIGKILL every process of it; return the killed steps."
+    import psutil
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    start = time.monotonic()
+    try:
+        while True:
+            assert proc.poll() is None, "the run ended before a save could be interrupted"
+            assert time.monotonic() - start < deadline, "no save started"
+            tmp = list(Path(ck).glob(".tmp-step-*"))
+            if tmp and list(Path(ck).glob("step-*")):
+                procs = _tree(proc.pid)
+                for p in procs:
+                    try: p.send_signal(signal.SIGKILL)
+                    except psutil.NoSuchProcess: pass
+                proc.wait(10)
+                gone, alive = psutil.wait_procs(procs, timeout=10)
+                assert not alive, f"left behind: {alive}"
+                return int(tmp[0].name.split("-")[-1]), tmp[0].exists()  # the step being saved; still unpublished?
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigkill_while_saving_three_times(cli, runs, tmp_path):
+    from fsdp_kit.checkpoint import find_checkpoint, verify
+    ck = tmp_path / "killed"
+    args = [*TRAIN, "--steps", 20, "--ckpt", ck, "--save-every", 1]
+    mid_save, attempts = 0, 0
+    while mid_save < 3:
+        attempts += 1
+        assert attempts <= 6, "could not kill the run during a save"
+        killed_at, unpublished = _kill_mid_save(args + (["--resume"] if attempts > 1 else []), ck)
+        folder, notes = find_checkpoint(ck)
+        assert folder is not None and verify(folder) == []
+        assert verify(ck / os.readlink(ck / "latest")) == []  # `latest` names a complete checkpoint
+        last = int(folder.name.split("-")[-1])
+        if unpublished:  # killed mid-save: that save never became a checkpoint, the one before it is intact
+            mid_save += 1
+            assert last == killed_at - 1, (last, killed_at)
+    out = tmp_path / "final.json"
+    res = cli(*args, "--resume", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["first_step"] == last and r["checkpoint"]["resumed_from"]["step"] == last
+    assert r["losses"] == runs["straight"]["losses"][last:]  # the interrupted run ends exactly where the uninterrupted one did
+    assert not list(ck.glob(".tmp-*"))
+
+
+def test_damaged_checkpoint_is_skipped_then_refused(cli, runs, tmp_path):
+    ck = tmp_path / "damaged"
+    shutil.copytree(runs["tmp"] / "full", ck, symlinks=True)
+    weights = ck / "step-000020" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    listing = cli("ckpt", ck)
+    assert listing.returncode == 0 and "step-000020 (latest): DAMAGED: model.safetensors has 1,000 bytes" in listing.stdout
+    out = tmp_path / "resumed.json"
+    res = cli(*TRAIN, "--steps", 20, "--ckpt", ck, "--state-dict", "full", "--resume", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "skipped step-000020: model.safetensors has 1,000 bytes" in res.stderr
+    r = json.loads(out.read_text())
+    assert r["first_step"] == 15 and r["losses"] == runs["straight"]["losses"][15:]
+    for folder in ck.glob("step-*"): (folder / "trainer_state.pt").write_bytes(b"x")
+    res = cli(*TRAIN, "--steps", 20, "--ckpt", ck, "--resume")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "no complete checkpoint in" in res.stderr and "trainer_state.pt has 1 bytes" in res.stderr
+
+
+def test_lora_adapter_saved_whole_and_reloads(cli, tmp_path):
+    import torch
+    from peft import PeftModel
+    from fsdp_kit.models import build_model, model_config, synthetic_tokens
+    out = tmp_path / "lora.json"
+    res = cli("train", "--nproc", 2, "--model", "tiny", "--steps", 6, "--lr", "1e-2", "--lora", 8, "--ckpt", tmp_path / "ck", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    a = r["adapter"]
+    assert r["losses"][-1] < r["losses"][0]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(a["files"]) and a["tensors"] == 28
+    assert a["every_rank_share_saved"] and a["reload_loss_diff"] < 1e-5 and a["disabled_vs_base_diff"] < 1e-5
+    # reload here too, in a process that never saw the run
+    model = PeftModel.from_pretrained(build_model(model_config("tiny"), 0), a["path"])
+    tokens = synthetic_tokens(256, 4, 64, step=10_000)
+    with torch.no_grad(): loss = model(input_ids=tokens, labels=tokens).loss.item()
+    assert abs(loss - a["sharded_loss"]) < 1e-5
+    assert os.path.isdir(tmp_path / "ck" / "latest" / "adapter")
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--ckpt", "X", "--state-dict", "local"), "state_dict='local' is not allowed: sharded or full"),
+    (("--resume",), "--resume needs --ckpt DIR"),
+    (("--ckpt", "X", "--save-every", -1), "save_every=-1 is not allowed: a whole number >= 0"),
+    (("--ckpt", "pyproject.toml"), "is not allowed: a folder (this is a file)"),
+    (("--lora", 4, "--check-parity"), "check_parity=True is not allowed: a full fine-tune from step 0"),
+])
+def test_bad_checkpoint_options(cli, args, message):
+    res = cli("train", "--nproc", 2, *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_resume_refuses_another_models_checkpoint(cli, runs, tmp_path):
+    from tests.conftest import EXAMPLES
+    res = cli("train", "--nproc", 2, "--model", EXAMPLES / "qwen2-tiny" / "config.json", "--ckpt", runs["tmp"] / "sharded", "--resume")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "model=" in res.stderr and "as the checkpoint" in res.stderr and "'tiny'" in res.stderr

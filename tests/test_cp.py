@@ -1,0 +1,106 @@
+"""Context-parallel evaluation: sharding, guards, and eval losses under CP equal to one process without CP."""
+import json
+import pytest
+import torch
+from fsdp_kit.cp import (CPSpec, cp_eval_worker, shard_sequence, unshard_sequence, nearest_lengths, check_seq_len, check_sizes,
+                         check_rotate, check_mask, eval_batch, shift_labels)
+from fsdp_kit.errors import KitError
+from fsdp_kit.launch import launch
+from tests.conftest import EXAMPLES
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_shard_sequence_is_head_tail_and_round_trips():
+    x = torch.arange(16)[None]
+    assert shard_sequence(x, 2, 0).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert shard_sequence(x, 2, 1).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    for cp in (1, 2, 4):
+        shards = [shard_sequence(x, cp, r) for r in range(cp)]
+        assert {s.shape[1] for s in shards} == {16 // cp}
+        assert torch.equal(unshard_sequence(shards) if cp > 1 else shards[0], x)
+
+
+def test_labels_shifted_before_the_split():
+    tokens, labels = eval_batch(256, 4, 32)
+    assert (labels == -100).any() and (labels != -100).any()
+    shifted = shift_labels(labels)
+    assert torch.equal(shifted[:, :-1], labels[:, 1:]) and (shifted[:, -1] == -100).all()
+
+
+def test_guards():
+    assert nearest_lengths(130, 2) == [128, 132] and nearest_lengths(100, 4) == [96, 104]
+    with pytest.raises(KitError, match=r"seq_len=130 .* 2 x cp_size = 4.*128 and 132"): check_seq_len(130, 2)
+    with pytest.raises(KitError, match=r"rotate_method='ring'.*'allgather' or 'alltoall'"): check_rotate("ring")
+    with pytest.raises(KitError, match=r"attention_mask='padding'.*'causal' or None"): check_mask("padding")
+    with pytest.raises(KitError, match=r"cp_size=3 .*divisor of the world size 4: one of 1, 2, 4"): check_sizes(4, cp=3)
+    with pytest.raises(KitError, match=r"cp_size=2 and sp_size=2 cannot both be above 1"): check_sizes(4, cp=2, sp=2)
+    with pytest.raises(KitError, match=r"rows=3 .*dp_shard=2"): CPSpec(cp=2, rows=3).check(4)
+    assert check_sizes(4, cp=2).dp_shard == 2 and CPSpec(cp=4, seq_len=64).check(4).cp == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--cp", "2", "--sp", "2"], "cp_size=2 and sp_size=2 cannot both be above 1"),
+    (["--nproc", "2", "--cp", "2", "--seq-len", "130"], "nearest lengths that work are 128 and 132"),
+    (["--nproc", "2", "--cp", "2", "--mask", "padding"], "attention_mask='padding' is not allowed"),
+    (["--nproc", "2", "--cp", "2", "--rotate", "ring"], "'allgather' or 'alltoall'"),
+    (["--nproc", "4", "--cp", "3"], "cp_size=3 is not allowed: a divisor of the world size 4: one of 1, 2, 4"),
+])
+def test_cli_guards(cli, args, message):
+    proc = cli("cp-eval", *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _check(r, cp, rotate):
+    assert (r.cp_size, r.rotate_method) == (cp, rotate)
+    assert abs(r.eval_loss - r.eval_loss_reference) <= 1e-5, (r.eval_loss, r.eval_loss_reference)
+    assert r.predictions_match_reference is True and r.max_logit_diff < 1e-4
+    assert r.tokens == sum(r.tokens_per_rank) and r.tokens < r.rows * (r.seq_len - 1)  # -100 labels present
+    assert all(b > 0 for b in r.peak_bytes)
+
+
+def test_padding_mask_refused_by_the_model():
+    from fsdp_kit.cp import use_cp_attention
+    from fsdp_kit.models import build_model, model_config, synthetic_tokens
+    model = use_cp_attention(build_model(model_config("tiny"))).eval()
+    ids = synthetic_tokens(256, 2, 32)
+    padding = torch.ones_like(ids); padding[:, -4:] = 0
+    with pytest.raises(KitError, match=r"attention_mask='a padding mask with 8 masked positions'.*labels of -100"):
+        model(input_ids=ids, attention_mask=padding)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, model(input_ids=ids).logits)
+
+
+def test_cli_cp1_cp2_and_dp2_cp2(cli, tmp_path):
+    out = {}
+    for name, args in (("cp1", ["--nproc", "1", "--cp", "1"]), ("cp2", ["--nproc", "2", "--cp", "2"]),
+                       ("dp2cp2", ["--nproc", "4", "--dp-shard", "2", "--cp", "2", "--rotate", "alltoall"])):
+        proc = cli("cp-eval", *args, "--json", tmp_path / f"{name}.json")
+        assert proc.returncode == 0, proc.stderr
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for name, rotate, cp in (("cp1", "allgather", 1), ("cp2", "allgather", 2), ("dp2cp2", "alltoall", 2)):
+        r = out[name]
+        assert {"eval_loss", "eval_loss_reference", "cp_size", "rotate_method", "tokens", "peak_bytes"} <= set(r)
+        assert (r["cp_size"], r["rotate_method"]) == (cp, rotate)
+        assert abs(r["eval_loss"] - r["eval_loss_reference"]) <= 1e-5 and r["predictions_match_reference"]
+    assert out["dp2cp2"]["groups"]["dp_shard_cp"] == [0, 1, 2, 3] and out["dp2cp2"]["dp_shard"] == 2
+    assert len(set(out["dp2cp2"]["tokens_per_rank"])) > 1  # ranks hold different numbers of valid tokens
+    assert out["cp1"]["tokens"] == out["cp2"]["tokens"] == out["dp2cp2"]["tokens"]
+    assert abs(out["cp1"]["eval_loss"] - out["cp2"]["eval_loss"]) <= 1e-5 and abs(out["cp2"]["eval_loss"] - out["dp2cp2"]["eval_loss"]) <= 1e-5
+
+
+def test_eval_loss_does_not_change_with_cp():
+    one = launch(cp_eval_worker, CPSpec(cp=1), nprocs=1)
+    ring = launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall"), nprocs=2)
+    _check(one, 1, "allgather"); _check(ring, 2, "alltoall")
+    assert abs(one.eval_loss - ring.eval_loss) <= 1e-5 and one.tokens == ring.tokens
+    assert abs(ring.mean_of_rank_means - ring.eval_loss) > abs(ring.eval_loss - one.eval_loss)  # the usual mistake is further off
+
+
+def test_qwen2_gqa_and_no_mask():
+    for rotate in ("allgather", "alltoall"):
+        r = launch(cp_eval_worker, CPSpec(model=str(EXAMPLES / "qwen2-tiny" / "config.json"), cp=2, rotate=rotate), nprocs=2)
+        _check(r, 2, rotate)
+    full = launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall", mask=None), nprocs=2)
+    _check(full, 2, "alltoall")
