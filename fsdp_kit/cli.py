@@ -6,6 +6,8 @@
     fsdp-kit train --nproc 2 --steps 20 --ckpt ckpt --save-every 5 --resume --json out.json
     fsdp-kit qlora --nproc 2 --model tiny --quant-storage bfloat16 --steps 10 --json out.json
     fsdp-kit cp-eval --nproc 2 --cp 2 --rotate alltoall --json out.json
+    fsdp-kit plan --model llama-2-70b --gpus 2 --gpu-mem-gb 24 --method qlora --grad-ckpt --offload --json plan.json
+    fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
 """
 import argparse, json, re, sys
@@ -177,6 +179,34 @@ def _cmd_cp_eval(a):
     emit(r, a.json, text)
 
 
+def _cmd_plan(a):
+    from fsdp_kit import plan
+    from fsdp_kit.config import to_reshard
+    if a.list_models:
+        models = plan.list_models()
+        emit(dict(models=models), a.json, "\n".join(f"{m['name']:<12}{m['parameters']:>16,}  {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}" for m in models))
+        return
+    if a.validate:
+        specs = plan.validation_matrix(a.nproc)
+        print(f"running {len(specs)} settings on world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
+        result = plan.validate(specs, launcher="torchrun", timeout=a.timeout)
+        if a.plot:
+            import matplotlib
+            matplotlib.use("Agg")
+            plan.plot_validation(result).savefig(a.plot, dpi=100, bbox_inches="tight")
+            print(f"wrote {a.plot}", file=sys.stderr)
+        emit(result, a.json, plan.validation_table(result))
+        return
+    if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
+    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq, mixed_precision=a.mixed_precision, cp=a.cp)
+    if a.recommend:
+        r = plan.recommend(a.model, **kwargs)
+        emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
+        return
+    p = plan.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), base_dtype=a.base_dtype)
+    emit(p, a.json, plan.plan_text(p))
+
+
 def _cmd_tour(a):
     from fsdp_kit.tour import tour
     tour(a.out, nproc=a.nproc)
@@ -267,6 +297,24 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--mask", default="causal", help="attention mask: causal or none (default causal)")
     s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
     s.add_argument("--seed", type=int, default=0)
+    s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
+    s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
+    s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
+    s.add_argument("--plot", metavar="PNG", help="with --validate: write predicted vs measured per category here")
+    s.add_argument("--model", help="a preset (see --list-models; tiny, small) or a config.json path")
+    s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters (default 8)")
+    s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB (default 80)")
+    s.add_argument("--method", default="full", help="full, lora or qlora (default full)")
+    s.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
+    s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    s.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer")
+    s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
+    s.add_argument("--mixed-precision", default="bf16", help="bf16 (default) or fp32")
+    s.add_argument("--reshard", default="true", help="reshard_after_forward: true (default) or false")
+    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus (default 1)")
+    s.add_argument("--base-dtype", default="bf16", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (default) or fp32")
+    s.add_argument("--recommend", action="store_true", help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report (default ./tour)")
     s = add("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", launches=False)
