@@ -66,8 +66,17 @@ def _steps(nproc: int):
                 f"6-step run: {same}")
         return dict(straight=straight.losses, first=first.losses, resumed=second.losses, bit_identical=same), None, line
 
+    def plan():
+        from fsdp_kit.plan import PlanSpec, validate, plot_validation, plan_gpu
+        r = validate([PlanSpec("small", nproc), PlanSpec("small", nproc, mixed_precision="bf16"), PlanSpec("tiny", nproc, method="qlora")])
+        big = plan_gpu("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=2048, grad_ckpt=True, offload=True)
+        line = (f"planner vs measured, {len(r['runs'])} settings on {nproc} ranks: largest |error| {r['max_abs_error'] * 100:.1f}%, "
+                f"communication exact: {r['comm_exact']}; llama-2-70b QLoRA on 2 x 24 GB with offload: "
+                f"{big.per_gpu_peak_bytes / 1e9:.1f} GB per GPU predicted, fits: {big.fits}")
+        return dict(validation=r, llama_2_70b_qlora=asdict(big)), plot_validation(r), line
+
     return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora),
-            ("cp_eval", cp_eval), ("checkpoint", checkpoint)]
+            ("cp_eval", cp_eval), ("checkpoint", checkpoint), ("plan", plan)]
 
 
 def tour(out: str = "tour", nproc: int = 2) -> dict:
