@@ -16,3 +16,11 @@ def run_cli(*args, timeout=240):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _forkable():
+    "Every test leaves this process able to fork workers: peft / bitsandbytes imported here would make later launches refuse."
+    yield
+    from fsdp_kit.launch import fork_traps
+    assert fork_traps() == [], "this test imported peft or bitsandbytes into the test process; do that in a subprocess"

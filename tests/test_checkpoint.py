@@ -141,9 +141,6 @@ def test_damaged_checkpoint_is_skipped_then_refused(cli, runs, tmp_path):
 
 
 def test_lora_adapter_saved_whole_and_reloads(cli, tmp_path):
-    import torch
-    from peft import PeftModel
-    from fsdp_kit.models import build_model, model_config, synthetic_tokens
     out = tmp_path / "lora.json"
     res = cli("train", "--nproc", 2, "--model", "tiny", "--steps", 6, "--lr", "1e-2", "--lora", 8, "--ckpt", tmp_path / "ck", "--json", out)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -152,11 +149,14 @@ def test_lora_adapter_saved_whole_and_reloads(cli, tmp_path):
     assert r["losses"][-1] < r["losses"][0]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(a["files"]) and a["tensors"] == 28
     assert a["every_rank_share_saved"] and a["reload_loss_diff"] < 1e-5 and a["disabled_vs_base_diff"] < 1e-5
-    # reload here too, in a process that never saw the run
-    model = PeftModel.from_pretrained(build_model(model_config("tiny"), 0), a["path"])
-    tokens = synthetic_tokens(256, 4, 64, step=10_000)
-    with torch.no_grad(): loss = model(input_ids=tokens, labels=tokens).loss.item()
-    assert abs(loss - a["sharded_loss"]) < 1e-5
+    # reload here too, in a process that never saw the run (a subprocess: importing peft here would stop later tests from forking)
+    code = ("import torch; from peft import PeftModel; from fsdp_kit.models import build_model, model_config, synthetic_tokens\n"
+            f"model = PeftModel.from_pretrained(build_model(model_config('tiny'), 0), {a['path']!r})\n"
+            "tokens = synthetic_tokens(256, 4, 64, step=10_000)\n"
+            "with torch.no_grad(): print(model(input_ids=tokens, labels=tokens).loss.item())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert abs(float(res.stdout.split()[-1]) - a["sharded_loss"]) < 1e-5
     assert os.path.isdir(tmp_path / "ck" / "latest" / "adapter")
 
 
