@@ -105,6 +105,7 @@ class TrainResult:
     first_step:int=0 # the global step of losses[0]: 0 for a fresh run, the checkpoint's step for a resumed one
     checkpoint:dict=None # what was saved and resumed, with ckpt (see `checkpoint.CheckpointSpec`)
     adapter:dict=None # the LoRA adapter saved and reloaded, with lora
+    scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
 
 # %% ../nbs/01_train.ipynb #b6a1b2cb
 def _reference(spec:TrainSpec, world_size:int):
@@ -119,7 +120,9 @@ def _max_diff(full:dict, reference:dict) -> float:
     return max((full[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
 # %% ../nbs/01_train.ipynb #3ea07ab6
-def train_worker(spec:TrainSpec) -> TrainResult:
+def train_worker(spec:TrainSpec,
+                 watch=None # called after each step like the checkpoint saver (see `scale.StepWatch`): heartbeats, faults, loss log
+                ) -> TrainResult:
     "Shard a model per decoder layer, train it on this process group, and measure (rank 0 returns)."
     import torch, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
@@ -135,8 +138,10 @@ def train_worker(spec:TrainSpec) -> TrainResult:
         from fsdp_kit.checkpoint import Saver
         saver = Saver(spec.ckpt, model, *optimizer, spec)
         start = saver.resume()
-    times = []
-    losses = mean_over_ranks(train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=saver))
+    times, after_step = [], saver if watch is None else watch.start(model, start, saver)
+    losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step)
+    if watch is not None: watch.stop()
+    losses = mean_over_ranks(losses)
     seconds = statistics.median(times[1:] or times) if times else float("nan")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
