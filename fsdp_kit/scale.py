@@ -7,7 +7,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/scale_out.html.md"""
 # %% auto #0
 __all__ = ['FAULTS', 'FaultSpec', 'inject_fault', 'StepWatch', 'loss_log', 'scale_train_worker', 'slurm_script', 'plot_restart']
 
-# %% ../nbs/10_scale_out.ipynb #0868ccdb
+# %% ../nbs/10_scale_out.ipynb #d613e9df
 import json, os, shlex, signal, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
@@ -15,7 +15,7 @@ from .errors import KitError, bad_value
 from .launch import Heartbeat, attempt, restarts, torchrun_command, _rank_files, _tag
 from .train import TrainSpec, train_worker
 
-# %% ../nbs/10_scale_out.ipynb #792021ba
+# %% ../nbs/10_scale_out.ipynb #78ae631f
 FAULTS = ("crash", "hang")
 
 @dataclass
@@ -33,13 +33,13 @@ class FaultSpec:
         if not isinstance(self.step, int) or not 1 <= self.step < steps: raise bad_value("fault_step", self.step, f"1 <= fault_step < steps={steps}")
         return self
 
-# %% ../nbs/10_scale_out.ipynb #30ef3076
+# %% ../nbs/10_scale_out.ipynb #66ac4281
 def inject_fault(kind:str):
     "Fail this process now: `crash` kills it with SIGKILL (nothing runs after), `hang` sleeps forever without calling a collective."
     if kind == "crash": os.kill(os.getpid(), signal.SIGKILL)
     while True: time.sleep(3600)  # the other ranks wait for this one in their next collective
 
-# %% ../nbs/10_scale_out.ipynb #f83781c6
+# %% ../nbs/10_scale_out.ipynb #6eb52381
 class StepWatch:
     "Heartbeats for the watchdog, each step's loss in the run folder, and the injected fault, around `train_loop`."
     def __init__(self, timeout:float, # seconds a step may take before the watchdog ends the run
@@ -65,11 +65,12 @@ class StepWatch:
         return after_step
 
     def stop(self):
-        "Disarm: remove the hooks, stop the watchdog, close the log."
+        "Disarm: remove the hooks, stop the watchdog, close the log (again is harmless)."
         for h in self.hooks: h.remove()
-        self.beat.stop(); self.log.close()
+        self.hooks = []
+        if hasattr(self, "beat"): self.beat.stop(); self.log.close()
 
-# %% ../nbs/10_scale_out.ipynb #53e4ac33
+# %% ../nbs/10_scale_out.ipynb #11811a39
 def loss_log(run_dir) -> list:
     "Per attempt in `run_dir`: dict(attempt, steps, losses, last_step), the losses averaged over the ranks' logs."
     out = []
@@ -80,7 +81,7 @@ def loss_log(run_dir) -> list:
                         last_step=max((max(l, default=0) for l in logs.values()), default=0)))
     return out
 
-# %% ../nbs/10_scale_out.ipynb #6dfa3d53
+# %% ../nbs/10_scale_out.ipynb #08b9e5d1
 def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to survive restarts)
                        fault:FaultSpec=None, # a fault to inject in the first attempt
                        timeout:float=120 # seconds a step may take before the watchdog ends the run
@@ -88,14 +89,16 @@ def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to surviv
     "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming from the last checkpoint after a torchrun restart."
     now = attempt()
     if now and spec.ckpt is not None: spec.ckpt.resume = True  # torchrun restarted us: continue from the last complete checkpoint
-    result = train_worker(spec, StepWatch(timeout, fault))
+    watch = StepWatch(timeout, fault)
+    try: result = train_worker(spec, watch)
+    finally: watch.stop()  # an exception in the loop must not leave the watchdog armed
     run_dir = os.environ["FSDP_KIT_RUN_DIR"]
     result.scale = dict(nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         attempt=now, fault=asdict(fault) if fault and fault.kind else None,
                         restarts=[dict(r, traceback=None) for r in restarts(run_dir, before=now)], attempts=loss_log(run_dir))
     return result
 
-# %% ../nbs/10_scale_out.ipynb #eabd8306
+# %% ../nbs/10_scale_out.ipynb #8fe06793
 _NODE_OPTIONS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--nproc")
 
 def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
@@ -125,19 +128,20 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
         "# the single quotes keep $SLURM_NODEID for each task to expand: every node gets its own rank",
         f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(command)}", ""])
 
-# %% ../nbs/10_scale_out.ipynb #4deba215
+# %% ../nbs/10_scale_out.ipynb #24fc21cc
 def plot_restart(result, # a `TrainResult` from `scale_train_worker` that was restarted
                  reference:list=None, # an uninterrupted run's losses, for comparison
                  ax=None):
     "Loss per step of each attempt, with the restart and the checkpoint it resumed from marked."
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6.5, 3.5))
-    if reference: ax.plot(range(1, len(reference) + 1), reference, "k:", lw=2, label="uninterrupted run")
+    if reference: ax.plot(range(1, len(reference) + 1), reference, color="0.8", lw=8, label="uninterrupted run", zorder=0)
     for a in result.scale["attempts"][:-1]: ax.plot(a["steps"], a["losses"], "o-", label=f"attempt {a['attempt']} (killed after step {a['last_step']})")
     steps = range(result.first_step + 1, result.first_step + len(result.losses) + 1)
     ax.plot(steps, result.losses, "s-", label=f"attempt {result.scale['attempt']} (resumed from step {result.first_step})")
     for r in result.scale["restarts"]:
         ax.axvline(result.scale["attempts"][r["attempt"]]["last_step"] + 0.5, color="red", ls="--", label=f"restart: rank {r['rank']} {r['kind']}")
+    if result.first_step: ax.axvline(result.first_step, color="green", ls=":", label=f"checkpoint it resumed from (step {result.first_step})")
     ax.set(xlabel="step", ylabel="loss", title=f"{result.world_size} ranks, torchrun --max-restarts")
     ax.legend(fontsize=8)
     return ax.figure
