@@ -1,5 +1,5 @@
 """Scale-out: two loopback nodes give one node's losses, a SIGKILLed worker is restarted and resumes exactly, crashes and hangs fail fast naming the rank with nothing left behind, the sbatch script."""
-import json, os, signal, subprocess, sys, time
+import json, os, signal, subprocess, sys, threading, time
 from pathlib import Path
 import psutil, pytest
 from tests.conftest import ROOT
@@ -10,27 +10,38 @@ TRAIN = ("train", "--model", "tiny", "--seq-len", 32)
 
 
 def _watched(args, tmp, name, deadline):
-    "Start `fsdp-kit ARGS`; return a function that waits for it: (exit code, stderr, seconds, processes of the run still alive)."
+    "Start `fsdp-kit ARGS` and watch it from a thread; return a function that waits: (exit code, stderr, seconds, processes of the run still alive)."
     out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
-    start, seen = time.monotonic(), set()
+    start, seen, box = time.monotonic(), set(), {}
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=out, stderr=err, start_new_session=True)
 
-    def wait():
+    def watch():
         while proc.poll() is None:
             try: seen.update(psutil.Process(proc.pid).children(recursive=True))  # torchrun and its workers, as they come
             except psutil.NoSuchProcess: pass
-            if time.monotonic() - start > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"fsdp-kit {' '.join(map(str, args))} still running after {deadline} s")
+            if time.monotonic() - start > deadline: os.killpg(proc.pid, signal.SIGKILL); box["killed"] = True
             time.sleep(0.2)
-        seconds = time.monotonic() - start
+        box["seconds"] = time.monotonic() - start
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        assert "killed" not in box, f"fsdp-kit {' '.join(map(str, args))} still running after {deadline} s"
         time.sleep(1)
         alive = [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        return proc.returncode, (tmp / f"{name}.err").read_text(), seconds, alive
+        return proc.returncode, (tmp / f"{name}.err").read_text(), box["seconds"], alive
     return wait
 
 
-def test_two_loopback_nodes_give_the_losses_of_one_node(cli, tmp_path):
+@pytest.fixture(scope="module")
+def hang(tmp_path_factory):
+    "A run whose rank 1 hangs after step 2, with --timeout 30: started by the first test, checked by the last, so its wait overlaps the others."
+    return _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "hang", "--fault-rank", 1, "--fault-step", 2, "--timeout", 30],
+                    tmp_path_factory.mktemp("hang"), "hang", 150)
+
+
+def test_two_loopback_nodes_give_the_losses_of_one_node(cli, tmp_path, hang):
     one = cli(*TRAIN, "--nproc", 4, "--steps", 5, "--json", tmp_path / "one.json")
     assert one.returncode == 0, one.stderr[-3000:]
     endpoint = f"127.0.0.1:{free_port()}"
@@ -60,19 +71,6 @@ def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(cli, tm
     assert [(x["attempt"], x["rank"], x["kind"]) for x in s["restarts"]] == [(0, 1, "died")]
     assert s["attempts"][0]["steps"] == [1, 2, 3] and s["attempts"][0]["losses"] == pytest.approx(straight["losses"][:3], abs=1e-6)
     assert "torchrun restarted the workers after attempt 0: rank 1 died without reporting an error" in res.stderr
-
-
-def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path):
-    hang = _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "hang", "--fault-rank", 1, "--fault-step", 2, "--timeout", 30],
-                    tmp_path, "hang", 150)
-    crash = _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "crash", "--fault-rank", 0, "--fault-step", 2], tmp_path, "crash", 90)
-    code, err, seconds, alive = crash()
-    assert code == 1 and seconds < 60 and alive == [], (seconds, err[-3000:])
-    assert "rank 0 died without reporting an error" in err and "step 2 was its last finished step" in err and "Traceback" not in err
-    code, err, seconds, alive = hang()
-    assert code == 1 and seconds < 120 and alive == [], (seconds, err[-3000:])
-    assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err
-    assert "(no progress for 30 s). Rank 1 was in inject_fault" in err
 
 
 def test_slurm_script_names_its_pieces_and_its_launch_line_runs(cli, tmp_path):
@@ -109,3 +107,14 @@ def test_slurm_script_names_its_pieces_and_its_launch_line_runs(cli, tmp_path):
 def test_bad_scale_options_are_refused(cli, args, message):
     res = cli(*args)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang):
+    crash = _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "crash", "--fault-rank", 0, "--fault-step", 2], tmp_path, "crash", 90)
+    code, err, seconds, alive = crash()
+    assert code == 1 and seconds < 60 and alive == [], (seconds, err[-3000:])
+    assert "rank 0 died without reporting an error" in err and "step 2 was its last finished step" in err and "Traceback" not in err
+    code, err, seconds, alive = hang()
+    assert code == 1 and seconds < 120 and alive == [], (seconds, err[-3000:])
+    assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err
+    assert "(no progress for 30 s). Rank 1 was in inject_fault" in err
