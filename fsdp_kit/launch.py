@@ -8,19 +8,19 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 __all__ = ['default_backend', 'environment', 'fork_traps', 'attempt', 'run_worker', 'collective_in', 'Heartbeat', 'diagnose',
            'attempts', 'restarts', 'WorkerError', 'collect', 'free_port', 'torchrun_command', 'worker_main', 'launch']
 
-# %% ../nbs/00_launch.ipynb #9624cd71
+# %% ../nbs/00_launch.ipynb #7becc5ce
 import datetime, faulthandler, json, logging, os, pickle, re, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from .errors import KitError, bad_value
 
-# %% ../nbs/00_launch.ipynb #4bc20704
+# %% ../nbs/00_launch.ipynb #9ed0e175
 def default_backend() -> str:
     "The process-group backend for this machine: NCCL where CUDA is available, else gloo."
     import torch
     return "nccl" if torch.cuda.is_available() else "gloo"
 
-# %% ../nbs/00_launch.ipynb #eb690de5
+# %% ../nbs/00_launch.ipynb #dfdf2f38
 def environment() -> dict:
     "Versions of the stack, device type, backend and GPU count, as a JSON-ready dict."
     import importlib.metadata as md, platform, torch
@@ -33,7 +33,7 @@ def environment() -> dict:
                 backend=default_backend(), gpu_count=torch.cuda.device_count() if cuda else 0,
                 gpu_name=torch.cuda.get_device_name(0) if cuda else None, cpu_count=os.cpu_count())
 
-# %% ../nbs/00_launch.ipynb #632ffe4a
+# %% ../nbs/00_launch.ipynb #244fd3a9
 def fork_traps() -> list:
     "What in this process would break a forked launch, each with what to change."
     import torch
@@ -47,14 +47,14 @@ def fork_traps() -> list:
                          "launched function, not in a notebook cell")
     return traps
 
-# %% ../nbs/00_launch.ipynb #d3e7e555
+# %% ../nbs/00_launch.ipynb #10508aa9
 def _write_json(path:Path, data:dict):
     "Write `data` to `path` atomically (a temporary name, then a rename)."
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.rename(path)
 
-# %% ../nbs/00_launch.ipynb #bb45f9f5
+# %% ../nbs/00_launch.ipynb #8b7a8e7a
 def attempt() -> int:
     "Which attempt of the worker group this process belongs to: 0, then 1, 2, ... after torchrun restarts it."
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -64,7 +64,7 @@ def _tag(rank:int=None, attempt_no:int=None) -> str:
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     return f"a{attempt() if attempt_no is None else attempt_no}-rank{rank}"
 
-# %% ../nbs/00_launch.ipynb #651645a6
+# %% ../nbs/00_launch.ipynb #91948724
 def _init_process_group(backend:str, timeout:float):
     "Bring up the default process group from the launcher's environment variables."
     import torch, torch.distributed as dist
@@ -80,7 +80,7 @@ def _init_process_group(backend:str, timeout:float):
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else: dist.init_process_group(backend, timeout=timeout)
 
-# %% ../nbs/00_launch.ipynb #26ff4c3f
+# %% ../nbs/00_launch.ipynb #f53ea486
 def _wait_for_siblings(run_dir:str, timeout:float):
     "Block until every local worker of this launch has started (a file each), so no fork overlaps a connection."
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -90,7 +90,7 @@ def _wait_for_siblings(run_dir:str, timeout:float):
         if time.monotonic() > deadline: raise TimeoutError(f"only some of the {local_world} local workers started within {timeout} s")
         time.sleep(0.005)
 
-# %% ../nbs/00_launch.ipynb #9447e26d
+# %% ../nbs/00_launch.ipynb #1586c6eb
 def run_worker(fn, # the function each rank runs
                args:tuple, # its positional arguments
                backend:str, # "gloo" or "nccl"
@@ -118,7 +118,7 @@ def run_worker(fn, # the function each rank runs
         if saved_dir is None: os.environ.pop("FSDP_KIT_RUN_DIR", None)
         else: os.environ["FSDP_KIT_RUN_DIR"] = saved_dir
 
-# %% ../nbs/00_launch.ipynb #3e95f1db
+# %% ../nbs/00_launch.ipynb #601d445d
 _COLLECTIVE = re.compile(r"all_gather|reduce_scatter|all_reduce|allreduce|broadcast|barrier|all_to_all|scatter|gather|\bsend\b|\brecv\b")
 
 def collective_in(stack:str) -> str:
@@ -128,7 +128,7 @@ def collective_in(stack:str) -> str:
     names = list(dict.fromkeys(f for f in frames if _COLLECTIVE.search(f)))
     return " > ".join(names) or None
 
-# %% ../nbs/00_launch.ipynb #a370452a
+# %% ../nbs/00_launch.ipynb #738e3064
 class Heartbeat:
     "This rank's progress through its steps, kept in the run folder; a watchdog thread reports a step that does not finish within `timeout` s, then ends the process."
     def __init__(self, timeout:float, # seconds without progress before the watchdog fires
@@ -167,7 +167,7 @@ class Heartbeat:
             return _thread.interrupt_main()
         os._exit(self.exit_code)
 
-# %% ../nbs/00_launch.ipynb #3a3c694e
+# %% ../nbs/00_launch.ipynb #d0f8ba5a
 def _rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
     "{rank: contents} of this attempt's files of one kind (error, stuck, progress, started, done, terminated)."
     out = {}
@@ -177,7 +177,7 @@ def _rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict
         out[int(m.group(1))] = read(p.read_text())
     return out
 
-# %% ../nbs/00_launch.ipynb #326f3186
+# %% ../nbs/00_launch.ipynb #dba853e4
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
@@ -196,7 +196,7 @@ def _hang(errors, stuck, progress, terminated) -> dict:
     if where: message += f". Rank {hung} was in {where[-1] if 'most recent call first' not in stacks[hung] else where[0]}"
     return dict(rank=hung, message=message, traceback=stacks.get(hung, ""), others=waiters, kind="hang")
 
-# %% ../nbs/00_launch.ipynb #53bf810a
+# %% ../nbs/00_launch.ipynb #f1692f41
 def diagnose(run_dir, # the launch's run folder
              attempt_no:int # which attempt of the worker group (0 unless torchrun restarted it)
             ) -> dict:
@@ -218,7 +218,7 @@ def diagnose(run_dir, # the launch's run folder
                     others=[e["rank"] for e in later], kind="error")
     return None
 
-# %% ../nbs/00_launch.ipynb #d74de0d5
+# %% ../nbs/00_launch.ipynb #4586539f
 def attempts(run_dir) -> int:
     "How many attempts of the worker group started in `run_dir` (1 unless torchrun restarted it)."
     found = [int(m.group(1)) for p in Path(run_dir).glob("started-a*") if (m := re.match(r"started-a(\d+)-", p.name))]
@@ -229,7 +229,7 @@ def restarts(run_dir, before:int=None) -> list:
     before = attempts(run_dir) - 1 if before is None else before
     return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a) for a in range(before)]
 
-# %% ../nbs/00_launch.ipynb #042b65a6
+# %% ../nbs/00_launch.ipynb #b306051f
 class WorkerError(RuntimeError):
     "A launched function raised: `rank` is the first rank that failed (None if none reported), `worker_traceback` its traceback."
     def __init__(self, rank:int, message:str, worker_traceback:str='', others:tuple=()):
@@ -239,7 +239,7 @@ class WorkerError(RuntimeError):
         where = f"\n\n--- traceback of rank {rank} ---\n{worker_traceback}" if worker_traceback else ""
         super().__init__(f"rank {rank} failed{also}: {message}{where}")
 
-# %% ../nbs/00_launch.ipynb #7090780c
+# %% ../nbs/00_launch.ipynb #e87c88c1
 def collect(run_dir:str, # the launch's run folder
             exit_note:str='' # what the launcher said, used when no rank left an error
            ):
@@ -251,14 +251,14 @@ def collect(run_dir:str, # the launch's run folder
     if not result.exists(): raise WorkerError(None, f"no rank returned a result and none reported an error. {exit_note}".strip())
     return pickle.loads(result.read_bytes())
 
-# %% ../nbs/00_launch.ipynb #838f1d3b
+# %% ../nbs/00_launch.ipynb #3dbcab51
 def free_port() -> int:
     "A TCP port on localhost that nothing is listening on right now."
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-# %% ../nbs/00_launch.ipynb #efd82cad
+# %% ../nbs/00_launch.ipynb #de1608a3
 @contextmanager
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
@@ -269,7 +269,7 @@ def _quiet_launch_logs():
     finally:
         for l, level in zip(loggers, levels): l.setLevel(level)
 
-# %% ../nbs/00_launch.ipynb #98c77a30
+# %% ../nbs/00_launch.ipynb #5a1a2c23
 class _DropBanner:
     "A stdout that passes everything through except accelerate's banner, which says 'CUDAs' even on CPU."
     def __init__(self, stream): self.stream, self.dropping = stream, False
@@ -280,7 +280,7 @@ class _DropBanner:
         return self.stream.write(text)
     def __getattr__(self, name): return getattr(self.stream, name)
 
-# %% ../nbs/00_launch.ipynb #35e1c84d
+# %% ../nbs/00_launch.ipynb #93a46fe4
 def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     "Fork `nprocs` workers through `accelerate.notebook_launcher`."
     from accelerate import notebook_launcher
@@ -292,7 +292,7 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
         except Exception as e: return f"{type(e).__name__}: {str(e)[:500]}"
     return ""
 
-# %% ../nbs/00_launch.ipynb #d0cbb428
+# %% ../nbs/00_launch.ipynb #1330f1ff
 def _launch_here(fn, args, backend, timeout, run_dir):
     "Run one rank in this process, in a process group of size 1."
     import torch
@@ -309,7 +309,7 @@ def _launch_here(fn, args, backend, timeout, run_dir):
             else: os.environ[k] = v
     return ""
 
-# %% ../nbs/00_launch.ipynb #15d58a02
+# %% ../nbs/00_launch.ipynb #0f5e6f9e
 def torchrun_command(module:str, # the module torchrun runs with `-m`
                      args:list=(), # arguments for that module
                      nproc:int=2, # processes per node
@@ -333,7 +333,7 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if max_restarts: cmd += ["--max-restarts", str(max_restarts)]
     return cmd + ["--nproc-per-node", str(nproc), "-m", module, *map(str, args)]
 
-# %% ../nbs/00_launch.ipynb #02611104
+# %% ../nbs/00_launch.ipynb #40c6cd4f
 def _check_importable(fn):
     "Refuse a function that worker processes started by torchrun could not import."
     module = getattr(fn, "__module__", None)
@@ -341,7 +341,7 @@ def _check_importable(fn):
         raise bad_value("fn", getattr(fn, "__qualname__", fn), "a module-level function of an importable module with launcher='torchrun'",
                         "Move it into a module, or use launcher='notebook'.")
 
-# %% ../nbs/00_launch.ipynb #72a98c98
+# %% ../nbs/00_launch.ipynb #4aee18ce
 def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     "Run `nprocs` workers under `torchrun` in a subprocess: their prints go to stderr, torchrun's log to the run folder."
     _check_importable(fn)
@@ -361,7 +361,7 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
 
-# %% ../nbs/00_launch.ipynb #b02c80e3
+# %% ../nbs/00_launch.ipynb #a6bbfd89
 def worker_main(run_dir:str):
     "What each torchrun rank runs: unpickle the call in `run_dir` and run it with `run_worker`."
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
@@ -369,8 +369,8 @@ def worker_main(run_dir:str):
         faulthandler.register(signal.SIGTERM, dump, all_threads=True, chain=True)  # if torchrun ends this rank, its stacks land here
         run_worker(fn, args, backend, timeout, run_dir)
 
-# %% ../nbs/00_launch.ipynb #62eb1d4d
-def launch(fn, # the function every rank runs; rank 0's return value is returned
+# %% ../nbs/00_launch.ipynb #8cd3a929
+def launch(fn, # the function every rank runs; rank 0's return value (this node's first rank's) is returned
            *args, # positional arguments for `fn`
            nprocs:int=2, # number of processes
            backend:str=None, # "gloo" or "nccl"; None picks by device
