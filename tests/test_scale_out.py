@@ -36,12 +36,12 @@ def _watched(args, tmp, name, deadline):
 
 @pytest.fixture(scope="module")
 def hang(tmp_path_factory):
-    "A run whose rank 1 hangs after step 2, with --timeout 30: started by the first test, checked by the last, so its wait overlaps the others."
+    "A run whose rank 1 hangs after step 2, with --timeout 30: started by the restart test, checked by the last, so its wait overlaps the others."
     return _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "hang", "--fault-rank", 1, "--fault-step", 2, "--timeout", 30],
                     tmp_path_factory.mktemp("hang"), "hang", 150)
 
 
-def test_two_loopback_nodes_give_the_losses_of_one_node(cli, tmp_path, hang):
+def test_two_loopback_nodes_give_the_losses_of_one_node(cli, tmp_path):
     one = cli(*TRAIN, "--nproc", 4, "--steps", 5, "--json", tmp_path / "one.json")
     assert one.returncode == 0, one.stderr[-3000:]
     endpoint = f"127.0.0.1:{free_port()}"
@@ -57,7 +57,7 @@ def test_two_loopback_nodes_give_the_losses_of_one_node(cli, tmp_path, hang):
         assert len(two["losses"]) == 5 and max(abs(a - b) for a, b in zip(two["losses"], one["losses"])) < 1e-5
 
 
-def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(cli, tmp_path):
+def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(cli, tmp_path, hang):
     straight = cli(*TRAIN, "--nproc", 2, "--steps", 6, "--json", tmp_path / "straight.json")
     assert straight.returncode == 0, straight.stderr[-3000:]
     res = cli(*TRAIN, "--nproc", 2, "--steps", 6, "--ckpt", tmp_path / "ck", "--save-every", 2, "--max-restarts", 1,
@@ -113,8 +113,8 @@ def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang
     crash = _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "crash", "--fault-rank", 0, "--fault-step", 2], tmp_path, "crash", 90)
     code, err, seconds, alive = crash()
     assert code == 1 and seconds < 60 and alive == [], (seconds, err[-3000:])
-    assert "rank 0 died without reporting an error" in err and "step 2 was its last finished step" in err and "Traceback" not in err
+    assert "rank 0 died without reporting an error" in err and "step 2 was its last finished step" in err and "Traceback" not in err, err[-3000:]
     code, err, seconds, alive = hang()
     assert code == 1 and seconds < 120 and alive == [], (seconds, err[-3000:])
-    assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err
-    assert "(no progress for 30 s). Rank 1 was in inject_fault" in err
+    assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err, err[-3000:]
+    assert "(no progress for 30 s). Rank 1 was in inject_fault" in err, err[-3000:]
