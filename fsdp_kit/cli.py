@@ -4,6 +4,9 @@
     fsdp-kit mesh --nproc 4 --dp-replicate 2 --dp-shard 2 --json
     fsdp-kit train --nproc 2 --model tiny --steps 10 --check-parity --json out.json
     fsdp-kit train --nproc 2 --steps 20 --ckpt ckpt --save-every 5 --resume --json out.json
+    fsdp-kit train --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint node0:29400 --steps 20   # and --node-rank 1 on node1
+    fsdp-kit train --nproc 2 --steps 20 --ckpt ckpt --save-every 2 --max-restarts 1 --inject-fault crash --fault-rank 1 --fault-step 5
+    fsdp-kit slurm --nodes 4 --gpus-per-node 8 --time 01:00:00 -- train --model small --steps 100 > job.sh
     fsdp-kit qlora --nproc 2 --model tiny --quant-storage bfloat16 --steps 10 --json out.json
     fsdp-kit cp-eval --nproc 2 --cp 2 --rotate alltoall --json out.json
     fsdp-kit plan --model llama-2-70b --gpus 2 --gpu-mem-gb 24 --method qlora --grad-ckpt --offload --json plan.json
@@ -15,6 +18,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from fsdp_kit.errors import KitError
+
+FAULTS = ("crash", "hang")  # fsdp_kit.scale.FAULTS, repeated so building the parser imports nothing heavy
 
 
 def dumps(data) -> str:
@@ -53,9 +58,10 @@ def _cmd_mesh(a):
 
 def _cmd_train(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.train import TrainSpec, train_worker
+    from fsdp_kit.train import TrainSpec
     from fsdp_kit.models import model_config
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume
+    from fsdp_kit.scale import FaultSpec, scale_train_worker
     ckpt = None
     if a.ckpt:
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=a.state_dict, resume=a.resume, keep=a.keep)
@@ -63,11 +69,17 @@ def _cmd_train(a):
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                      check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, ckpt=ckpt).check()
     model_config(spec.model)  # refuse an unknown model before launching
+    fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     if a.resume:
         folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
         for note in notes: print(f"  {note}", file=sys.stderr)
-    result = launch(train_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
-    text = f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
+    result = launch(scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
+                    node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts)
+    s = result.scale
+    text = f"{s['nodes']} node(s) x {s['ranks_per_node']} = " if s["nodes"] > 1 else ""
+    for r in s["restarts"]: text += f"restart {r['attempt'] + 1}: attempt {r['attempt']} ended after step {s['attempts'][r['attempt']]['last_step']} (rank {r['rank']} {r['kind']})\n"
+    if s["attempt"]: text += f"the last attempt resumed from step {result.first_step}\n"
+    text += f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
     if result.losses: text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     if result.checkpoint:
@@ -95,6 +107,13 @@ def _cmd_hf(a):
         out["check"] = launch(hf_worker, cfg, a.model, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
         text += "\n".join(out["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit"))
     emit(out, a.json, text.rstrip())
+
+
+def _cmd_slurm(a):
+    from fsdp_kit.scale import slurm_script
+    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    script = slurm_script(a.nodes, a.gpus_per_node, args, a.partition, a.time, a.job_name)
+    emit(dict(nodes=a.nodes, gpus_per_node=a.gpus_per_node, args=args, script=script), a.json, "" if a.json == "-" else script.rstrip("\n"))
 
 
 def _cmd_ckpt(a):
@@ -258,6 +277,21 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dict", default="sharded", help="sharded (DCP, one file per rank) or full (a transformers folder); default sharded")
     s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
     s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (default 2)")
+    s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each (default 1)")
+    s.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
+    s.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous (on the first node), needed with --nnodes > 1")
+    s.add_argument("--rdzv-id", default="fsdp_kit", help="a name every node of the job shares (e.g. $SLURM_JOB_ID)")
+    s.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts the workers after a failure; they resume from --ckpt")
+    s.add_argument("--inject-fault", choices=FAULTS, help="make --fault-rank crash (SIGKILL) or hang after --fault-step, once")
+    s.add_argument("--fault-rank", type=int, default=1, help="the rank that fails (default 1)")
+    s.add_argument("--fault-step", type=int, default=1, help="it fails after this step (default 1)")
+    s = add("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node", launches=False)
+    s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    s.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (one rank each)")
+    s.add_argument("--partition", help="SLURM partition")
+    s.add_argument("--time", help="time limit, e.g. 01:00:00")
+    s.add_argument("--job-name", default="fsdp-kit")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="-- then the fsdp-kit command each node runs, e.g. -- train --steps 100")
     s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
     s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
     s.add_argument("--check", action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")

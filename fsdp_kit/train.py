@@ -8,13 +8,13 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 __all__ = ['TrainSpec', 'shard_per_layer', 'make_optimizer', 'train_loop', 'mean_over_ranks', 'TrainResult', 'train_worker',
            'plot_losses']
 
-# %% ../nbs/01_train.ipynb #c4ffc459
+# %% ../nbs/01_train.ipynb #16fe5fa1
 import statistics, time
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
 
-# %% ../nbs/01_train.ipynb #75c7daee
+# %% ../nbs/01_train.ipynb #ca23d1a6
 @dataclass
 class TrainSpec:
     "Settings of a training run."
@@ -41,14 +41,14 @@ class TrainSpec:
         if self.ckpt is not None: self.ckpt.check()
         return self
 
-# %% ../nbs/01_train.ipynb #5333e563
+# %% ../nbs/01_train.ipynb #dad56855
 def shard_per_layer(model, mesh):
     "Apply `fully_shard` to each decoder layer, then to the root; return the model."
     from torch.distributed.fsdp import fully_shard
     for layer in decoder_layers(model): fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
-# %% ../nbs/01_train.ipynb #e2767663
+# %% ../nbs/01_train.ipynb #9ee762ad
 def make_optimizer(model, spec:TrainSpec):
     "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
     import torch
@@ -57,7 +57,7 @@ def make_optimizer(model, spec:TrainSpec):
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
 
-# %% ../nbs/01_train.ipynb #1b03718c
+# %% ../nbs/01_train.ipynb #f2f3db7e
 def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=None, times:list=None,
                optimizer:tuple=None, # (optimizer, schedule) from `make_optimizer`; None makes them
                start_step:int=0, # the global step to start at (a resumed run starts where its checkpoint ended)
@@ -80,7 +80,7 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
         if after_step is not None: after_step(step + 1)
     return losses
 
-# %% ../nbs/01_train.ipynb #7b59dc21
+# %% ../nbs/01_train.ipynb #60e0448b
 def mean_over_ranks(losses:list) -> list:
     "Each step's loss averaged over all ranks (an all_reduce): the loss of the whole global batch."
     import torch, torch.distributed as dist
@@ -89,7 +89,7 @@ def mean_over_ranks(losses:list) -> list:
     dist.all_reduce(losses)
     return (losses / dist.get_world_size()).tolist()
 
-# %% ../nbs/01_train.ipynb #2b274827
+# %% ../nbs/01_train.ipynb #2c406023
 @dataclass
 class TrainResult:
     "What a training run measured."
@@ -105,21 +105,24 @@ class TrainResult:
     first_step:int=0 # the global step of losses[0]: 0 for a fresh run, the checkpoint's step for a resumed one
     checkpoint:dict=None # what was saved and resumed, with ckpt (see `checkpoint.CheckpointSpec`)
     adapter:dict=None # the LoRA adapter saved and reloaded, with lora
+    scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
 
-# %% ../nbs/01_train.ipynb #11267a3a
+# %% ../nbs/01_train.ipynb #90f814ed
 def _reference(spec:TrainSpec, world_size:int):
     "One process, the same model and global batches: (losses, full state dict)."
     model = build_model(model_config(spec.model), spec.seed)
     losses = train_loop(model, spec, rows=spec.batch * world_size)
     return [l.item() for l in losses], model.state_dict()
 
-# %% ../nbs/01_train.ipynb #34c4ab69
+# %% ../nbs/01_train.ipynb #8bbbc7be
 def _max_diff(full:dict, reference:dict) -> float:
     "Largest absolute difference between two state dicts with the same keys."
     return max((full[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
-# %% ../nbs/01_train.ipynb #20156dc8
-def train_worker(spec:TrainSpec) -> TrainResult:
+# %% ../nbs/01_train.ipynb #8514989c
+def train_worker(spec:TrainSpec,
+                 watch=None # called after each step like the checkpoint saver (see `scale.StepWatch`): heartbeats, faults, loss log
+                ) -> TrainResult:
     "Shard a model per decoder layer, train it on this process group, and measure (rank 0 returns)."
     import torch, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
@@ -135,8 +138,10 @@ def train_worker(spec:TrainSpec) -> TrainResult:
         from fsdp_kit.checkpoint import Saver
         saver = Saver(spec.ckpt, model, *optimizer, spec)
         start = saver.resume()
-    times = []
-    losses = mean_over_ranks(train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=saver))
+    times, after_step = [], saver if watch is None else watch.start(model, start, saver)
+    losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step)
+    if watch is not None: watch.stop()
+    losses = mean_over_ranks(losses)
     seconds = statistics.median(times[1:] or times) if times else float("nan")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
@@ -150,7 +155,7 @@ def train_worker(spec:TrainSpec) -> TrainResult:
         result.max_param_diff = _max_diff(full, reference)
     return result
 
-# %% ../nbs/01_train.ipynb #321965d2
+# %% ../nbs/01_train.ipynb #13c51f29
 def plot_losses(result:TrainResult, ax=None):
     "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt

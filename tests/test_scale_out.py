@@ -1,0 +1,120 @@
+"""Scale-out: two loopback nodes give one node's losses, a SIGKILLed worker is restarted and resumes exactly, crashes and hangs fail fast naming the rank with nothing left behind, the sbatch script."""
+import json, os, signal, subprocess, sys, threading, time
+from pathlib import Path
+import psutil, pytest
+from tests.conftest import ROOT
+from fsdp_kit.launch import free_port
+
+pytestmark = pytest.mark.timeout(400)
+TRAIN = ("train", "--model", "tiny", "--seq-len", 32)
+
+
+def _watched(args, tmp, name, deadline):
+    "Start `fsdp-kit ARGS` and watch it from a thread; return a function that waits: (exit code, stderr, seconds, processes of the run still alive)."
+    out, err = open(tmp / f"{name}.out", "w"), open(tmp / f"{name}.err", "w")
+    start, seen, box = time.monotonic(), set(), {}
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=out, stderr=err, start_new_session=True)
+
+    def watch():
+        while proc.poll() is None:
+            try: seen.update(psutil.Process(proc.pid).children(recursive=True))  # torchrun and its workers, as they come
+            except psutil.NoSuchProcess: pass
+            if time.monotonic() - start > deadline: os.killpg(proc.pid, signal.SIGKILL); box["killed"] = True
+            time.sleep(0.2)
+        box["seconds"] = time.monotonic() - start
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        assert "killed" not in box, f"fsdp-kit {' '.join(map(str, args))} still running after {deadline} s"
+        time.sleep(1)
+        alive = [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return proc.returncode, (tmp / f"{name}.err").read_text(), box["seconds"], alive
+    return wait
+
+
+@pytest.fixture(scope="module")
+def hang(tmp_path_factory):
+    "A run whose rank 1 hangs after step 2, with --timeout 30: started by the restart test, checked by the last, so its wait overlaps the others."
+    return _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "hang", "--fault-rank", 1, "--fault-step", 2, "--timeout", 30],
+                    tmp_path_factory.mktemp("hang"), "hang", 150)
+
+
+def test_two_loopback_nodes_give_the_losses_of_one_node(cli, tmp_path):
+    one = cli(*TRAIN, "--nproc", 4, "--steps", 5, "--json", tmp_path / "one.json")
+    assert one.returncode == 0, one.stderr[-3000:]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [_watched([*TRAIN, "--steps", 5, "--nnodes", 2, "--node-rank", r, "--nproc", 2, "--rdzv-endpoint", endpoint,
+                       "--json", tmp_path / f"node{r}.json"], tmp_path, f"node{r}", 240) for r in (1, 0)]
+    for wait in nodes:
+        code, err, _, alive = wait()
+        assert code == 0 and alive == [], err[-3000:]
+    one = json.loads((tmp_path / "one.json").read_text())
+    for r in (0, 1):
+        two = json.loads((tmp_path / f"node{r}.json").read_text())
+        assert two["world_size"] == 4 and two["scale"]["nodes"] == 2 and two["scale"]["ranks_per_node"] == 2
+        assert len(two["losses"]) == 5 and max(abs(a - b) for a, b in zip(two["losses"], one["losses"])) < 1e-5
+
+
+def test_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(cli, tmp_path, hang):
+    straight = cli(*TRAIN, "--nproc", 2, "--steps", 6, "--json", tmp_path / "straight.json")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    res = cli(*TRAIN, "--nproc", 2, "--steps", 6, "--ckpt", tmp_path / "ck", "--save-every", 2, "--max-restarts", 1,
+              "--inject-fault", "crash", "--fault-rank", 1, "--fault-step", 3, "--json", tmp_path / "restarted.json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    straight, r = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("straight", "restarted"))
+    assert abs(r["losses"][-1] - straight["losses"][-1]) < 1e-6
+    assert r["losses"] == straight["losses"][2:]  # resumed from step 2's checkpoint, bit for bit
+    s = r["scale"]
+    assert r["first_step"] == 2 and r["checkpoint"]["resumed_from"]["step"] == 2 and s["attempt"] == 1
+    assert [(x["attempt"], x["rank"], x["kind"]) for x in s["restarts"]] == [(0, 1, "died")]
+    assert s["attempts"][0]["steps"] == [1, 2, 3] and s["attempts"][0]["losses"] == pytest.approx(straight["losses"][:3], abs=1e-6)
+    assert "torchrun restarted the workers after attempt 0: rank 1 died without reporting an error" in res.stderr
+
+
+def test_slurm_script_names_its_pieces_and_its_launch_line_runs(cli, tmp_path):
+    res = cli("slurm", "--nodes", 4, "--gpus-per-node", 8, "--partition", "gpu", "--time", "01:00:00", "--", "train", "--steps", 10)
+    assert res.returncode == 0, res.stderr
+    script = res.stdout
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    for piece in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "srun --nodes=4",
+                  'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', "torchrun --nnodes 4 --node-rank $SLURM_NODEID",
+                  "--rdzv-backend c10d --rdzv-endpoint $head_node:$rdzv_port", '--node-rank "$SLURM_NODEID" --rdzv-endpoint "$head_node:$rdzv_port"'):
+        assert piece in script, piece
+    # run it on one loopback node: SLURM's variables set by hand, scontrol and srun stood in for by two-line scripts
+    res = cli("slurm", "--nodes", 1, "--gpus-per-node", 2, "--", *TRAIN, "--steps", 2, "--json", tmp_path / "slurm.json")
+    (tmp_path / "job.sh").write_text(res.stdout)
+    bin_dir = tmp_path / "bin"; bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    for f in ("scontrol", "srun"): (bin_dir / f).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[001]",
+           "SLURM_JOB_ID": "4242", "SLURM_NODEID": "0", "RDZV_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(["bash", tmp_path / "job.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads((tmp_path / "slurm.json").read_text())
+    assert r["world_size"] == 2 and len(r["losses"]) == 2 and r["scale"]["nodes"] == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (("slurm", "--nodes", 0, "--gpus-per-node", 8, "--", "train"), "nodes=0 is not allowed: a whole number >= 1"),
+    (("slurm", "--nodes", 2, "--gpus-per-node", 8, "--", "mesh"), "command='mesh' is not allowed: train ..."),
+    (("slurm", "--nodes", 2, "--gpus-per-node", 8, "--", "train", "--nproc", 4), "command='--nproc' is not allowed: no node options"),
+    (("train", "--inject-fault", "crash", "--fault-rank", 2), "fault_rank=2 is not allowed: 0 <= fault_rank < 2"),
+    (("train", "--nnodes", 2), "rdzv_endpoint=None is not allowed: HOST:PORT of the first node"),
+])
+def test_bad_scale_options_are_refused(cli, args, message):
+    res = cli(*args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang):
+    crash = _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "crash", "--fault-rank", 0, "--fault-step", 2], tmp_path, "crash", 90)
+    code, err, seconds, alive = crash()
+    assert code == 1 and seconds < 60 and alive == [], (seconds, err[-3000:])
+    assert "rank 0 died without reporting an error" in err and "step 2 was its last finished step" in err and "Traceback" not in err, err[-3000:]
+    code, err, seconds, alive = hang()
+    assert code == 1 and seconds < 120 and alive == [], (seconds, err[-3000:])
+    assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err, err[-3000:]
+    assert "(no progress for 30 s). Rank 1 was in inject_fault" in err, err[-3000:]
