@@ -59,7 +59,7 @@ def _cmd_mesh(a):
 def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
-    from fsdp_kit.models import model_config
+    from fsdp_kit.models import check_model
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     ckpt = None
@@ -68,7 +68,7 @@ def _cmd_train(a):
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                      check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, ckpt=ckpt).check()
-    model_config(spec.model)  # refuse an unknown model before launching
+    check_model(spec.model)  # refuse an unknown model before launching (a preset: no transformers import)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     if a.resume:
         folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
@@ -164,11 +164,11 @@ def _cmd_docs(a):
 
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.models import model_config
+    from fsdp_kit.models import check_model
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, lora_r=a.lora_r, seed=a.seed, adapter_dir=a.adapter_dir).check()
-    model_config(spec.model)  # refuse an unknown model before launching
+    check_model(spec.model)  # refuse an unknown model before launching (a preset: no transformers import)
     r = launch(qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
@@ -182,12 +182,12 @@ def _cmd_qlora(a):
 
 def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.models import model_config
+    from fsdp_kit.models import check_model
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed)
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    model_config(spec.model)
+    check_model(spec.model)
     r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "

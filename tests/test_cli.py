@@ -25,6 +25,17 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     qlora = report["qlora"]["data"]
     assert "qlora.png" in files and qlora["losses"][-1] < qlora["losses"][0] and qlora["sharded_vs_unsharded_loss_diff"] < 1e-4
     assert all(q < b for q, b in zip(qlora["peak_bytes"]["qlora"], qlora["peak_bytes"]["bf16_lora"]))
+    # the wrap lab's trade-offs, from the tour's compare step (the same CompareSpec `fsdp-kit compare` runs by default)
+    from fsdp_kit.config import POLICIES
+    runs = report["compare"]["data"]["runs"]
+    assert len(runs) == 8 and {r["policy"] for r in runs} == set(POLICIES) and "compare.png" in files
+    get = {(r["policy"], r["reshard_after_forward"]): r for r in runs}
+    layer_t, layer_f, nowrap = get["TRANSFORMER_BASED_WRAP", True], get["TRANSFORMER_BASED_WRAP", False], get["NO_WRAP", True]
+    assert layer_t["peak_bytes"]["total"] < layer_f["peak_bytes"]["total"] < nowrap["peak_bytes"]["total"]
+    assert layer_t["collectives"]["all_gather"]["count"] == 2 * layer_f["collectives"]["all_gather"]["count"]
+    assert get["PER_LINEAR", True]["collectives"]["reduce_scatter"]["count"] > layer_t["collectives"]["reduce_scatter"]["count"]
+    assert [u["module"] for u in layer_t["units"]] == [f"model.layers.{i}" for i in (3, 2, 1, 0)] + [""]
+    assert all(r["world_size"] == 2 and r["step_seconds"] > 0 for r in runs)
     cp = report["cp_eval"]["data"]
     assert cp["cp_size"] == 2 and abs(cp["eval_loss"] - cp["eval_loss_reference"]) < 1e-5 and cp["predictions_match_reference"]
     assert report["checkpoint"]["data"]["bit_identical"] is True
