@@ -14,7 +14,7 @@ nbdev-test:        ## run every notebook (cells flagged notest / gpu / slow are 
 	@for nb in nbs/0[6-9]*.ipynb nbs/1[0]*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # a fresh process each
 
 pytest:            ## the test suite: real multi-process runs and bad-input cases
-	python -m pytest -q tests --ignore=tests/test_sync.py
+	python -m pytest -q --durations=15 tests --ignore=tests/test_sync.py
 
 nbval:             ## run every notebook again and compare the outputs marked NBVAL_CHECK_OUTPUT
 	python -m pytest -q --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider nbs

@@ -3,43 +3,64 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/plain_fsdp.py --model small --batch 4 --seq-len 128 --steps 30 --out plain.json
 
 Same model (built from the same preset and seed), same data, same AdamW, `fully_shard` per decoder layer then the root,
-as in pytorch/examples distributed/FSDP2. Nothing from the kit runs inside the timed loop.
+as in pytorch/examples distributed/FSDP2. Nothing from the kit runs inside the timed loop: the kit only builds the model
+and draws the synthetic batches, so both sides train on the same numbers.
 """
 import argparse, json, os, statistics, time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
 from fsdp_kit.models import model_config, build_model, synthetic_tokens, rank_rows
+
+
+def build(model:str="small", lr:float=3e-3, seed:int=0, bf16:bool=False):
+    "The model, sharded per decoder layer then at the root, on this rank's device, and its AdamW."
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    net = build_model(model_config(model), seed=seed).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for layer in net.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(net, mp_policy=mp)
+    return net, torch.optim.AdamW(net.parameters(), lr=lr)
+
+
+def step(net, optim, n:int, batch:int, seq_len:int, seed:int=0):
+    "Training step `n`: this rank's rows of the global batch, forward, backward, AdamW; the loss (not synchronised)."
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = rank_rows(synthetic_tokens(net.config.vocab_size, batch * world, seq_len, n, seed), rank, world)
+    tokens = tokens.to(next(net.parameters()).device)
+    loss = net(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="small"); p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128); p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=3e-3); p.add_argument("--out", required=True)
+    p.add_argument("--lr", type=float, default=3e-3); p.add_argument("--bf16", action="store_true")
+    p.add_argument("--out", required=True)
     a = p.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(model_config(a.model), seed=0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    gpu = torch.cuda.is_available()
+    if gpu: torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else: torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    net, optim = build(a.model, a.lr, bf16=a.bf16)
     times, losses = [], []
-    for step in range(a.steps):
+    for n in range(a.steps):
         start = time.perf_counter()
-        tokens = rank_rows(synthetic_tokens(model.config.vocab_size, a.batch * world, a.seq_len, step, 0), rank, world)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.detach())
+        losses.append(step(net, optim, n, a.batch, a.seq_len))
+        if gpu: torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    if rank == 0:
-        json.dump(dict(step_seconds=statistics.median(times[1:]), step_times=times, loss=losses[-1].item()), open(a.out, "w"))
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # after the timed loop: each step's loss averaged over the ranks, as fsdp-kit train reports it
+    if dist.get_rank() == 0:
+        json.dump(dict(step_seconds=statistics.median(times[1:]), step_times=times, losses=(losses / dist.get_world_size()).tolist(),
+                       tokens_per_second=a.batch * dist.get_world_size() * a.seq_len / statistics.median(times[1:])), open(a.out, "w"))
     dist.destroy_process_group()
 
 

@@ -2,10 +2,13 @@
 
     python benchmarks/run.py --json benchmarks/results.json
 
-Each comparison alternates its two sides (A, B, A, B, ...) so that machine noise hits both, and reports the
-median of the per-pair ratios. Runs in about 6 to 9 minutes on 2 CPU cores. Writes the machine it ran on.
+Each comparison alternates its two sides (A, B, B, A, ...) so that machine noise hits both, and reports the median of
+the per-pair ratios with a bootstrap 95% interval. The train step is compared twice: whole `fsdp-kit train` runs against
+whole plain-loop runs, and, because a shared machine drifts more between runs than the kit could add, step by step inside
+one job (`same_window.py`). Where CUDA is available it adds tokens/s and MFU in bf16. Writes the machine it ran on, and a
+summary of every ratio against its target. About 9 minutes on 2 CPU cores (4 without --skip-labs' part).
 """
-import argparse, datetime, json, os, platform, statistics, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, platform, random, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +36,16 @@ def run(cmd, **kw):
     return out
 
 
+def median_ci(values, level=0.95, draws=2000, seed=0) -> list:
+    "A bootstrap confidence interval for the median of `values` (resampled with a fixed seed, so the same values give the same interval)."
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return [meds[int(draws * (1 - level) / 2)], meds[int(draws * (1 + level) / 2) - 1]]
+
+
 def bench_train(pairs: int, model="small", batch=4, seq_len=128, steps=30) -> dict:
     "fsdp-kit train against the plain loop, alternating which goes first; ratio of median step times per pair."
-    ratios, kit, plain = [], [], []
+    ratios, kit, plain, tokens = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         def run_kit():
             run([PY, "-m", "fsdp_kit", "train", "--nproc", "2", "--model", model, "--batch", batch, "--seq-len", seq_len, "--steps", steps,
@@ -49,11 +59,25 @@ def bench_train(pairs: int, model="small", batch=4, seq_len=128, steps=30) -> di
         for i in range(pairs):
             for side in ((run_kit, run_plain) if i % 2 == 0 else (run_plain, run_kit)):  # A B, B A, ...: no side always goes first
                 side()
-            k, p = json.load(open(f"{tmp}/kit.json"))["step_seconds"], json.load(open(f"{tmp}/plain.json"))["step_seconds"]
-            kit.append(k); plain.append(p); ratios.append(k / p)
+            k_json = json.load(open(f"{tmp}/kit.json"))
+            k, p = k_json["step_seconds"], json.load(open(f"{tmp}/plain.json"))["step_seconds"]
+            kit.append(k); plain.append(p); ratios.append(k / p); tokens.append(k_json["tokens_per_second"])
             log(f"train pair {i + 1}/{pairs}: kit {k * 1e3:.1f} ms, plain {p * 1e3:.1f} ms, ratio {k / p:.3f}")
     return dict(model=model, batch=batch, seq_len=seq_len, steps=steps, kit_step_seconds=kit, plain_step_seconds=plain,
-                ratios=ratios, ratio=statistics.median(ratios), target=1.02)
+                kit_tokens_per_second=tokens, ratios=ratios, ratio=statistics.median(ratios), ratio_ci95=median_ci(ratios), target=1.02)
+
+
+def bench_same_window(rounds: int, model="small", batch=4, seq_len=128) -> dict:
+    "The kit's step and the plain loop's alternated step by step in one job (benchmarks/same_window.py): the per-step cost of the kit alone."
+    with tempfile.TemporaryDirectory() as tmp:
+        run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/same_window.py", "--model", model,
+             "--batch", str(batch), "--seq-len", str(seq_len), "--rounds", str(rounds), "--out", f"{tmp}/sw.json"],
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = json.load(open(f"{tmp}/sw.json"))
+    out.update(ratio_ci95=median_ci(out["ratios"]), target=1.02, model=model, batch=batch, seq_len=seq_len)
+    log(f"same window, {rounds} rounds: kit {out['kit_step_seconds'] * 1e3:.1f} ms, plain {out['plain_step_seconds'] * 1e3:.1f} ms, "
+        f"median ratio {out['ratio']:.3f} (95% CI {out['ratio_ci95'][0]:.3f} to {out['ratio_ci95'][1]:.3f})")
+    return out
 
 
 SCRIPT = """import json, sys, time
@@ -159,52 +183,141 @@ def bench_overhead(steps: int) -> dict:
 
 
 def bench_labs() -> dict:
-    "Wall time of each notebook under nbval, and of fsdp-kit tour."
-    times = {}
-    for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
-        if nb.name == "11_benchmarks.ipynb":
-            continue  # it shows the results this run is producing
-        start = time.time()
-        run([PY, "-m", "pytest", "-q", "--nbval-lax", "--nbval-cell-timeout=300", "-p", "no:cacheprovider", str(nb)])
-        times[nb.name] = round(time.time() - start, 1)
-        log(f"nbval {nb.name}: {times[nb.name]} s")
-    start = time.time()
+    "Wall time of each notebook under nbval (one pytest run, as CI does; `nbtimes.py` clocks each notebook), and of fsdp-kit tour."
     with tempfile.TemporaryDirectory() as tmp:
+        start = time.time()
+        run([PY, "-m", "pytest", "-q", "--nbval-lax", "--nbval-cell-timeout=300", "-p", "no:cacheprovider", "-p", "nbtimes", "nbs/"],
+            env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "NBTIMES_OUT": f"{tmp}/nb.json"})
+        total = round(time.time() - start, 1)
+        times = dict(sorted(json.load(open(f"{tmp}/nb.json")).items()))
+        log(f"nbval: {total} s for {len(times)} notebooks, the slowest {max(times, key=times.get)} {max(times.values())} s")
+        start = time.time()
         run([PY, "-m", "fsdp_kit", "tour", "--out", f"{tmp}/tour"])
     tour = round(time.time() - start, 1)
     log(f"tour: {tour} s")
-    return dict(nbval_seconds=times, nbval_total_seconds=round(sum(times.values()), 1), tour_seconds=tour,
-                slowest_notebook=max(times, key=times.get), target_per_notebook=120, target_total=600)
+    return dict(nbval_seconds=times, nbval_total_seconds=total, tour_seconds=tour, slowest_notebook=max(times, key=times.get),
+                target_per_notebook=120, target_total=600)
+
+
+# dense bf16 tensor-core peak per GPU, from the vendors' data sheets (FLOP/s); MFU is left out for a GPU not listed
+PEAK_BF16 = {"H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+             "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops(name: str):
+    "The bf16 peak of the GPU called `name`, or None."
+    return next((v for k, v in PEAK_BF16.items() if k.lower() in name.lower()), None)
+
+
+def flops_per_token(config_path: str, seq_len: int) -> float:
+    "Training FLOPs per token: 6 x parameters for the matmuls, plus 12 x layers x hidden x sequence for attention (as in PaLM's MFU)."
+    from fsdp_kit.models import model_config, build_model
+    import torch
+    cfg = model_config(config_path)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in build_model(cfg).parameters())
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len, n
+
+
+def bench_gpu(pairs: int = 2, model="benchmarks/llama-1b.json", batch=4, seq_len=2048, steps=20) -> dict:
+    "Where CUDA is available: tokens/s and MFU of fsdp-kit train in bf16 against the plain loop, on every GPU of the machine."
+    import torch
+    gpus, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    per_token, n_params = flops_per_token(model, seq_len)
+    peak = peak_flops(name)
+    kit, plain = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        def run_kit():
+            run([PY, "-m", "fsdp_kit", "train", "--nproc", gpus, "--model", model, "--batch", batch, "--seq-len", seq_len, "--steps", steps,
+                 "--mixed-precision", "bf16", "--json", f"{tmp}/kit.json"])
+            kit.append(json.load(open(f"{tmp}/kit.json"))["tokens_per_second"])
+
+        def run_plain():
+            run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "benchmarks/plain_fsdp.py", "--model", model,
+                 "--batch", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--bf16", "--out", f"{tmp}/plain.json"])
+            plain.append(json.load(open(f"{tmp}/plain.json"))["tokens_per_second"])
+
+        for i in range(pairs):
+            for side in ((run_kit, run_plain) if i % 2 == 0 else (run_plain, run_kit)):
+                side()
+            log(f"gpu pair {i + 1}/{pairs}: kit {kit[-1]:,.0f} tokens/s, plain {plain[-1]:,.0f} tokens/s")
+    mfu = (lambda tps: tps * per_token / (gpus * peak)) if peak else (lambda tps: None)
+    k, p = statistics.median(kit), statistics.median(plain)
+    return dict(device=name, gpus=gpus, model=model, n_params=n_params, batch=batch, seq_len=seq_len, steps=steps, mixed_precision="bf16",
+                kit_tokens_per_second=kit, plain_tokens_per_second=plain, kit_mfu=mfu(k), plain_mfu=mfu(p), ratio=p / k,
+                peak_flops_per_gpu=peak, flops_per_token=per_token, target=1.02)
+
+
+def summary(results: dict) -> dict:
+    "Each ratio with its target, and whether it was met."
+    rows = {}
+    def add(name, value, target, ci=None):
+        if value is not None: rows[name] = dict(ratio=round(value, 4), target=target, met=value <= target, ci95=ci)
+    t, w, l, o, g = (results.get(k, {}) for k in ("train", "same_window", "launch", "overhead", "gpu"))
+    add("train step, fsdp-kit train / plain loop (alternating runs)", t.get("ratio"), 1.02, t.get("ratio_ci95"))
+    add("train step, kit / plain (same window, step by step)", w.get("ratio"), 1.02, w.get("ratio_ci95"))
+    add("first collective, launch() from a script / torchrun", l.get("first_collective_ratio_script"), 1.1)
+    add("first collective, launch() in a notebook kernel / torchrun", l.get("first_collective_ratio_notebook"), 1.1)
+    add("exit, launch() from a script / torchrun", l.get("exit_ratio_script"), 1.1)
+    for k in ("memory_tracking_ratio", "comm_counting_ratio"):
+        if k in o: rows[f"step with {k.split('_')[0]} {'tracking' if 'memory' in k else 'counting'} on / off"] = dict(ratio=round(o[k], 3), target=None, met=None)
+    add("GPU step, plain tokens/s / kit tokens/s", g.get("ratio"), 1.02)
+    labs = results.get("labs", {})
+    if "nbval_seconds" in labs:
+        rows["slowest notebook under nbval, seconds"] = dict(value=max(labs["nbval_seconds"].values()), target=120, met=max(labs["nbval_seconds"].values()) <= 120)
+        rows["all notebooks under nbval, seconds"] = dict(value=labs["nbval_total_seconds"], target=600, met=labs["nbval_total_seconds"] <= 600)
+    return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="benchmarks/results.json")
-    p.add_argument("--pairs", type=int, default=6, help="alternating pairs for the train-step comparison")
-    p.add_argument("--repeats", type=int, default=5, help="rounds of the launch comparison")
-    p.add_argument("--skip-labs", action="store_true")
+    p.add_argument("--pairs", type=int, default=6, help="alternating pairs of fsdp-kit train and the plain loop (default 6)")
+    p.add_argument("--rounds", type=int, default=100, help="rounds of the same-window step comparison (default 100)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the launch comparison (default 3)")
+    p.add_argument("--skip-labs", action="store_true", help="leave out the notebooks under nbval and the tour (about 6 minutes)")
+    p.add_argument("--only", help="run only these parts, comma-separated (train, same_window, launch, overhead, gpu, labs), "
+                                  "replacing them in an existing --json file and keeping its other parts")
     a = p.parse_args()
     start = time.time()
     results = dict(machine=machine())
-    steps = [("train", "train step: fsdp-kit train vs a plain fully_shard loop", lambda: bench_train(a.pairs)),
+    if a.only and Path(a.json).exists():
+        results = {**json.loads(Path(a.json).read_text()), "machine": machine()}
+    part_seconds = results.setdefault("part_seconds", {})
+    import torch
+    steps = [("train", f"train step: fsdp-kit train vs a plain fully_shard loop, {a.pairs} alternating pairs", lambda: bench_train(a.pairs)),
+             ("same_window", f"train step: the kit's step vs the plain loop's, alternated for {a.rounds} rounds in one job", lambda: bench_same_window(a.rounds)),
              ("launch", "launch: launch() vs bare torchrun", lambda: bench_launch(a.repeats)),
              ("overhead", "measurement overhead", lambda: bench_overhead(5))]
+    if torch.cuda.is_available():
+        steps.append(("gpu", "GPU: tokens/s and MFU in bf16, fsdp-kit train vs the plain loop", bench_gpu))
+    else:
+        results["gpu"] = dict(available=False, note="no GPU on this machine; the GPU benchmark (bench_gpu) runs where torch.cuda.is_available()")
     if not a.skip_labs:
-        steps.append(("labs", "labs under nbval, and the tour", bench_labs))
-    for key, title, fn in steps:
-        log(title)
+        steps.append(("labs", "labs: every notebook under nbval, then the tour", bench_labs))
+    if a.only:
+        wanted = set(a.only.split(","))
+        if unknown := wanted - {key for key, _, _ in steps} - {"gpu"}:
+            p.error(f"--only {a.only}: unknown part(s) {sorted(unknown)}; choose from train, same_window, launch, overhead, gpu, labs")
+        steps = [s for s in steps if s[0] in wanted]
+    for i, (key, title, fn) in enumerate(steps, 1):
+        log(f"[{i}/{len(steps)}] {title}")
         try:
+            t0 = time.time()
             results[key] = fn()
+            part_seconds[key] = round(time.time() - t0, 1)
         except Exception as e:  # keep what was measured; say what failed
             results[key] = dict(error=f"{type(e).__name__}: {str(e)[:2000]}")
             log(f"{key} failed: {results[key]['error'][:300]}")
-    results["gpu"] = dict(available=False, note="no GPU on this machine; the GPU benchmark runs where torch.cuda.is_available()") \
-        if results["machine"]["gpu"] is None else dict(available=True, note="GPU benchmark not yet implemented")
-    results["seconds"] = round(time.time() - start, 1)
+    results["summary"] = summary(results)
+    if not a.only: results["seconds"] = round(time.time() - start, 1)  # the whole benchmark; a partial rerun keeps the last full run's
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=2))
-    log(f"wrote {a.json} in {results['seconds']} s: train ratio {results['train'].get('ratio')}, launch first-collective ratio "
-        f"{results['launch'].get('first_collective_ratio_script')} (script), {results['launch'].get('first_collective_ratio_notebook')} (notebook)")
+    log(f"wrote {a.json}; this run took {time.time() - start:.0f} s")
+    for name, row in results["summary"].items():
+        value = row.get("ratio", row.get("value"))
+        verdict = "" if row["target"] is None else f"  target <= {row['target']}: {'met' if row['met'] else 'NOT met'}"
+        print(f"  {name:<66} {value}{verdict}")
     if any("error" in v for v in results.values() if isinstance(v, dict)):
         sys.exit(1)
 

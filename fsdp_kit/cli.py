@@ -67,7 +67,7 @@ def _cmd_train(a):
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=a.state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                     check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, ckpt=ckpt).check()
+                     check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, mixed_precision=a.mixed_precision, ckpt=ckpt).check()
     check_model(spec.model)  # refuse an unknown model before launching (a preset: no transformers import)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     if a.resume:
@@ -267,6 +267,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=10)
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    s.add_argument("--mixed-precision", default=None, help="bf16: FSDP computes in bf16 and reduces gradients in fp32 (default: all fp32)")
     s.add_argument("--lr", type=float, default=3e-3)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")

@@ -9,19 +9,19 @@ __all__ = ['default_backend', 'environment', 'fork_traps', 'attempt', 'run_worke
            'Heartbeat', 'diagnose', 'attempts', 'restarts', 'WorkerError', 'collect', 'free_port', 'torchrun_command',
            'worker_main', 'launch']
 
-# %% ../nbs/00_launch.ipynb #f0f6f93b
+# %% ../nbs/00_launch.ipynb #60ef0adc
 import datetime, faulthandler, json, logging, os, pickle, re, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from .errors import KitError, bad_value
 
-# %% ../nbs/00_launch.ipynb #890cd3a8
+# %% ../nbs/00_launch.ipynb #c12060b2
 def default_backend() -> str:
     "The process-group backend for this machine: NCCL where CUDA is available, else gloo."
     import torch
     return "nccl" if torch.cuda.is_available() else "gloo"
 
-# %% ../nbs/00_launch.ipynb #bbe0781e
+# %% ../nbs/00_launch.ipynb #623af4c4
 def environment() -> dict:
     "Versions of the stack, device type, backend and GPU count, as a JSON-ready dict."
     import importlib.metadata as md, platform, torch
@@ -34,7 +34,7 @@ def environment() -> dict:
                 backend=default_backend(), gpu_count=torch.cuda.device_count() if cuda else 0,
                 gpu_name=torch.cuda.get_device_name(0) if cuda else None, cpu_count=os.cpu_count())
 
-# %% ../nbs/00_launch.ipynb #53962eec
+# %% ../nbs/00_launch.ipynb #f444c772
 def fork_traps() -> list:
     "What in this process would break a forked launch, each with what to change."
     import torch
@@ -48,14 +48,14 @@ def fork_traps() -> list:
                          "launched function, not in a notebook cell")
     return traps
 
-# %% ../nbs/00_launch.ipynb #4bea8fe3
+# %% ../nbs/00_launch.ipynb #279ed5d7
 def _write_json(path:Path, data:dict):
     "Write `data` to `path` atomically (a temporary name, then a rename)."
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.rename(path)
 
-# %% ../nbs/00_launch.ipynb #8db5cb1c
+# %% ../nbs/00_launch.ipynb #1840260d
 def attempt() -> int:
     "Which attempt of the worker group this process belongs to: 0, then 1, 2, ... after torchrun restarts it."
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -65,7 +65,7 @@ def _tag(rank:int=None, attempt_no:int=None) -> str:
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     return f"a{attempt() if attempt_no is None else attempt_no}-rank{rank}"
 
-# %% ../nbs/00_launch.ipynb #9d4796dd
+# %% ../nbs/00_launch.ipynb #c83d3f5c
 def _init_process_group(backend:str, timeout:float):
     "Bring up the default process group from the launcher's environment variables."
     import torch, torch.distributed as dist
@@ -81,7 +81,7 @@ def _init_process_group(backend:str, timeout:float):
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else: dist.init_process_group(backend, timeout=timeout)
 
-# %% ../nbs/00_launch.ipynb #9cf5de21
+# %% ../nbs/00_launch.ipynb #740602c1
 def _wait_for_siblings(run_dir:str, timeout:float):
     "Block until every local worker of this launch has started (a file each), so no fork overlaps a connection."
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -91,16 +91,17 @@ def _wait_for_siblings(run_dir:str, timeout:float):
         if time.monotonic() > deadline: raise TimeoutError(f"only some of the {local_world} local workers started within {timeout} s")
         time.sleep(0.005)
 
-# %% ../nbs/00_launch.ipynb #d4e380fb
+# %% ../nbs/00_launch.ipynb #2c7659e3
 def run_worker(fn, # the function each rank runs
                args:tuple, # its positional arguments
-               backend:str, # "gloo" or "nccl"
+               backend:str, # "gloo", "nccl", or None: NCCL where CUDA is available
                timeout:float, # seconds a collective may wait before it fails
                run_dir:str # folder for the result and any error
               ):
     "Run `fn(*args)` on this rank inside a process group; each node's first rank saves the result to `run_dir`."
     import torch.distributed as dist
     rank, saved_dir = int(os.environ["RANK"]), os.environ.get("FSDP_KIT_RUN_DIR")
+    backend = backend or default_backend()
     os.environ["FSDP_KIT_RUN_DIR"] = str(run_dir)  # where `Heartbeat` writes this rank's progress
     try:
         _wait_for_siblings(run_dir, timeout)
@@ -119,7 +120,7 @@ def run_worker(fn, # the function each rank runs
         if saved_dir is None: os.environ.pop("FSDP_KIT_RUN_DIR", None)
         else: os.environ["FSDP_KIT_RUN_DIR"] = saved_dir
 
-# %% ../nbs/00_launch.ipynb #424d8ed2
+# %% ../nbs/00_launch.ipynb #8b651f81
 _COLLECTIVE = re.compile(r"all_gather|reduce_scatter|all_reduce|allreduce|broadcast|barrier|all_to_all|scatter|gather|\bsend\b|\brecv\b")
 
 def collective_in(stack:str) -> str:
@@ -129,13 +130,13 @@ def collective_in(stack:str) -> str:
     names = list(dict.fromkeys(f for f in frames if _COLLECTIVE.search(f)))
     return " > ".join(names) or None
 
-# %% ../nbs/00_launch.ipynb #93073d02
+# %% ../nbs/00_launch.ipynb #1d90e937
 def main_thread_stack(stack:str) -> str:
     "From a faulthandler dump of every thread, the main thread's part (Python lists it last); other text unchanged."
     blocks = re.split(r"\n\s*\n(?=(?:Current thread|Thread) 0x)", stack.strip())
     return blocks[-1] if "most recent call first" in stack else stack
 
-# %% ../nbs/00_launch.ipynb #a04a0c4f
+# %% ../nbs/00_launch.ipynb #44bcc3c5
 class Heartbeat:
     "This rank's progress through its steps, kept in the run folder; a watchdog thread reports a step that does not finish within `timeout` s, then ends the process."
     def __init__(self, timeout:float, # seconds without progress before the watchdog fires
@@ -143,24 +144,39 @@ class Heartbeat:
                  exit_code:int=124 # what the process exits with when the watchdog fires
                 ):
         self.timeout, self.exit_code, self.run_dir = timeout, exit_code, Path(run_dir or os.environ["FSDP_KIT_RUN_DIR"])
-        self.tag, self.main, self.stopped = _tag(), threading.get_ident(), threading.Event()
+        self.tag, self.main, self.stopped, self.lock = _tag(), threading.get_ident(), threading.Event(), threading.Lock()
+        # one small file, rewritten in place with a single pwrite: a few microseconds, where create-and-rename cost ~0.5 ms a step
+        self.fd, self.width = os.open(self.run_dir/f"progress-{self.tag}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 0
         self.state = dict(rank=int(os.environ.get("RANK", 0)), attempt=attempt(), started=0, done=0, timeout=timeout)
         self.beat()
         threading.Thread(target=self._watch, daemon=True, name="fsdp_kit watchdog").start()
 
     def beat(self, **state):
-        "Record progress (`started=N` when step N begins, `done=N` when it ends) and restart the watchdog's clock."
+        "Record progress (`started=N` when step N begins, `done=N` when it ends) in the run folder and restart the watchdog's clock."
         self.state.update(state, time=time.time())
         self.last = time.monotonic()
-        _write_json(self.run_dir/f"progress-{self.tag}.json", self.state)
+        self._write()
+
+    def _write(self):
+        "Overwrite the progress file with the state, padded to the longest state so far (JSON allows the trailing spaces)."
+        with self.lock:
+            if self.fd is None: return
+            line = json.dumps(self.state).encode()
+            self.width = max(self.width, len(line))
+            os.pwrite(self.fd, line.ljust(self.width), 0)
 
     def stop(self):
-        "Disarm the watchdog."
+        "Disarm the watchdog and close the progress file (again is harmless)."
         self.stopped.set()
+        with self.lock:
+            if self.fd is not None: os.close(self.fd); self.fd = None
 
     def _watch(self):
-        while not self.stopped.wait(0.05):
-            if time.monotonic() - self.last > self.timeout: self._fire()
+        "Sleep until the deadline (`timeout` after the last beat); fire if no beat moved it meanwhile. A healthy run wakes it once per `timeout`."
+        while True:
+            left = self.last + self.timeout - time.monotonic()
+            if left <= 0: return self._fire()
+            if self.stopped.wait(left): return
 
     def _fire(self):
         "Write what the main thread is stuck in, then end the process (torchrun then ends the other ranks)."
@@ -174,17 +190,18 @@ class Heartbeat:
             return _thread.interrupt_main()
         os._exit(self.exit_code)
 
-# %% ../nbs/00_launch.ipynb #b633a162
+# %% ../nbs/00_launch.ipynb #457bd1c3
 def _rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
     "{rank: contents} of this attempt's files of one kind (error, stuck, progress, started, done, terminated)."
     out = {}
     for p in run_dir.glob(f"{kind}-a{attempt_no}-rank*"):
         if p.suffix == ".tmp": continue
-        m = re.search(r"-rank(\d+)", p.name)
-        out[int(m.group(1))] = read(p.read_text())
+        m, text = re.search(r"-rank(\d+)", p.name), p.read_text()
+        if kind == "progress" and not text.strip(): continue  # killed before its first beat landed
+        out[int(m.group(1))] = read(text)
     return out
 
-# %% ../nbs/00_launch.ipynb #86ce452a
+# %% ../nbs/00_launch.ipynb #39c40870
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
@@ -204,7 +221,7 @@ def _hang(errors, stuck, progress, terminated) -> dict:
     if where: message += f". Rank {hung} was in {where[-1] if 'most recent call first' not in stacks[hung] else where[0]}"
     return dict(rank=hung, message=message, traceback=stacks.get(hung, ""), others=waiters, kind="hang")
 
-# %% ../nbs/00_launch.ipynb #bd05c096
+# %% ../nbs/00_launch.ipynb #27826722
 def diagnose(run_dir, # the launch's run folder
              attempt_no:int # which attempt of the worker group (0 unless torchrun restarted it)
             ) -> dict:
@@ -226,7 +243,7 @@ def diagnose(run_dir, # the launch's run folder
                     others=[e["rank"] for e in later], kind="error")
     return None
 
-# %% ../nbs/00_launch.ipynb #5a563779
+# %% ../nbs/00_launch.ipynb #492124ed
 def attempts(run_dir) -> int:
     "How many attempts of the worker group started in `run_dir` (1 unless torchrun restarted it)."
     found = [int(m.group(1)) for p in Path(run_dir).glob("started-a*") if (m := re.match(r"started-a(\d+)-", p.name))]
@@ -237,7 +254,7 @@ def restarts(run_dir, before:int=None) -> list:
     before = attempts(run_dir) - 1 if before is None else before
     return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a) for a in range(before)]
 
-# %% ../nbs/00_launch.ipynb #b9389588
+# %% ../nbs/00_launch.ipynb #bb679095
 class WorkerError(RuntimeError):
     "A launched function raised: `rank` is the first rank that failed (None if none reported), `worker_traceback` its traceback."
     def __init__(self, rank:int, message:str, worker_traceback:str='', others:tuple=()):
@@ -247,7 +264,7 @@ class WorkerError(RuntimeError):
         where = f"\n\n--- traceback of rank {rank} ---\n{worker_traceback}" if worker_traceback else ""
         super().__init__(f"rank {rank} failed{also}: {message}{where}")
 
-# %% ../nbs/00_launch.ipynb #32990799
+# %% ../nbs/00_launch.ipynb #50249eca
 def collect(run_dir:str, # the launch's run folder
             exit_note:str='' # what the launcher said, used when no rank left an error
            ):
@@ -259,14 +276,14 @@ def collect(run_dir:str, # the launch's run folder
     if not result.exists(): raise WorkerError(None, f"no rank returned a result and none reported an error. {exit_note}".strip())
     return pickle.loads(result.read_bytes())
 
-# %% ../nbs/00_launch.ipynb #b6f7c7f9
+# %% ../nbs/00_launch.ipynb #0809f0df
 def free_port() -> int:
     "A TCP port on localhost that nothing is listening on right now."
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-# %% ../nbs/00_launch.ipynb #76a6606d
+# %% ../nbs/00_launch.ipynb #2bda8d86
 @contextmanager
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
@@ -277,7 +294,7 @@ def _quiet_launch_logs():
     finally:
         for l, level in zip(loggers, levels): l.setLevel(level)
 
-# %% ../nbs/00_launch.ipynb #2c8d6294
+# %% ../nbs/00_launch.ipynb #73ead281
 class _DropBanner:
     "A stdout that passes everything through except accelerate's banner, which says 'CUDAs' even on CPU."
     def __init__(self, stream): self.stream, self.dropping = stream, False
@@ -288,7 +305,7 @@ class _DropBanner:
         return self.stream.write(text)
     def __getattr__(self, name): return getattr(self.stream, name)
 
-# %% ../nbs/00_launch.ipynb #a3036ab5
+# %% ../nbs/00_launch.ipynb #1b37b650
 def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     "Fork `nprocs` workers through `accelerate.notebook_launcher`."
     from accelerate import notebook_launcher
@@ -300,7 +317,7 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
         except Exception as e: return f"{type(e).__name__}: {str(e)[:500]}"
     return ""
 
-# %% ../nbs/00_launch.ipynb #97f11ffb
+# %% ../nbs/00_launch.ipynb #01fbe885
 def _launch_here(fn, args, backend, timeout, run_dir):
     "Run one rank in this process, in a process group of size 1."
     import torch
@@ -317,7 +334,7 @@ def _launch_here(fn, args, backend, timeout, run_dir):
             else: os.environ[k] = v
     return ""
 
-# %% ../nbs/00_launch.ipynb #03a721bd
+# %% ../nbs/00_launch.ipynb #ef6fc7d3
 def torchrun_command(module:str, # the module torchrun runs with `-m`
                      args:list=(), # arguments for that module
                      nproc:int=2, # processes per node
@@ -341,7 +358,7 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if max_restarts: cmd += ["--max-restarts", str(max_restarts)]
     return cmd + ["--nproc-per-node", str(nproc), "-m", module, *map(str, args)]
 
-# %% ../nbs/00_launch.ipynb #06c36c97
+# %% ../nbs/00_launch.ipynb #3118688d
 def _check_importable(fn):
     "Refuse a function that worker processes started by torchrun could not import."
     module = getattr(fn, "__module__", None)
@@ -349,7 +366,7 @@ def _check_importable(fn):
         raise bad_value("fn", getattr(fn, "__qualname__", fn), "a module-level function of an importable module with launcher='torchrun'",
                         "Move it into a module, or use launcher='notebook'.")
 
-# %% ../nbs/00_launch.ipynb #bc674304
+# %% ../nbs/00_launch.ipynb #142e0b19
 def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     "Run `nprocs` workers under `torchrun` in a subprocess: their prints go to stderr, torchrun's log to the run folder."
     _check_importable(fn)
@@ -369,7 +386,7 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
 
-# %% ../nbs/00_launch.ipynb #87880e4b
+# %% ../nbs/00_launch.ipynb #a2ad64d6
 def worker_main(run_dir:str):
     "What each torchrun rank runs: unpickle the call in `run_dir` and run it with `run_worker`."
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
@@ -377,7 +394,7 @@ def worker_main(run_dir:str):
         faulthandler.register(signal.SIGTERM, dump, all_threads=True, chain=True)  # if torchrun ends this rank, its stacks land here
         run_worker(fn, args, backend, timeout, run_dir)
 
-# %% ../nbs/00_launch.ipynb #4dee1692
+# %% ../nbs/00_launch.ipynb #33444cf7
 def launch(fn, # the function every rank runs; rank 0's return value (this node's first rank's) is returned
            *args, # positional arguments for `fn`
            nprocs:int=2, # number of processes
@@ -396,8 +413,9 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
     if launcher == "notebook" and (nnodes != 1 or max_restarts):
         raise bad_value("launcher", launcher, "'torchrun' with nnodes > 1 or max_restarts > 0")
     if not isinstance(max_restarts, int) or max_restarts < 0: raise bad_value("max_restarts", max_restarts, "a whole number >= 0")
-    backend = backend or default_backend()
-    if backend not in ("gloo", "nccl"): raise bad_value("backend", backend, "'gloo' or 'nccl'")
+    if backend not in (None, "gloo", "nccl"): raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
+    # under torchrun the workers pick the default backend themselves: this process need not import torch (2 s on a small machine)
+    if launcher == "notebook": backend = backend or default_backend()
     nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts)
     if launcher == "torchrun": torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
     run_dir = tempfile.mkdtemp(prefix="fsdp_kit_run_")

@@ -1,17 +1,43 @@
 """`fsdp-kit tour`: run what the kit can show on this machine, on its built-in defaults, and write a report.
 
-Each lab adds a step here; every step calls the same library functions the notebooks and tests call.
+Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
+`nproc` ranks (train, compare, qlora, cp_eval, checkpoint) run one after another inside a single `torchrun` launch
+(`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch.
 """
 import json, time
 from dataclasses import asdict
 from pathlib import Path
+
+_SHARED = ("train", "compare", "qlora", "cp_eval", "checkpoint")  # the steps `labs_worker` runs
+
+
+def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
+    "Run the shared steps in this process group, in order; {step: (result, seconds)}. Rank 0 prints each step as it starts."
+    import torch.distributed as dist
+    from fsdp_kit.train import TrainSpec, train_worker
+    from fsdp_kit.wrap import CompareSpec, compare_worker
+    from fsdp_kit.qlora import QLoRASpec, qlora_worker
+    from fsdp_kit.cp import CPSpec, cp_eval_worker
+    from fsdp_kit.checkpoint import CheckpointSpec
+    run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt))
+    work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
+                compare=lambda: compare_worker(CompareSpec(model="small")),
+                qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5)),
+                cp_eval=lambda: cp_eval_worker(CPSpec(cp=2, rotate="alltoall")),
+                checkpoint=lambda: (run(6), run(3, CheckpointSpec(ckpt_folder)), run(6, CheckpointSpec(ckpt_folder, resume=True))))
+    out = {}
+    for i, name in enumerate(_SHARED, first):
+        if dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout reaches the terminal
+        start = time.time()
+        out[name] = (work[name](), time.time() - start)
+    return out
 
 
 def _steps(nproc: int):
     "The tour's steps: (title, function returning (json-able data, figure or None, summary line))."
     from fsdp_kit.launch import environment, launch
     from fsdp_kit.mesh import MeshSpec, mesh_worker, plot_mesh
-    from fsdp_kit.train import TrainSpec, train_worker, plot_losses
+    from fsdp_kit.train import plot_losses
 
     def env():
         e = environment()
@@ -21,15 +47,25 @@ def _steps(nproc: int):
         layout = launch(mesh_worker, MeshSpec(dp_replicate=2, dp_shard=2), nprocs=4, launcher="torchrun")
         return asdict(layout), plot_mesh(layout), f"2 x 2 HSDP mesh on 4 processes: grid {layout.grid}"
 
+    shared = {}
+    def ran(name):
+        "The result of a shared step, launching `labs_worker` once for all of them."
+        if not shared:
+            import tempfile, shutil
+            folder = tempfile.mkdtemp(prefix="fsdp_kit_tour_ckpt_")
+            try: shared.update(launch(labs_worker, folder, 3, len(steps), nprocs=nproc, launcher="torchrun"))
+            finally: shutil.rmtree(folder, ignore_errors=True)
+        return shared[name][0]
+
     def train():
-        r = launch(train_worker, TrainSpec(model="tiny", steps=10, check_parity=True), nprocs=nproc, launcher="torchrun")
+        r = ran("train")
         line = (f"tiny Llama ({r.n_params:,} params) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
                 f"max parameter difference vs one process {r.max_param_diff:.1e}")
         return asdict(r), plot_losses(r), line
 
     def compare():
-        from fsdp_kit.wrap import CompareSpec, compare_worker, plot_compare
-        runs = launch(compare_worker, CompareSpec(model="small"), nprocs=nproc, launcher="torchrun")
+        from fsdp_kit.wrap import plot_compare
+        runs = ran("compare")
         peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
         line = (f"small Llama on {nproc} ranks, peak MiB per rank: per-layer {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} (reshard) / "
                 f"{peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (keep), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
@@ -38,8 +74,8 @@ def _steps(nproc: int):
         return dict(runs=[asdict(r) for r in runs]), plot_compare(runs), line
 
     def qlora():
-        from fsdp_kit.qlora import QLoRASpec, qlora_worker, plot_qlora_losses
-        r = launch(qlora_worker, QLoRASpec(model="tiny", steps=5), nprocs=nproc, launcher="torchrun")
+        from fsdp_kit.qlora import plot_qlora_losses
+        r = ran("qlora")
         mib = lambda key: max(r.peak_bytes[key]) / 2**20
         line = (f"LoRA on a 4-bit tiny Llama (bfloat16 storage) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
                 f"first step vs one process {r.sharded_vs_unsharded_loss_diff:.1e}, peak MiB per rank 4-bit {mib('qlora'):.2f} vs bf16 base "
@@ -47,20 +83,13 @@ def _steps(nproc: int):
         return asdict(r), plot_qlora_losses(r), line
 
     def cp_eval():
-        from fsdp_kit.cp import CPSpec, cp_eval_worker
-        r = launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall"), nprocs=nproc, launcher="torchrun")
+        r = ran("cp_eval")
         line = (f"context-parallel eval, cp={r.cp_size} ({r.rotate_method}), {r.tokens} valid tokens: eval_loss {r.eval_loss:.6f} vs one "
                 f"process without CP {r.eval_loss_reference:.6f} (|diff| {r.loss_diff:.1e}); gathered predictions equal: {r.predictions_match_reference}")
         return asdict(r), None, line
 
     def checkpoint():
-        import tempfile, shutil
-        from fsdp_kit.checkpoint import CheckpointSpec
-        folder = tempfile.mkdtemp(prefix="fsdp_kit_tour_ckpt_")
-        run = lambda steps, ckpt=None: launch(train_worker, TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt),
-                                              nprocs=nproc, launcher="torchrun")
-        try: straight, first, second = run(6), run(3, CheckpointSpec(folder)), run(6, CheckpointSpec(folder, resume=True))
-        finally: shutil.rmtree(folder, ignore_errors=True)
+        straight, first, second = ran("checkpoint")
         same = first.losses + second.losses == straight.losses
         line = (f"sharded checkpoint at step 3, resumed to step 6 from step {second.first_step}: losses bit-identical to one "
                 f"6-step run: {same}")
@@ -75,8 +104,9 @@ def _steps(nproc: int):
                 f"{big.per_gpu_peak_bytes / 1e9:.1f} GB per GPU predicted, fits: {big.fits}")
         return dict(validation=r, llama_2_70b_qlora=asdict(big)), plot_validation(r), line
 
-    return [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora),
+    steps = [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora),
             ("cp_eval", cp_eval), ("checkpoint", checkpoint), ("plan", plan)]
+    return steps, shared
 
 
 def tour(out: str = "tour", nproc: int = 2) -> dict:
@@ -86,17 +116,18 @@ def tour(out: str = "tour", nproc: int = 2) -> dict:
     import matplotlib.pyplot as plt
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    steps, report, lines = _steps(nproc), {}, ["# fsdp_kit tour", ""]
+    (steps, shared), report, lines = _steps(nproc), {}, ["# fsdp_kit tour", ""]
     for i, (name, run) in enumerate(steps, 1):
-        print(f"[{i}/{len(steps)}] {name} ...", flush=True)
+        if name not in _SHARED: print(f"[{i}/{len(steps)}] {name} ...", flush=True)
         start = time.time()
         data, fig, line = run()
         (out / f"{name}.json").write_text(json.dumps(data, indent=2))
         if fig is not None:
             fig.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
             plt.close(fig)
-        report[name] = dict(data=data, seconds=round(time.time() - start, 2), figure=f"{name}.png" if fig else None)
-        lines.append(f"- **{name}** ({time.time() - start:.1f} s): {line}" + (f" ![{name}]({name}.png)" if fig else ""))
+        seconds = shared[name][1] if name in shared else time.time() - start  # a shared step: its own time inside the launch
+        report[name] = dict(data=data, seconds=round(seconds, 2), figure=f"{name}.png" if fig else None)
+        lines.append(f"- **{name}** ({seconds:.1f} s): {line}" + (f" ![{name}]({name}.png)" if fig else ""))
         print(f"      {line}", flush=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -8,13 +8,13 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 __all__ = ['TrainSpec', 'shard_per_layer', 'make_optimizer', 'train_loop', 'mean_over_ranks', 'TrainResult', 'train_worker',
            'plot_losses']
 
-# %% ../nbs/01_train.ipynb #16fe5fa1
+# %% ../nbs/01_train.ipynb #17cfd961
 import statistics, time
 from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value
 from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
 
-# %% ../nbs/01_train.ipynb #ca23d1a6
+# %% ../nbs/01_train.ipynb #cd8142c2
 @dataclass
 class TrainSpec:
     "Settings of a training run."
@@ -27,6 +27,7 @@ class TrainSpec:
     check_parity:bool=False # also train one process on the same global batches and compare
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
     lora:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
+    mixed_precision:str=None # "bf16": FSDP gathers and computes in bf16, reduces gradients in fp32; None or "fp32": all fp32
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
 
     def check(self):
@@ -36,19 +37,24 @@ class TrainSpec:
         for name in ("warmup", "lora"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0: raise bad_value(name, getattr(self, name), "a whole number >= 0")
         if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
+        if self.mixed_precision not in (None, "bf16", "fp32"): raise bad_value("mixed_precision", self.mixed_precision, "'bf16', 'fp32' or None")
+        if self.check_parity and self.mixed_precision == "bf16":
+            raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32", "Drop --check-parity or --mixed-precision bf16")
         if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
             raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora or --resume")
         if self.ckpt is not None: self.ckpt.check()
         return self
 
-# %% ../nbs/01_train.ipynb #dad56855
-def shard_per_layer(model, mesh):
-    "Apply `fully_shard` to each decoder layer, then to the root; return the model."
-    from torch.distributed.fsdp import fully_shard
-    for layer in decoder_layers(model): fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+# %% ../nbs/01_train.ipynb #707015af
+def shard_per_layer(model, mesh, mixed_precision:str=None):
+    "Apply `fully_shard` to each decoder layer, then to the root (bf16 compute with fp32 gradient reduction when `mixed_precision='bf16'`); return the model."
+    import torch
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    for layer in decoder_layers(model): fully_shard(layer, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
-# %% ../nbs/01_train.ipynb #9ee762ad
+# %% ../nbs/01_train.ipynb #399cb3b6
 def make_optimizer(model, spec:TrainSpec):
     "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
     import torch
@@ -57,30 +63,33 @@ def make_optimizer(model, spec:TrainSpec):
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
 
-# %% ../nbs/01_train.ipynb #f2f3db7e
+# %% ../nbs/01_train.ipynb #2bec4eae
 def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=None, times:list=None,
                optimizer:tuple=None, # (optimizer, schedule) from `make_optimizer`; None makes them
                start_step:int=0, # the global step to start at (a resumed run starts where its checkpoint ended)
                after_step=None # called with the number of steps done after each step (checkpoints save here)
               ) -> list:
     "Train `model` from `start_step` to `spec.steps` on this rank's rows of each global batch; return its losses (and fill `times`)."
-    rows = rows or spec.batch * world_size
+    import torch
+    rows, device = rows or spec.batch * world_size, next(model.parameters()).device  # tokens go where the parameters are
     optim, schedule = optimizer or make_optimizer(model, spec)
     losses = []
     for step in range(start_step, spec.steps):
         start = time.perf_counter()
-        tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size)
+        tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size).to(device)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optim.step()
         schedule.step()
         optim.zero_grad()
         losses.append(loss.detach())
-        if times is not None: times.append(time.perf_counter() - start)
+        if times is not None:
+            if device.type == "cuda": torch.cuda.synchronize()  # a GPU step is only done when its kernels are
+            times.append(time.perf_counter() - start)
         if after_step is not None: after_step(step + 1)
     return losses
 
-# %% ../nbs/01_train.ipynb #60e0448b
+# %% ../nbs/01_train.ipynb #073fc625
 def mean_over_ranks(losses:list) -> list:
     "Each step's loss averaged over all ranks (an all_reduce): the loss of the whole global batch."
     import torch, torch.distributed as dist
@@ -89,7 +98,7 @@ def mean_over_ranks(losses:list) -> list:
     dist.all_reduce(losses)
     return (losses / dist.get_world_size()).tolist()
 
-# %% ../nbs/01_train.ipynb #2c406023
+# %% ../nbs/01_train.ipynb #6d80cfee
 @dataclass
 class TrainResult:
     "What a training run measured."
@@ -107,19 +116,19 @@ class TrainResult:
     adapter:dict=None # the LoRA adapter saved and reloaded, with lora
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
 
-# %% ../nbs/01_train.ipynb #90f814ed
+# %% ../nbs/01_train.ipynb #5e9a22d5
 def _reference(spec:TrainSpec, world_size:int):
     "One process, the same model and global batches: (losses, full state dict)."
     model = build_model(model_config(spec.model), spec.seed)
     losses = train_loop(model, spec, rows=spec.batch * world_size)
     return [l.item() for l in losses], model.state_dict()
 
-# %% ../nbs/01_train.ipynb #8bbbc7be
+# %% ../nbs/01_train.ipynb #339eafe0
 def _max_diff(full:dict, reference:dict) -> float:
     "Largest absolute difference between two state dicts with the same keys."
     return max((full[k].float() - reference[k].float()).abs().max().item() for k in reference)
 
-# %% ../nbs/01_train.ipynb #8514989c
+# %% ../nbs/01_train.ipynb #86631e70
 def train_worker(spec:TrainSpec,
                  watch=None # called after each step like the checkpoint saver (see `scale.StepWatch`): heartbeats, faults, loss log
                 ) -> TrainResult:
@@ -132,7 +141,7 @@ def train_worker(spec:TrainSpec,
     if spec.lora:
         from fsdp_kit.checkpoint import add_lora
         model = add_lora(model, spec.lora, spec.seed)
-    model = shard_per_layer(model, fsdp_mesh(build_mesh()))
+    model = shard_per_layer(model, fsdp_mesh(build_mesh()), spec.mixed_precision)  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver
@@ -155,7 +164,7 @@ def train_worker(spec:TrainSpec,
         result.max_param_diff = _max_diff(full, reference)
     return result
 
-# %% ../nbs/01_train.ipynb #13c51f29
+# %% ../nbs/01_train.ipynb #92c7139c
 def plot_losses(result:TrainResult, ax=None):
     "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt

@@ -1,0 +1,77 @@
+"""The benchmark's own parts: its baseline trains the same numbers as the kit, its statistics, FLOP counts and summary are right,
+and the published results cover every notebook."""
+import json, subprocess, sys
+import pytest
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import run as bench  # benchmarks/run.py
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_plain_loop_trains_the_same_numbers_as_the_kit(cli, tmp_path):
+    "The baseline does the same work as fsdp-kit train: same model, data, AdamW and sharding give the same losses."
+    out = cli("train", "--nproc", 2, "--model", "tiny", "--steps", 3, "--batch", 2, "--seq-len", 32, "--json", tmp_path / "kit.json")
+    assert out.returncode == 0, out.stderr
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/plain_fsdp.py",
+                            "--model", "tiny", "--steps", "3", "--batch", "2", "--seq-len", "32", "--out", str(tmp_path / "plain.json")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert plain.returncode == 0, plain.stderr
+    kit, base = json.loads((tmp_path / "kit.json").read_text()), json.loads((tmp_path / "plain.json").read_text())
+    assert len(base["losses"]) == 3 and base["losses"][-1] < base["losses"][0]
+    assert kit["losses"] == pytest.approx(base["losses"], abs=1e-6)
+    assert kit["step_seconds"] > 0 and kit["tokens_per_second"] == pytest.approx(2 * 2 * 32 / kit["step_seconds"])
+
+
+def test_median_ci():
+    values = [0.9, 1.0, 1.1, 0.95, 1.05, 1.2, 0.8]
+    lo, hi = bench.median_ci(values)
+    assert min(values) <= lo <= 1.0 <= hi <= max(values)
+    assert bench.median_ci(values) == [lo, hi]  # seeded: the same values give the same interval
+    assert bench.median_ci([1.5] * 5) == [1.5, 1.5]
+
+
+def test_flops_per_token_and_peaks():
+    per_token, n = bench.flops_per_token(str(ROOT / "benchmarks" / "llama-1b.json"), 2048)
+    assert n == 1_100_048_384  # TinyLlama-1.1B's shape
+    assert per_token == 6 * n + 12 * 22 * 2048 * 2048
+    assert bench.peak_flops("NVIDIA H200") == 989e12 and bench.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert bench.peak_flops("Tesla T4") is None
+
+
+def test_summary_marks_each_target():
+    rows = bench.summary(dict(train=dict(ratio=1.03, ratio_ci95=[0.99, 1.06]), same_window=dict(ratio=1.004, ratio_ci95=[0.99, 1.01]),
+                              launch=dict(first_collective_ratio_script=0.5, first_collective_ratio_notebook=1.2, exit_ratio_script=0.6),
+                              labs=dict(nbval_seconds={"a.ipynb": 30.0, "b.ipynb": 130.0}, nbval_total_seconds=160.0)))
+    met = {name: row["met"] for name, row in rows.items()}
+    assert met["train step, fsdp-kit train / plain loop (alternating runs)"] is False
+    assert met["train step, kit / plain (same window, step by step)"] is True
+    assert met["first collective, launch() in a notebook kernel / torchrun"] is False
+    assert met["slowest notebook under nbval, seconds"] is False and met["all notebooks under nbval, seconds"] is True
+
+
+def test_nbtimes_clocks_each_notebook(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", "-p", "nbtimes", "nbs/00_errors.ipynb"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "benchmarks"), "NBTIMES_OUT": str(tmp_path / "nb.json")})
+    assert out.returncode == 0, out.stdout[-2000:]
+    times = json.loads((tmp_path / "nb.json").read_text())
+    assert list(times) == ["00_errors.ipynb"] and 0 < times["00_errors.ipynb"] < 120
+
+
+def test_published_results_cover_the_kit():
+    "benchmarks/results.json, which the docs show, has the machine, every ratio, and every notebook's time."
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    assert {"cpu", "cores", "memory_gib", "torch", "gpu", "date"} <= set(results["machine"])
+    for key in ("train", "same_window", "launch", "overhead"):
+        assert "error" not in results[key], results[key]
+    assert len(results["train"]["ratios"]) >= 6 and len(results["same_window"]["ratios"]) >= 100
+    assert sorted(results["labs"]["nbval_seconds"]) == sorted(p.name for p in (ROOT / "nbs").glob("*.ipynb"))
+    assert all(row.get("ratio", row.get("value")) is not None for row in results["summary"].values())
+
+
+def test_train_refuses_an_unknown_mixed_precision(cli):
+    out = cli("train", "--nproc", 2, "--mixed-precision", "fp16")
+    assert out.returncode == 2, out.stderr
+    assert "mixed_precision='fp16'" in out.stderr and "'bf16', 'fp32' or None" in out.stderr
