@@ -1,7 +1,7 @@
 # The checks CI runs (.ci/run calls `make test`). Each target is one step, runnable alone.
 .PHONY: test export sync nbdev-test pytest nbval tour
 
-test: sync nbdev-test pytest nbval
+test: sync pytest nbval
 
 export:            ## notebooks -> fsdp_kit/ (then commit both)
 	nbdev-export && nbdev-clean
@@ -9,7 +9,7 @@ export:            ## notebooks -> fsdp_kit/ (then commit both)
 sync:              ## the committed library and notebooks are what nbdev-export / nbdev-clean produce
 	python -m pytest -q tests/test_sync.py
 
-nbdev-test:        ## run every notebook (cells flagged notest / gpu / slow are skipped; nbval runs the slow ones)
+nbdev-test:        ## nbdev's own runner over every notebook (cells flagged notest / gpu / slow skipped); not in `test`: nbval executes the same cells and more
 	nbdev-test --n-workers 1 --timing --cell-timeout 300 --file-re '^(0[0-5]|11|index)'
 	@for nb in nbs/0[6-9]*.ipynb nbs/1[0]*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # a fresh process each
 

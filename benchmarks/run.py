@@ -209,13 +209,11 @@ def peak_flops(name: str):
     return next((v for k, v in PEAK_BF16.items() if k.lower() in name.lower()), None)
 
 
-def flops_per_token(config_path: str, seq_len: int) -> float:
-    "Training FLOPs per token: 6 x parameters for the matmuls, plus 12 x layers x hidden x sequence for attention (as in PaLM's MFU)."
+def flops_per_token(config_path: str, seq_len: int) -> tuple:
+    "(training FLOPs per token, parameters): 6 x parameters for the matmuls, plus 12 x layers x hidden x sequence for attention (as in PaLM's MFU)."
     from fsdp_kit.models import model_config, build_model
-    import torch
     cfg = model_config(config_path)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in build_model(cfg).parameters())
+    n = sum(p.numel() for p in build_model(cfg, device="meta").parameters())  # shapes only: no memory, no random init
     return 6 * n + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len, n
 
 
