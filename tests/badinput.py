@@ -1,0 +1,49 @@
+"""The table-driven bad-input harness: each row is what a user typed, the exit code and a phrase the one-line message must hold.
+
+A row runs `fsdp_kit.cli.main(argv)` in this process (no launch happens for input that is refused before launching), with
+`{tmp}` in the arguments and in `files` replaced by a fresh folder. `files` maps a path under it to its contents (str or bytes;
+a dict is written as JSON). Nothing may print a traceback."""
+import io, json, os
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Case:
+    id:str # a short name for the row
+    argv:list # what follows `fsdp-kit`
+    code:int # the exit code expected
+    phrase:str # a phrase the message must contain (case-sensitive)
+    files:dict = field(default_factory=dict) # {path under {tmp}: contents} written before the run
+    chmod:dict = field(default_factory=dict) # {path under {tmp}: mode} applied after writing
+
+
+def write_files(tmp, files:dict, chmod:dict=None):
+    for rel, content in files.items():
+        p = tmp / rel.format(tmp=tmp)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, dict) or isinstance(content, list): p.write_text(json.dumps(content))
+        elif isinstance(content, bytes): p.write_bytes(content)
+        elif content is None: p.mkdir(exist_ok=True)
+        else: p.write_text(content)
+    for rel, mode in (chmod or {}).items(): os.chmod(tmp / rel, mode)
+
+
+def run_case(case:Case, tmp) -> tuple:
+    "Run one row in this process: (exit code, stdout, stderr)."
+    from fsdp_kit.cli import main
+    write_files(tmp, case.files, case.chmod)
+    argv = [str(a).format(tmp=tmp) for a in case.argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with redirect_stdout(out), redirect_stderr(err):
+        try: main(argv)
+        except SystemExit as e: code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return code, out.getvalue(), err.getvalue()
+
+
+def check_case(case:Case, tmp):
+    "Assert the row's exit code and phrase, and that no traceback was printed."
+    code, out, err = run_case(case, tmp)
+    assert "Traceback" not in out + err, f"{case.id}: a traceback reached the user:\n{err[-2000:]}"
+    assert code == case.code, f"{case.id}: exit {code}, expected {case.code}; stderr:\n{err[-2000:]}"
+    assert case.phrase in err, f"{case.id}: {case.phrase!r} not in the message:\n{err[-2000:]}"
