@@ -13,11 +13,11 @@
     fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
 """
-import argparse, json, re, sys
+import argparse, json, math, os, re, signal, sys, tempfile
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from fsdp_kit.errors import KitError
+from fsdp_kit.errors import KitError, bad_value
 
 FAULTS = ("crash", "hang")  # fsdp_kit.scale.FAULTS, repeated so building the parser imports nothing heavy
 
@@ -28,18 +28,44 @@ def dumps(data) -> str:
     return re.sub(r"\[\s*([-\d.e, \n]+?)\s*\]", lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
 
 
+def check_json_dest(json_dest):
+    "Refuse a --json path that cannot be written, before the run it would record starts."
+    if json_dest in (None, "-"): return
+    path = Path(json_dest)
+    if path.is_dir(): raise bad_value("json", json_dest, "a file path (this is a folder)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"): pass
+    except OSError as e: raise bad_value("json", json_dest, "a file path that can be written", e.strerror or str(e)) from None
+
+
 def emit(data, json_dest, text: str = ""):
     "Write `data` as JSON to `json_dest` ('-' for stdout, None for none) and print `text` where it won't mix with JSON."
+    if _rank() != 0: return  # under a user's torchrun every rank runs this command: rank 0 speaks for the job
     data = asdict(data) if is_dataclass(data) else data
     if json_dest == "-":
         if text: print(text, file=sys.stderr)
         print(dumps(data))
         return
     if text: print(text)
-    if json_dest:
-        Path(json_dest).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_dest).write_text(dumps(data))
-        print(f"wrote {json_dest}")
+    if json_dest: _write_atomically(Path(json_dest), dumps(data))
+
+
+def _write_atomically(path: Path, text: str):
+    "Write `text` to `path` through a temporary file and a rename; if that fails, print it to stdout rather than lose it."
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(text)
+        raise KitError(f"json={str(path)!r}: could not write it ({e.strerror or e}); the result was printed to stdout instead") from None
+    print(f"wrote {path}")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", 0)) if "TORCHELASTIC_RUN_ID" in os.environ else 0
 
 
 def _cmd_env(a):
@@ -74,7 +100,8 @@ def _cmd_train(a):
         folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
         for note in notes: print(f"  {note}", file=sys.stderr)
     result = launch(scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
-                    node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts)
+                    node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts,
+                    rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
     s = result.scale
     text = f"{s['nodes']} node(s) x {s['ranks_per_node']} = " if s["nodes"] > 1 else ""
     for r in s["restarts"]: text += f"restart {r['attempt'] + 1}: attempt {r['attempt']} ended after step {s['attempts'][r['attempt']]['last_step']} (rank {r['rank']} {r['kind']})\n"
@@ -231,16 +258,28 @@ def _cmd_tour(a):
     tour(a.out, nproc=a.nproc)
 
 
-def _cmd_worker(a):
-    from fsdp_kit.launch import worker_main
-    try: worker_main(a.run_dir)
-    except BaseException: sys.exit(1)  # the traceback is in the run folder; the launching process reports it
-
-
 def _nproc(text):
-    n = int(text)
-    if n < 1: raise argparse.ArgumentTypeError(f"--nproc={n} is not allowed: a whole number >= 1")
+    "A whole number >= 1 (processes, nodes)."
+    try: n = int(text)
+    except ValueError: raise argparse.ArgumentTypeError(f"{text!r} is not allowed: a whole number >= 1") from None
+    if n < 1: raise argparse.ArgumentTypeError(f"{n} is not allowed: a whole number >= 1")
     return n
+
+
+def _seconds(text):
+    "A finite number of seconds > 0."
+    try: x = float(text)
+    except ValueError: x = math.nan
+    if not math.isfinite(x) or x <= 0: raise argparse.ArgumentTypeError(f"{text!r} is not allowed: a finite number of seconds > 0")
+    return x
+
+
+class _Help(argparse.HelpFormatter):
+    "Help that shows each option's default, unless it is off (None, False) or the help already says what the default does."
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings: return text
+        return f"{text} (default: %(default)s)"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -249,49 +288,50 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name, fn, help, launches=True):
-        s = sub.add_parser(name, help=help, description=help)
+        s = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
         s.set_defaults(fn=fn)
         s.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the result as JSON to PATH (stdout without PATH or with -)")
         if launches:
-            s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch (default 2)")
-            s.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait before the run fails")
+            s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch")
+            s.add_argument("--timeout", type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")
         return s
 
     add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
     s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
-    s.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP); default 1")
-    s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills (default)")
-    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks; default 1")
+    s.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP)")
+    s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills the rest")
+    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the root)")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--steps", type=int, default=10)
-    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
-    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    s.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     s.add_argument("--mixed-precision", default=None, help="bf16: FSDP computes in bf16 and reduces gradients in fp32 (default: all fp32)")
-    s.add_argument("--lr", type=float, default=3e-3)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
-    s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up (default 0)")
+    s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     s.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
     s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
-    s.add_argument("--state-dict", default="sharded", help="sharded (DCP, one file per rank) or full (a transformers folder); default sharded")
+    s.add_argument("--state-dict", default="sharded", help="sharded (DCP, one file per rank) or full (a transformers folder)")
     s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
-    s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (default 2)")
-    s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each (default 1)")
+    s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each")
     s.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
     s.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous (on the first node), needed with --nnodes > 1")
     s.add_argument("--rdzv-id", default="fsdp_kit", help="a name every node of the job shares (e.g. $SLURM_JOB_ID)")
+    s.add_argument("--rdzv-timeout", type=_nproc, default=180, help="seconds this node waits at the rendezvous for the others before it fails")
     s.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts the workers after a failure; they resume from --ckpt")
     s.add_argument("--inject-fault", choices=FAULTS, help="make --fault-rank crash (SIGKILL) or hang after --fault-step, once")
-    s.add_argument("--fault-rank", type=int, default=1, help="the rank that fails (default 1)")
-    s.add_argument("--fault-step", type=int, default=1, help="it fails after this step (default 1)")
+    s.add_argument("--fault-rank", type=int, default=1, help="the rank that fails")
+    s.add_argument("--fault-step", type=int, default=1, help="it fails after this step")
     s = add("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node", launches=False)
     s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     s.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (one rank each)")
     s.add_argument("--partition", help="SLURM partition")
     s.add_argument("--time", help="time limit, e.g. 01:00:00")
-    s.add_argument("--job-name", default="fsdp-kit")
+    s.add_argument("--job-name", default="fsdp-kit", help="#SBATCH --job-name")
     s.add_argument("args", nargs=argparse.REMAINDER, help="-- then the fsdp-kit command each node runs, e.g. -- train --steps 100")
     s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
     s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
@@ -303,74 +343,111 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
     s.add_argument("--reshard", default="true,false", help="comma-separated reshard_after_forward values (true, false, or an int)")
-    s.add_argument("--min-num-params", type=int, default=100_000, help="SIZE_BASED_WRAP threshold (default 100000)")
+    s.add_argument("--min-num-params", type=int, default=100_000, help="SIZE_BASED_WRAP threshold")
     s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
     s.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     s.add_argument("--gradient-checkpointing", action="store_true", help="turn on the model's own (transformers) gradient checkpointing")
     s.add_argument("--plot", metavar="PNG", help="write the comparison plot here")
     s = add("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32 (default bfloat16)")
-    s.add_argument("--mixed-precision", default=None, help="FSDP param_dtype: bf16, fp16 or fp32; default follows a floating --quant-storage (off for uint8)")
+    s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32")
+    s.add_argument("--mixed-precision", default=None, help="FSDP param_dtype: bf16, fp16 or fp32")
     s.add_argument("--load-in-8bit", action="store_true", help="8-bit instead of 4-bit (refused under FSDP, to show why)")
-    s.add_argument("--steps", type=int, default=10)
+    s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    s.add_argument("--seq-len", type=int, default=64)
-    s.add_argument("--lr", type=float, default=1e-2)
+    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    s.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
     s = add("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
-    s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence (default 2)")
-    s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills (default)")
+    s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence")
+    s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills the rest")
     s.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (refused above 1 together with --cp above 1)")
-    s.add_argument("--rotate", default="allgather", help="allgather or alltoall (default allgather)")
+    s.add_argument("--rotate", default="allgather", help="allgather or alltoall")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp (default 128)")
-    s.add_argument("--rows", type=int, default=4, help="sequences in the global batch (default 4)")
-    s.add_argument("--mask", default="causal", help="attention mask: causal or none (default causal)")
+    s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp")
+    s.add_argument("--rows", type=int, default=4, help="sequences in the global batch")
+    s.add_argument("--mask", default="causal", help="attention mask: causal or none")
     s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
     s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
     s.add_argument("--plot", metavar="PNG", help="with --validate: write predicted vs measured per category here")
     s.add_argument("--model", help="a preset (see --list-models; tiny, small) or a config.json path")
-    s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters (default 8)")
-    s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB (default 80)")
-    s.add_argument("--method", default="full", help="full, lora or qlora (default full)")
-    s.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
-    s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step (default 1)")
-    s.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")
+    s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB")
+    s.add_argument("--method", default="full", help="full, lora or qlora")
+    s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
+    s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
+    s.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer")
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
-    s.add_argument("--mixed-precision", default="bf16", help="bf16 (default) or fp32")
-    s.add_argument("--reshard", default="true", help="reshard_after_forward: true (default) or false")
-    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus (default 1)")
-    s.add_argument("--base-dtype", default="bf16", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (default) or fp32")
+    s.add_argument("--mixed-precision", default="bf16", help="bf16 or fp32")
+    s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")
+    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
+    s.add_argument("--base-dtype", default="bf16", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 or fp32")
     s.add_argument("--recommend", action="store_true", help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
-    s.add_argument("--out", default="tour", help="folder for the report (default ./tour)")
+    s.add_argument("--out", default="tour", help="folder for the report")
     s = add("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", launches=False)
-    s.add_argument("--out", default="site", help="folder for the site (default ./site)")
+    s.add_argument("--out", default="site", help="folder for the site")
     s.add_argument("--nbs", help="the notebooks folder (default: nbs/ of this checkout)")
     s.add_argument("--quarto", action=argparse.BooleanOptionalAction, default=None, help="force (or refuse) Quarto; default: use it where installed")
-    s = sub.add_parser("worker", help=argparse.SUPPRESS)  # what torchrun runs in each rank
-    s.add_argument("run_dir")
-    s.set_defaults(fn=_cmd_worker)
     return p
+
+
+# a user's mistake names the spec's field; the command line shows the option the user typed instead
+OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora",
+                "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout"}
+
+
+def option_message(error: KitError, sub: argparse.ArgumentParser) -> str:
+    "The error's message with its leading `field=` replaced by the option of `sub` that sets that field, where there is one."
+    field, text = getattr(error, "field", None), str(error)
+    if not field or not text.startswith(f"{field}="): return text
+    dest = OPTION_NAMES.get(field, field).replace("-", "_")
+    options = [o for a in sub._actions if a.dest == dest for o in a.option_strings if o.startswith("--")]
+    return f"{options[0]}{text[len(field):]}" if options else text
+
+
+class Interrupted(BaseException):
+    "SIGTERM or SIGHUP reached the command: unwind (stopping torchrun and its workers) and exit 128 + the signal number."
+    def __init__(self, signum): self.signum = signum
+
+
+def _raise_interrupted(signum, frame): raise Interrupted(signum)
 
 
 def main(argv=None):
     "Entry point of the `fsdp-kit` command."
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["worker"]:  # what torchrun runs in each rank of a launch; not a command for users
+        from fsdp_kit.launch import worker_main
+        try: worker_main(argv[1])
+        except BaseException: sys.exit(1)  # the traceback is in the run folder; the launching process reports it
+        return
+    p = parser()
+    args = p.parse_args(argv)
+    sub = p._subparsers._group_actions[0].choices[args.command]
     from fsdp_kit.launch import WorkerError
-    args = parser().parse_args(argv)
+    old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
+        check_json_dest(getattr(args, "json", None))
         args.fn(args)
     except KitError as e:
-        print(f"fsdp-kit {args.command}: error: {e}", file=sys.stderr)
+        print(f"fsdp-kit {args.command}: error: {option_message(e, sub)}", file=sys.stderr)
         sys.exit(2)
     except WorkerError as e:
         print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"fsdp-kit {args.command}: interrupted (SIGINT): the workers were stopped", file=sys.stderr)
+        sys.exit(130)
+    except Interrupted as e:
+        print(f"fsdp-kit {args.command}: interrupted ({signal.Signals(e.signum).name}): the workers were stopped", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    finally:
+        for sig, handler in old.items(): signal.signal(sig, handler)

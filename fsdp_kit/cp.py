@@ -13,7 +13,7 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
 # %% ../nbs/06_cp_eval.ipynb #18908165
 import math, os, statistics, time
 from dataclasses import dataclass, field, asdict
-from .errors import KitError, bad_value
+from .errors import KitError, bad_value, require_seed, require_model
 from .models import model_config, build_model, synthetic_tokens, rank_rows
 
 # %% ../nbs/06_cp_eval.ipynb #49f86ce3
@@ -221,6 +221,7 @@ class CPSpec:
 
     def check(self, world_size:int): # processes that will run it
         "Refuse settings that cannot run, naming the field; return the resolved MeshSpec."
+        require_model("model", self.model), require_seed("seed", self.seed)
         mesh = check_sizes(world_size, self.cp, self.dp_shard, self.sp)
         check_rotate(self.rotate); check_mask(self.mask); check_seq_len(self.seq_len, self.cp)
         if not isinstance(self.rows, int) or self.rows < 1 or self.rows % mesh.dp_shard:

@@ -13,7 +13,7 @@ __all__ = ['STORAGE_BYTES', 'MIXED_PRECISION', 'PARAMETER_CATEGORIES', 'dtype_na
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
 import gc, logging, math, os, shutil, tempfile, warnings
 from dataclasses import dataclass, field, asdict
-from .errors import KitError, bad_value
+from .errors import KitError, bad_value, require_whole, require_positive, require_seed, require_model
 from .models import model_config, build_model, decoder_layers, synthetic_tokens, rank_rows
 
 # %% ../nbs/05_qlora.ipynb #10feb0e8
@@ -153,9 +153,8 @@ class QLoRASpec:
         if self.mixed_precision is not None and self.mixed_precision not in (*MIXED_PRECISION, *MIXED_PRECISION.values()):
             raise bad_value("mixed_precision", self.mixed_precision, "bf16, fp16 or fp32 (FSDP's param_dtype)", "quant_storage must match the param_dtype")
         check_quantization(self.quant_storage, self.param_dtype, self.load_in_8bit)
-        for name in ("steps", "batch", "seq_len", "lora_r"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1: raise bad_value(name, getattr(self, name), "a whole number >= 1")
-        if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
+        for name in ("steps", "batch", "seq_len", "lora_r"): require_whole(name, getattr(self, name), 1)
+        require_model("model", self.model), require_seed("seed", self.seed), require_positive("lr", self.lr)
         return self
 
 # %% ../nbs/05_qlora.ipynb #02d95e10

@@ -11,7 +11,7 @@ __all__ = ['TrainSpec', 'shard_per_layer', 'make_optimizer', 'train_loop', 'mean
 # %% ../nbs/01_train.ipynb #17cfd961
 import statistics, time
 from dataclasses import dataclass, field, asdict
-from .errors import KitError, bad_value
+from .errors import KitError, bad_value, require_whole, require_positive, require_seed, require_model
 from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
 
 # %% ../nbs/01_train.ipynb #cd8142c2
@@ -32,11 +32,12 @@ class TrainSpec:
 
     def check(self):
         "Refuse settings that cannot run, naming the field."
-        for name in ("steps", "batch", "seq_len"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1: raise bad_value(name, getattr(self, name), "a whole number >= 1")
-        for name in ("warmup", "lora"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0: raise bad_value(name, getattr(self, name), "a whole number >= 0")
-        if not self.lr > 0: raise bad_value("lr", self.lr, "a number > 0")
+        require_model("model", self.model), require_seed("seed", self.seed), require_positive("lr", self.lr)
+        for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
+        for name in ("warmup", "lora"): require_whole(name, getattr(self, name), 0)
+        if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
+        if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
+            raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec", "e.g. TrainSpec(ckpt=CheckpointSpec('ckpt', save_every=5))")
         if self.mixed_precision not in (None, "bf16", "fp32"): raise bad_value("mixed_precision", self.mixed_precision, "'bf16', 'fp32' or None")
         if self.check_parity and self.mixed_precision == "bf16":
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32", "Drop --check-parity or --mixed-precision bf16")
