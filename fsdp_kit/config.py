@@ -159,7 +159,7 @@ def _check_version(value, source:str):
 # %% ../nbs/02_config.ipynb #b102ebfe
 def _strip_prefix(keys:dict) -> dict:
     "Keys without accelerate's / transformers' `fsdp_` prefix."
-    return {(k[5:] if k.startswith("fsdp_") else k): v for k, v in keys.items()}
+    return {(str(k)[5:] if str(k).startswith("fsdp_") else str(k)): v for k, v in keys.items()}
 
 # %% ../nbs/02_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
@@ -190,7 +190,9 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
         raise bad_value("distributed_type", kind, f"FSDP in {source}", "with any other value accelerate runs without sharding (DDP or one process)")
-    keys = _strip_prefix(config.get("fsdp_config") or {})
+    section = config.get("fsdp_config") or {}
+    if not isinstance(section, dict): raise bad_value("fsdp_config", section, f"a mapping of fsdp_ keys under fsdp_config: in {source}", f"it is of type {type(section).__name__}")
+    keys = _strip_prefix(section)
     _check_version(keys.get("version"), source)
     cfg = FSDPConfig(source=source)
     if "mixed_precision" in config:
@@ -204,12 +206,17 @@ def _parse_file(path:Path) -> dict:
     "The mapping in a JSON or YAML file, with errors that name the file."
     import yaml
     if not path.exists(): raise bad_value("fsdp_config", str(path), "an existing .json or .yaml file")
-    text = path.read_text()
+    if not path.is_file(): raise bad_value("fsdp_config", str(path), "a .json or .yaml file", "it is a folder" if path.is_dir() else "it is not a regular file")
+    try: text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e: raise bad_value("fsdp_config", str(path), "a .json or .yaml text file", f"byte {e.start} is not UTF-8 (a binary file?)") from None
+    except OSError as e: raise bad_value("fsdp_config", str(path), "a readable .json or .yaml file", e.strerror or str(e)) from None
+    if not text.strip(): raise bad_value("fsdp_config", str(path), "a .json or .yaml file with FSDP keys", "the file is empty")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except yaml.YAMLError as e: raise KitError(f"{path} is not valid YAML: {str(e).splitlines()[0]} ({getattr(e, 'problem_mark', '')})".replace("\n", " ")) from None
     if not isinstance(data, dict): raise KitError(f"{path} holds a {type(data).__name__}, not a mapping of FSDP keys")
+    if any(not isinstance(k, str) for k in data): raise KitError(f"{path}: key {next(k for k in data if not isinstance(k, str))!r} is not a name: keys must be text")
     return data
 
 # %% ../nbs/02_config.ipynb #b3cb6831

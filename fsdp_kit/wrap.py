@@ -13,7 +13,7 @@ import gc
 from dataclasses import dataclass, field, asdict, replace
 from .errors import KitError, bad_value
 from .config import FSDPConfig, POLICIES, check_for_model
-from .models import model_config, build_model, count_params, decoder_layers, synthetic_tokens, rank_rows
+from .models import model_config, check_model, build_model, count_params, decoder_layers, synthetic_tokens, rank_rows
 
 # %% ../nbs/03_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -199,6 +199,7 @@ def compare_worker(spec:CompareSpec) -> list:
 # %% ../nbs/03_wrap.ipynb #a4492a41
 def check_spec(spec:CompareSpec, world_size:int) -> list:
     "Plan every config of `spec` on the meta device for `world_size` ranks; return the configs or raise KitError."
+    check_model(spec.model, spec.batch, spec.seq_len, world_size)  # a model that builds, and a step that fits this machine's memory
     meta = build_model(model_config(spec.model), device="meta")
     configs = spec.configs()
     for cfg in configs:
