@@ -94,7 +94,8 @@ def _cmd_train(a):
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                      check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, mixed_precision=a.mixed_precision, ckpt=ckpt).check()
-    check_model(spec.model)  # refuse an unknown model before launching (a preset: no transformers import)
+    # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
+    check_model(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora else "full", lora_r=spec.lora or 8)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     if a.resume:
         folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
@@ -195,7 +196,7 @@ def _cmd_qlora(a):
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, lora_r=a.lora_r, seed=a.seed, adapter_dir=a.adapter_dir).check()
-    check_model(spec.model)  # refuse an unknown model before launching (a preset: no transformers import)
+    check_model(spec.model, spec.batch, spec.seq_len, a.nproc, method="qlora", lora_r=spec.lora_r)  # builds, and fits this machine
     r = launch(qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
@@ -213,8 +214,8 @@ def _cmd_cp_eval(a):
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed)
-    spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    check_model(spec.model)
+    mesh = spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
+    check_model(spec.model, max(1, spec.rows // mesh.dp_shard), spec.seq_len, a.nproc)  # builds, and a step fits this machine
     r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
@@ -405,12 +406,11 @@ OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "np
 
 
 def option_message(error: KitError, sub: argparse.ArgumentParser) -> str:
-    "The error's message with its leading `field=` replaced by the option of `sub` that sets that field, where there is one."
-    field, text = getattr(error, "field", None), str(error)
-    if not field or not text.startswith(f"{field}="): return text
-    dest = OPTION_NAMES.get(field, field).replace("-", "_")
-    options = [o for a in sub._actions if a.dest == dest for o in a.option_strings if o.startswith("--")]
-    return f"{options[0]}{text[len(field):]}" if options else text
+    "The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`)."
+    options = {a.dest: a.option_strings[-1] for a in sub._actions if a.option_strings and a.option_strings[-1].startswith("--")}
+    options |= {field: options[dest.replace("-", "_")] for field, dest in OPTION_NAMES.items() if dest.replace("-", "_") in options}
+    options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
+    return re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
 
 
 class Interrupted(BaseException):

@@ -94,7 +94,7 @@ def check_model(model:str, # a preset name, a config.json path, or a folder with
                ) -> str:
     "Refuse a model `model_config` could not build or whose step would not fit this machine (`check_fits`); a preset without `batch` or `seq_len` imports nothing."
     if model in PRESETS and batch is None and seq_len is None: return model
-    check_fits(model, batch or 1, seq_len or 8, nproc, nnodes, method, lora_r)
+    check_fits(model, 1 if batch is None else batch, 8 if seq_len is None else seq_len, nproc, nnodes, method, lora_r)
     return model
 
 GiB = 2**30

@@ -1,6 +1,12 @@
-import os, sys
+import os, sys, tempfile
 from pathlib import Path
 import pytest
+
+# every temporary folder of this session (ours, torch's, torchrun's, the workers') under one fresh root, so that
+# tests/test_zz_leftovers.py can check that nothing the kit made was left behind
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="fsdp_kit_tests_"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "configs"

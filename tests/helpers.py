@@ -23,3 +23,11 @@ def hangs_on_rank_0():
         dist.all_reduce(torch.ones(1))  # rank 1 never joins
     else:
         time.sleep(120)
+
+
+def exits_on_rank(bad_rank=1):
+    "Rank `bad_rank` leaves with exit status 0 without returning (os._exit); the others wait for it in a barrier."
+    import torch.distributed as dist
+    if dist.get_rank() == bad_rank:
+        os._exit(0)
+    dist.barrier()

@@ -1,0 +1,115 @@
+"""Bad input at the command line, as a table: what the user typed, the exit code, and a phrase the one-line message holds.
+Every row is refused before any process starts; none prints a traceback (see tests/badinput.py)."""
+import pytest
+from tests.badinput import Case, check_case
+
+pytestmark = pytest.mark.timeout(60)
+EP = "127.0.0.1:29400"
+TRAIN = ["train", "--steps", "4"]
+
+
+def rows():
+    c = []
+    # --json: where the result goes is checked before the run it would record
+    c += [Case("json-folder", [*TRAIN, "--json", "{tmp}/d"], 2, "--json=", files={"d": None}),
+          Case("json-under-a-file", [*TRAIN, "--json", "{tmp}/f/out.json"], 2, "--json=", files={"f": "x"}),
+          Case("json-folder-env", ["env", "--json", "{tmp}/d"], 2, "a file path (this is a folder)", files={"d": None}),
+          Case("json-folder-plan", ["plan", "--model", "tiny", "--json", "{tmp}/d"], 2, "--json=", files={"d": None})]
+    # numbers of every launching command
+    for cmd in ("train", "qlora", "cp-eval", "compare", "mesh"):
+        c += [Case(f"{cmd}-timeout-{v}", [cmd, "--timeout", v], 2, "argument --timeout") for v in ("0", "-5", "nan", "inf", "abc")]
+        c += [Case(f"{cmd}-nproc-{v}", [cmd, "--nproc", v], 2, "argument --nproc") for v in ("0", "-1", "abc", "1.5")]
+    for opt, values in (("--steps", ("0", "-1")), ("--batch", ("0", "-3")), ("--seq-len", ("0",)), ("--lr", ("0", "-1", "inf", "nan")),
+                        ("--seed", ("-1", str(2**70))), ("--warmup", ("-1",)), ("--lora", ("-1",))):
+        c += [Case(f"train{opt}-{v}", [*TRAIN, opt, v], 2, f"{opt}=") for v in values]
+    c += [Case("train-steps-text", [*TRAIN, "--steps", "ten"], 2, "argument --steps"),
+          Case("train-mixed-precision-fp8", [*TRAIN, "--mixed-precision", "fp8"], 2, "--mixed-precision='fp8'"),
+          Case("train-parity-bf16", [*TRAIN, "--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity=True"),
+          Case("train-parity-lora", [*TRAIN, "--check-parity", "--lora", "4"], 2, "--check-parity=True"),
+          Case("train-resume-no-ckpt", [*TRAIN, "--resume"], 2, "--resume needs --ckpt DIR"),
+          Case("train-save-every-no-ckpt", [*TRAIN, "--save-every", "2"], 2, "--save-every needs --ckpt DIR"),
+          Case("train-state-dict", [*TRAIN, "--ckpt", "{tmp}/ck", "--state-dict", "LOCAL"], 2, "--state-dict='LOCAL'"),
+          Case("train-save-every-negative", [*TRAIN, "--ckpt", "{tmp}/ck", "--save-every", "-1"], 2, "--save-every=-1"),
+          Case("train-keep-0", [*TRAIN, "--ckpt", "{tmp}/ck", "--keep", "0"], 2, "--keep=0"),
+          Case("train-ckpt-is-a-file", [*TRAIN, "--ckpt", "{tmp}/f"], 2, "--ckpt=", files={"f": "x"}),
+          Case("train-batch-huge", [*TRAIN, "--batch", "100000000"], 2, "--batch=100000000"),
+          Case("train-seq-len-huge", [*TRAIN, "--seq-len", "100000000"], 2, "--seq-len"),
+          Case("train-model-unknown", [*TRAIN, "--model", "huge"], 2, "--model='huge'"),
+          Case("train-model-missing-file", [*TRAIN, "--model", "{tmp}/none/config.json"], 2, "--model="),
+          Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz")]
+    # several nodes: the rendezvous settings
+    NODES = [*TRAIN, "--nnodes", "2"]
+    c += [Case("nodes-no-endpoint", NODES, 2, "--rdzv-endpoint=None"),
+          Case("nodes-node-rank-2", [*NODES, "--node-rank", "2", "--rdzv-endpoint", EP], 2, "--node-rank=2"),
+          Case("nodes-node-rank-neg", [*NODES, "--node-rank", "-1", "--rdzv-endpoint", EP], 2, "--node-rank=-1"),
+          Case("nodes-nnodes-0", [*TRAIN, "--nnodes", "0"], 2, "argument --nnodes"),
+          Case("nodes-rdzv-id-empty", [*NODES, "--rdzv-endpoint", EP, "--rdzv-id", ""], 2, "--rdzv-id=''"),
+          Case("nodes-rdzv-id-blank", [*NODES, "--rdzv-endpoint", EP, "--rdzv-id", "  "], 2, "--rdzv-id='  '"),
+          Case("nodes-rdzv-timeout-0", [*NODES, "--rdzv-endpoint", EP, "--rdzv-timeout", "0"], 2, "argument --rdzv-timeout"),
+          Case("nodes-max-restarts-neg", [*TRAIN, "--max-restarts", "-1"], 2, "--max-restarts=-1")]
+    c += [Case(f"nodes-endpoint-{i}", [*NODES, "--rdzv-endpoint", ep], 2, f"--rdzv-endpoint={ep!r}")
+          for i, ep in enumerate(("notahost:abc", "127.0.0.1:0", "127.0.0.1:70000", "nohostcolon", ":29400", "host.invalid:29400"))]
+    # injected faults
+    c += [Case("fault-kind", [*TRAIN, "--inject-fault", "boom"], 2, "argument --inject-fault: invalid choice"),
+          Case("fault-rank", [*TRAIN, "--inject-fault", "crash", "--fault-rank", "5"], 2, "--fault-rank=5"),
+          Case("fault-step-0", [*TRAIN, "--inject-fault", "crash", "--fault-step", "0"], 2, "--fault-step=0"),
+          Case("fault-step-last", [*TRAIN, "--inject-fault", "hang", "--fault-step", "4"], 2, "--fault-step=4")]
+    # qlora
+    Q = ["qlora", "--steps", "2"]
+    c += [Case("qlora-storage", [*Q, "--quant-storage", "int4"], 2, "--quant-storage='int4'"),
+          Case("qlora-mixed-precision", [*Q, "--mixed-precision", "fp8"], 2, "--mixed-precision='fp8'"),
+          Case("qlora-8bit", [*Q, "--load-in-8bit"], 2, "--load-in-8bit=True"),
+          Case("qlora-lora-r-0", [*Q, "--lora-r", "0"], 2, "--lora-r=0"),
+          Case("qlora-steps-0", [*Q, "--steps", "0"], 2, "--steps=0"),
+          Case("qlora-lr-nan", [*Q, "--lr", "nan"], 2, "--lr=nan"),
+          Case("qlora-seed-neg", [*Q, "--seed", "-1"], 2, "--seed=-1"),
+          Case("qlora-batch-huge", [*Q, "--batch", "100000000"], 2, "--batch=100000000"),
+          Case("qlora-model-unknown", [*Q, "--model", "huge"], 2, "--model='huge'")]
+    # cp-eval
+    CP = ["cp-eval"]
+    c += [Case("cp-size-3", [*CP, "--cp", "3"], 2, "--cp"),
+          Case("cp-rotate", [*CP, "--rotate", "ring"], 2, "--rotate='ring'"),
+          Case("cp-seq-len-130", [*CP, "--seq-len", "130"], 2, "--seq-len=130"),
+          Case("cp-seq-len-0", [*CP, "--seq-len", "0"], 2, "--seq-len=0"),
+          Case("cp-mask", [*CP, "--mask", "padding"], 2, "padding"),
+          Case("cp-rows-0", [*CP, "--rows", "0"], 2, "--rows=0"),
+          Case("cp-dp-shard-3", [*CP, "--dp-shard", "3"], 2, "--dp-shard=3"),
+          Case("cp-sp-2", [*CP, "--sp", "2"], 2, "--sp=2"),
+          Case("cp-seed-neg", [*CP, "--seed", "-1"], 2, "--seed=-1")]
+    # mesh, compare
+    c += [Case("mesh-dp-shard-3", ["mesh", "--dp-shard", "3"], 2, "--dp-shard=3"),
+          Case("mesh-cp-3", ["mesh", "--cp", "3"], 2, "--cp=3"),
+          Case("mesh-replicate-0", ["mesh", "--dp-replicate", "0"], 2, "--dp-replicate=0"),
+          Case("compare-policy", ["compare", "--policies", "FOO"], 2, "--policies"),
+          Case("compare-reshard", ["compare", "--reshard", "maybe"], 2, "reshard"),
+          Case("compare-min-params", ["compare", "--min-num-params", "-1"], 2, "--min-num-params=-1"),
+          Case("compare-batch-0", ["compare", "--batch", "0"], 2, "--batch=0"),
+          Case("compare-fsdp-config-missing", ["compare", "--fsdp-config", "{tmp}/none.yaml"], 2, "none.yaml")]
+    # slurm, hf, ckpt, the command itself
+    S = ["slurm", "--nodes", "2", "--gpus-per-node", "8"]
+    c += [Case("slurm-nodes-0", ["slurm", "--nodes", "0", "--gpus-per-node", "8", "--", "train"], 2, "--nodes=0"),
+          Case("slurm-gpus-0", ["slurm", "--nodes", "2", "--gpus-per-node", "0", "--", "train"], 2, "--gpus-per-node=0"),
+          Case("slurm-no-command", S, 2, "train ..."),
+          Case("slurm-not-train", [*S, "--", "plan"], 2, "train ..."),
+          Case("slurm-node-options", [*S, "--", "train", "--nnodes", "2"], 2, "no node options"),
+          Case("slurm-no-nodes", ["slurm", "--gpus-per-node", "8"], 2, "the following arguments are required: --nodes"),
+          Case("hf-missing-file", ["hf", "--fsdp-config", "{tmp}/none.json"], 2, "none.json"),
+          Case("hf-no-file", ["hf"], 2, "the following arguments are required: --fsdp-config"),
+          Case("ckpt-missing-folder", ["ckpt", "{tmp}/none"], 2, "an existing checkpoint folder"),
+          Case("ckpt-a-file", ["ckpt", "{tmp}/f"], 2, "an existing checkpoint folder", files={"f": "x"}),
+          Case("no-command", [], 2, "the following arguments are required: command"),
+          Case("unknown-command", ["trian"], 2, "invalid choice: 'trian'"),
+          Case("env-unknown-option", ["env", "--nproc", "2"], 2, "unrecognized arguments: --nproc")]
+    return c
+
+
+CASES = rows()
+
+
+def test_the_table_has_unique_ids():
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_in_one_line(case, tmp_path):
+    check_case(case, tmp_path)

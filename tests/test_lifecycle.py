@@ -1,0 +1,108 @@
+"""Nothing outlives its launcher: SIGKILL, SIGTERM or SIGINT of `fsdp-kit train` stops every worker, nothing writes to the
+checkpoint folder afterwards, and --resume then finishes bit-identically to an uninterrupted run. Silent waits are bounded."""
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+import psutil, pytest
+from tests.conftest import ROOT, SESSION_TMP
+from fsdp_kit.launch import free_port, launch, WorkerError
+from tests.helpers import exits_on_rank
+
+pytestmark = pytest.mark.timeout(300)
+RUN = ("train", "--model", "tiny", "--seq-len", 32, "--save-every", 4, "--keep", 3)
+
+
+def _start(args, tmp, name):
+    out = open(tmp / f"{name}.err", "w")
+    return subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
+
+
+def _alive(procs):
+    return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if not p.is_symlink()}
+
+
+def _kill_mid_training(proc, folder: Path, how: str, deadline=120) -> dict:
+    "Wait for a checkpoint, send `how`, and return what was seen: workers, seconds until they were gone, writes after that."
+    start, seen = time.monotonic(), set()
+    while not (folder / "latest").exists() or len(seen) < 3:  # torchrun and its two workers, and a first checkpoint
+        assert proc.poll() is None and time.monotonic() - start < deadline, f"{how}: the run ended or stalled before its first checkpoint"
+        seen.update(psutil.Process(proc.pid).children(recursive=True))
+        time.sleep(0.1)
+    time.sleep(0.5)  # mid-training, between saves or inside one
+    seen.update(psutil.Process(proc.pid).children(recursive=True))
+    if how == "SIGKILL": os.killpg(proc.pid, signal.SIGKILL)  # the launcher's whole process group; the workers sit in their own sessions
+    else: proc.send_signal(getattr(signal, how))  # the launcher alone
+    killed = time.monotonic()
+    while _alive(seen) and time.monotonic() - killed < 10: time.sleep(0.1)
+    gone_after, alive = time.monotonic() - killed, _alive(seen)
+    before = _snapshot(folder)
+    time.sleep(3)
+    return dict(workers=len(seen), gone_after=gone_after, alive=alive, writes=before != _snapshot(folder), code=proc.wait(30))
+
+
+def test_killing_the_launcher_stops_every_worker_and_resume_is_bit_identical(tmp_path):
+    runs = {how: _start([*RUN, "--steps", 100_000, "--ckpt", tmp_path / how], tmp_path, how) for how in ("SIGKILL", "SIGTERM", "SIGINT")}
+    seen = {how: _kill_mid_training(proc, tmp_path / how, how) for how, proc in runs.items()}
+    for how, s in seen.items():
+        assert s["alive"] == [] and s["gone_after"] < 10, f"{how}: {s}"
+        assert not s["writes"], f"{how}: the checkpoint folder changed after the workers were gone"
+    assert seen["SIGKILL"]["code"] == -signal.SIGKILL and seen["SIGTERM"]["code"] == 143 and seen["SIGINT"]["code"] == 130
+    for how in ("SIGTERM", "SIGINT"):
+        err = (tmp_path / f"{how}.err").read_text()
+        assert f"interrupted ({how}): the workers were stopped" in err and "Traceback" not in err, err[-2000:]
+    # each run resumes from its last checkpoint and trains 4 more steps; the schedule is constant, so the first
+    # steps of one uninterrupted run are what every resumed run must reproduce
+    last = {how: int(os.readlink(tmp_path / how / "latest").removeprefix("step-")) for how in seen}
+    ref = _start([*RUN, "--steps", max(last.values()) + 4, "--ckpt", tmp_path / "ref", "--json", tmp_path / "ref.json"], tmp_path, "ref")
+    resumed = {how: _start([*RUN, "--steps", last[how] + 4, "--ckpt", tmp_path / how, "--resume", "--json", tmp_path / f"{how}.json"],
+                           tmp_path, f"{how}-resume") for how in seen}
+    assert ref.wait(240) == 0, (tmp_path / "ref.err").read_text()[-3000:]
+    reference = json.loads((tmp_path / "ref.json").read_text())["losses"]
+    for how, proc in resumed.items():
+        assert proc.wait(240) == 0, (tmp_path / f"{how}-resume.err").read_text()[-3000:]
+        r = json.loads((tmp_path / f"{how}.json").read_text())
+        assert r["first_step"] == last[how] > 0 and r["checkpoint"]["resumed_from"]["step"] == last[how]
+        assert r["losses"] == reference[last[how]:last[how] + 4], f"{how}: resumed losses differ from the uninterrupted run"
+    assert sorted(SESSION_TMP.glob("fsdp_kit_run_*")) == []  # the SIGKILLed launcher's folder was swept by a later launch
+
+
+def test_a_missing_node_fails_within_the_rendezvous_timeout_naming_it(cli):
+    start = time.monotonic()
+    out = cli("train", "--steps", 2, "--nnodes", 2, "--node-rank", 0, "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-timeout", 12, "--rdzv-id", "lonely", timeout=120)
+    took = time.monotonic() - start
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "node 0: waiting for node(s) 1 of 2 at 127.0.0.1:" in out.stderr
+    assert "node(s) 1 of 2 never joined the rendezvous" in out.stderr and "within 12 s" in out.stderr
+    assert 12 <= took < 60
+
+
+@pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
+def test_a_rank_that_exits_quietly_is_the_one_named(launcher):
+    with pytest.raises(WorkerError) as info:
+        launch(exits_on_rank, 1, nprocs=2, launcher=launcher, timeout=30)
+    assert info.value.rank == 1 and "rank 1 died without reporting an error" in str(info.value)
+
+
+def test_a_torchrun_command_line_runs_one_job(tmp_path):
+    "The `torchrun ... -m fsdp_kit train` line the launch lesson prints: each rank runs in place, and rank 0 alone reports."
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdp_kit",
+           "train", "--steps", "3", "--seq-len", "32", "--json", str(tmp_path / "out.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("2 ranks, steps 1-3") == 1 and out.stdout.count("wrote ") == 1
+    assert json.loads((tmp_path / "out.json").read_text())["world_size"] == 2
+
+
+def test_the_help_shows_every_option_with_its_default_and_hides_the_worker(cli):
+    top = cli("--help", timeout=60).stdout
+    assert "worker" not in top and "SUPPRESS" not in top
+    from fsdp_kit.cli import parser
+    for name, sub in parser()._subparsers._group_actions[0].choices.items():
+        for a in sub._actions:
+            assert a.help, f"fsdp-kit {name} {a.option_strings or a.dest} has no help text"
+    train = cli("train", "--help", timeout=60).stdout
+    assert "--steps STEPS" in train and "optimizer steps (default: 10)" in train and "(default: 180)" in train
