@@ -1,5 +1,5 @@
 """launch(): real process groups from a script, failures that name the rank, hangs that end, nothing left behind."""
-import subprocess, sys, time
+import re, subprocess, sys, time
 import psutil, pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment
@@ -59,6 +59,33 @@ def test_bad_arguments_are_refused_before_launching():
         launch(rank_info, launcher="mpi")
     with pytest.raises(KitError, match=r"backend='mpi'"):
         launch(rank_info, backend="mpi")
+
+
+@pytest.mark.parametrize("call, phrase", [
+    (lambda: launch(rank_info, timeout=0), "timeout=0 is not allowed: a finite number > 0"),
+    (lambda: launch(rank_info, timeout=float("nan")), "timeout=nan is not allowed"),
+    (lambda: launch(rank_info, timeout="5"), "timeout='5' is not allowed"),
+    (lambda: launch(42), "fn=42 is not allowed: a function"),
+    (lambda: launch(rank_info, nprocs=True), "nprocs=True is not allowed"),
+    (lambda: launch(rank_info, nprocs=2.0), "nprocs=2.0 is not allowed"),
+    (lambda: launch(rank_info, launcher="torchrun", nnodes=2, rdzv_endpoint="127.0.0.1:29400", rdzv_id=""), "rdzv_id='' is not allowed"),
+    (lambda: launch(rank_info, launcher="torchrun", nnodes=2, rdzv_endpoint="127.0.0.1:29400", rdzv_timeout=0), "rdzv_timeout=0"),
+    (lambda: launch(rank_info, rdzv_timeout=10), "launcher='notebook' is not allowed"),
+])
+def test_launch_refuses_bad_arguments_before_starting_anything(call, phrase):
+    with pytest.raises(KitError, match=re.escape(phrase)): call()
+
+
+@pytest.mark.parametrize("spec, phrase", [
+    (dict(steps=0), "steps=0 is not allowed"), (dict(steps=True), "steps=True is not allowed"), (dict(model=None), "model=None"),
+    (dict(lr="0.1"), "lr='0.1' is not allowed"), (dict(lr=None), "lr=None"), (dict(lr=float("inf")), "lr=inf"),
+    (dict(seed=2**70), "seed=1180591620717411303424"), (dict(ckpt="dir"), "ckpt='dir' is not allowed: None or a checkpoint.CheckpointSpec"),
+    (dict(check_parity="yes"), "check_parity='yes'"),
+])
+def test_launch_checks_the_spec_it_is_given(spec, phrase):
+    "launch() calls the spec's check(): a spec built by hand is refused before any process starts, as the command line's is."
+    from fsdp_kit.train import TrainSpec, train_worker
+    with pytest.raises(KitError, match=re.escape(phrase)): launch(train_worker, TrainSpec(**spec), nprocs=2)
 
 
 def test_torchrun_launcher_refuses_a_function_workers_cannot_import():

@@ -106,3 +106,26 @@ def test_the_help_shows_every_option_with_its_default_and_hides_the_worker(cli):
             assert a.help, f"fsdp-kit {name} {a.option_strings or a.dest} has no help text"
     train = cli("train", "--help", timeout=60).stdout
     assert "--steps STEPS" in train and "optimizer steps (default: 10)" in train and "(default: 180)" in train
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    "A 1 MiB tmpfs filled to the brim (needs root, as CI has); skipped where it cannot be mounted."
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        with open(mount / "fill", "wb") as f:
+            try: f.write(b"\0" * 2**21)
+            except OSError: pass
+        yield mount
+    finally: subprocess.run(["umount", str(mount)])
+
+
+def test_json_on_a_full_disk_is_printed_not_lost(full_disk):
+    from tests.badinput import Case, run_case
+    code, out, err = run_case(Case("json-full-disk", ["plan", "--model", "tiny", "--gpus", "2", "--json", f"{full_disk}/plan.json"], 2, ""), full_disk)
+    assert code == 2 and "could not write it (No space left on device); the result was printed to stdout instead" in err
+    assert json.loads(out[out.index("\n{") + 1:])["model"] == "tiny"  # the JSON is on stdout, after the plan's text
+    assert sorted(p.name for p in full_disk.iterdir()) == ["fill"]  # no empty or partial file
