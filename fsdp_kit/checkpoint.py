@@ -238,6 +238,11 @@ def _no_space(e:BaseException) -> bool:
     "Whether a write failed for lack of space: ENOSPC, or torch's or DCP's wrapping of it."
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or any(s in str(e) for s in _NO_SPACE)
 
+def _reraise_interrupt(e:BaseException) -> BaseException:
+    "Return `e` if it is a failure to report (DCP's CheckpointException derives from BaseException); raise it again if it is an interrupt or an exit."
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)): raise e
+    return e
+
 def _error_text(e:BaseException) -> str:
     "An exception in one line: the last 'SomethingError: ...' line of its message (DCP nests tracebacks), else its first line."
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
@@ -266,17 +271,18 @@ def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
     "Run part of a save on every rank; if it fails on any, rank 0 removes `tmp` and every rank raises the same KitError."
     import torch.distributed as dist
     try: fn(); error = None
-    except Exception as e: error = (_no_space(e), _error_text(e))
+    except BaseException as e: error = (_no_space(_reraise_interrupt(e)), _error_text(e))
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)  # also the barrier between the parts
     if not (failed := [(r, e) for r, e in enumerate(errors) if e]): return
-    if dist.get_rank() == 0: shutil.rmtree(tmp, ignore_errors=True)
-    if any(nospace for _, (nospace, _) in failed):
+    def message():  # rank 0: remove the partial folder, then say why, once for every rank
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not any(nospace for _, (nospace, _) in failed):
+            return f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints before it are intact"
         need, free = _need_bytes(root, model, optim), shutil.disk_usage(root).free
-        raise KitError(f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
-                       f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
-    rank, (_, text) = failed[0]
-    raise KitError(f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {rank}: {text}; the checkpoints before it are intact")
+        return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
+                f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
+    raise KitError(_decide_on_rank0(message))
 
 def save_checkpoint(root, # the checkpoint folder
                     step:int, # steps done
@@ -333,7 +339,7 @@ def _on_every_rank(fn, what:str):
     "Run `fn` on every rank and return its result; if it fails on any rank, raise the same KitError (`what`: why) on every rank."
     import torch.distributed as dist
     try: out, error = fn(), None
-    except Exception as e: out, error = None, f"{type(e).__name__}: {_first_line(e)}"
+    except BaseException as e: out, error = None, _error_text(_reraise_interrupt(e))
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     if failed := [(r, e) for r, e in enumerate(errors) if e]: raise KitError(f"{what} (rank {failed[0][0]}: {failed[0][1]})")
