@@ -164,7 +164,7 @@ def test_check_resume(tmp_path):
     m = json.loads((old / "manifest.json").read_text()); del m["model_shape"]
     (old / "manifest.json").write_text(json.dumps(m))
     assert check_resume(spec(tmp_path / "old"))[0] == old
-    other = fake_checkpoint(tmp_path / "other", model_shape=dict(sha256="0", parameters=99))
+    fake_checkpoint(tmp_path / "other", model_shape=dict(sha256="0", parameters=99))
     with pytest.raises(KitError, match=r"--resume: ckpt=.* holds step-000002, written for a model of other parameter shapes \(99 parameters; model='tiny' now has 125,248\)"):
         check_resume(spec(tmp_path / "other"))
     edited = fake_checkpoint(tmp_path / "edited", step=4)  # `step` edited to 6 and the folder renamed to match one of them
