@@ -14,6 +14,7 @@
     fsdp-kit tour --out tour
 """
 import argparse, json, math, os, re, signal, sys, tempfile
+from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
     from fsdp_kit.models import check_model
-    from fsdp_kit.checkpoint import CheckpointSpec, check_resume
+    from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     ckpt = None
     if a.ckpt:
@@ -97,12 +98,13 @@ def _cmd_train(a):
     # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
     check_model(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora else "full", lora_r=spec.lora or 8)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
-    if a.resume:
-        folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
-        for note in notes: print(f"  {note}", file=sys.stderr)
-    result = launch(scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
-                    node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts,
-                    rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
+    with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
+        if a.resume:
+            folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
+            for note in notes: print(f"  {note}", file=sys.stderr)
+        result = launch(scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
+                        node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts,
+                        rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
     s = result.scale
     text = f"{s['nodes']} node(s) x {s['ranks_per_node']} = " if s["nodes"] > 1 else ""
     for r in s["restarts"]: text += f"restart {r['attempt'] + 1}: attempt {r['attempt']} ended after step {s['attempts'][r['attempt']]['last_step']} (rank {r['rank']} {r['kind']})\n"

@@ -129,3 +129,19 @@ def test_json_on_a_full_disk_is_printed_not_lost(full_disk):
     assert code == 2 and "could not write it (No space left on device); the result was printed to stdout instead" in err
     assert json.loads(out[out.index("\n{") + 1:])["model"] == "tiny"  # the JSON is on stdout, after the plan's text
     assert sorted(p.name for p in full_disk.iterdir()) == ["fill"]  # no empty or partial file
+
+
+def test_a_second_run_on_the_same_checkpoint_folder_is_refused(tmp_path):
+    "Two runs writing one folder would delete each other's checkpoints: the second is refused with the first one's pid."
+    first = _start(["train", "--model", "tiny", "--seq-len", 32, "--steps", 100_000, "--save-every", 50, "--ckpt", tmp_path / "ck"], tmp_path, "first")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ck" / "latest").exists():
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.err").read_text()[-2000:]
+            time.sleep(0.2)
+        from tests.badinput import Case, check_case
+        check_case(Case("second-run", ["train", "--steps", 4, "--ckpt", tmp_path / "ck", "--resume"], 2,
+                        f"is in use by another run (pid {first.pid})"), tmp_path)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 143
