@@ -229,31 +229,31 @@ def _cmd_cp_eval(a):
 
 
 def _cmd_plan(a):
-    from fsdp_kit import plan
+    from fsdp_kit import plan, plan_gpu, plan_validate
     from fsdp_kit.config import to_reshard
     if a.list_models:
         models = plan.list_models()
         emit(dict(models=models), a.json, "\n".join(f"{m['name']:<12}{m['parameters']:>16,}  {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}" for m in models))
         return
     if a.validate:
-        specs = plan.validation_matrix(a.nproc)
+        specs = plan_validate.validation_matrix(a.nproc)
         print(f"running {len(specs)} settings on world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
-        result = plan.validate(specs, launcher="torchrun", timeout=a.timeout)
+        result = plan_validate.validate(specs, launcher="torchrun", timeout=a.timeout)
         if a.plot:
             import matplotlib
             matplotlib.use("Agg")
-            plan.plot_validation(result).savefig(a.plot, dpi=100, bbox_inches="tight")
+            plan_validate.plot_validation(result).savefig(a.plot, dpi=100, bbox_inches="tight")
             print(f"wrote {a.plot}", file=sys.stderr)
-        emit(result, a.json, plan.validation_table(result))
+        emit(result, a.json, plan_validate.validation_table(result))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
     kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq, mixed_precision=a.mixed_precision, cp=a.cp)
     if a.recommend:
-        r = plan.recommend(a.model, **kwargs)
+        r = plan_gpu.recommend(a.model, **kwargs)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
         return
-    p = plan.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), base_dtype=a.base_dtype)
-    emit(p, a.json, plan.plan_text(p))
+    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), base_dtype=a.base_dtype)
+    emit(p, a.json, plan_gpu.plan_text(p))
 
 
 def _cmd_tour(a):

@@ -3,7 +3,7 @@ import json, math, subprocess, sys
 import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.models import PRESETS, check_model, check_fits, step_memory
-from fsdp_kit.plan import plan_gpu, recommend
+from fsdp_kit.plan_gpu import plan_gpu, recommend
 from tests.badinput import Case, check_case
 from tests.conftest import EXAMPLES, ROOT
 

@@ -6,8 +6,9 @@ Runs use launcher="torchrun": a QLoRA setting imports peft and bitsandbytes in t
 import json, resource
 import pytest
 from fsdp_kit.errors import KitError
-from fsdp_kit.plan import (PlanSpec, validate, predict_peak, predict_comm, plan_config, count_parameters, plan_gpu, recommend,
-                           units, model_tensors, published_table, MODEL_PRESETS, GB)
+from fsdp_kit.plan import PlanSpec, predict_peak, predict_comm, plan_config, count_parameters, units, model_tensors, MODEL_PRESETS
+from fsdp_kit.plan_validate import validate
+from fsdp_kit.plan_gpu import plan_gpu, recommend, published_table, GB
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(300)
