@@ -293,7 +293,8 @@ def _lora_spec(spec:PlanSpec):
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
     import torch, torch.distributed as dist
-    from fsdp_kit.qlora import load_lora_model, shard_lora_model, _quiet_libraries, _batch, _loss
+    from fsdp_kit.qlora import load_lora_model, shard_lora_model, batch_rows as _batch, model_loss as _loss
+    from fsdp_kit.ranks import quiet_libraries as _quiet_libraries
     from fsdp_kit.measure import measure_step
     _quiet_libraries()
     lspec = _lora_spec(spec)
@@ -317,7 +318,7 @@ def validate_worker(specs:list) -> list:
     "Measure one training step of each spec on this process group (all of the same world size); rank 0's [(peak_bytes, collectives)]."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    from fsdp_kit.qlora import _shared_tempdir
+    from fsdp_kit.ranks import shared_tempdir as _shared_tempdir
     mesh, out, checkpoints = fsdp_mesh(build_mesh()), [], {}
     try:
         for spec in specs:
