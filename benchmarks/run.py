@@ -152,7 +152,7 @@ def bench_launch(repeats: int) -> dict:
 def overhead_worker(steps: int):
     "Time plain steps, steps under the memory tracker and steps under the collective counter, interleaved."
     import torch, torch.distributed as dist
-    from fsdp_kit.measure import _timeline_tracker, _comm_counter, _quiet_hook_warnings
+    from fsdp_kit.measure import _timeline_tracker, _comm_counter, quiet_hook_warnings
     from fsdp_kit.models import model_config, build_model, synthetic_tokens, rank_rows
     from fsdp_kit.train import shard_per_layer
     from fsdp_kit.mesh import build_mesh
@@ -163,7 +163,7 @@ def overhead_worker(steps: int):
         model(input_ids=tokens, labels=tokens).loss.backward(); optim.step(); optim.zero_grad()
     step()
     times = {"off": [], "memory": [], "comm": []}
-    with _quiet_hook_warnings():
+    with quiet_hook_warnings():
         for _ in range(steps):
             for kind in times:
                 mode = {"off": None, "memory": _timeline_tracker(model, optim), "comm": _comm_counter()}[kind]

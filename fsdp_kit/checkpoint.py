@@ -7,16 +7,17 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 # %% auto #0
 __all__ = ['STATE_DICT_TYPES', 'FORMAT', 'LOADING_MODEL', 'CheckpointSpec', 'lock_checkpoint_dir', 'step_name', 'verify',
            'list_checkpoints', 'find_checkpoint', 'save_checkpoint', 'load_checkpoint', 'model_shape', 'check_resume',
-           'Saver', 'add_lora', 'adapter_round_trip', 'merge_and_save', 'merge_worker', 'load_sharded', 'rss_bytes',
-           'loading_worker', 'save_loading_model']
+           'Saver', 'load_sharded', 'rss_bytes', 'loading_worker', 'save_loading_model']
 
 # %% ../nbs/08_checkpoint.ipynb #c60647f3
-import errno, hashlib, json, os, shutil, tempfile, threading, time
+import errno, hashlib, json, os, shutil, threading, time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass
 from pathlib import Path
 from .errors import KitError, bad_value
-from .models import model_config, build_model, synthetic_tokens, rank_rows
+from .models import model_config, build_model, synthetic_tokens
+from .ranks import decide_on_rank0, quiet_libraries
+from .lora import plain_key, global_loss
 
 # %% ../nbs/08_checkpoint.ipynb #324eeabf
 STATE_DICT_TYPES = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"}  # the kit's spelling -> upstream's
@@ -178,14 +179,6 @@ def find_checkpoint(root) -> tuple:
 # %% ../nbs/08_checkpoint.ipynb #5c863c29
 def _is_peft(model) -> bool: return hasattr(model, "peft_config")
 
-def _plain_key(key:str) -> str:
-    "A PEFT model's state-dict key as the base transformers model names it."
-    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-def _barrier():
-    import torch.distributed as dist
-    if dist.is_initialized(): dist.barrier()
-
 # %% ../nbs/08_checkpoint.ipynb #90744d37
 def _save_model_optim(folder:Path, model, optim, kind:str):
     "Write model and optimizer state into `folder`: DCP shards from every rank, or a transformers folder from rank 0."
@@ -199,7 +192,7 @@ def _save_model_optim(folder:Path, model, optim, kind:str):
     msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0: return
     base = model.get_base_model() if _is_peft(model) else model
-    weights = {_plain_key(k): v for k, v in msd.items() if "lora_" not in k}
+    weights = {plain_key(k): v for k, v in msd.items() if "lora_" not in k}
     base.save_pretrained(folder, state_dict=weights)  # config.json + model.safetensors, as from_pretrained reads them
     torch.save(osd, folder/"optimizer.pt")
 
@@ -282,7 +275,7 @@ def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
         need, free = _need_bytes(root, model, optim), shutil.disk_usage(root).free
         return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
                 f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
-    raise KitError(_decide_on_rank0(message))
+    raise KitError(decide_on_rank0(message))
 
 def save_checkpoint(root, # the checkpoint folder
                     step:int, # steps done
@@ -306,7 +299,7 @@ def save_checkpoint(root, # the checkpoint folder
     together(prepare)
     together(lambda: _save_model_optim(tmp, model, optim, kind))
     if _is_peft(model):
-        from fsdp_kit.qlora import save_adapter
+        from fsdp_kit.lora import save_adapter
         together(lambda: save_adapter(model, str(tmp/"adapter")))
     state = _trainer_state(step, schedule)
     def publish():
@@ -327,7 +320,7 @@ def _full_weights(folder:Path, model) -> dict:
     tied = getattr(model.config, "tie_word_embeddings", False)
     out = {}
     for key in model.state_dict():
-        plain = _plain_key(key)
+        plain = plain_key(key)
         if "lora_" in key: out[key] = adapter[key.replace(".default.", ".")]
         elif plain in saved: out[key] = saved[plain]
         elif tied and plain.endswith("lm_head.weight"): out[key] = next(v for k, v in saved.items() if k.endswith("embed_tokens.weight"))
@@ -379,19 +372,6 @@ def load_checkpoint(folder, # a checkpoint folder (step-NNNNNN)
     schedule.load_state_dict(trainer["schedule"])
     torch.set_rng_state(trainer["rng"][rank] if rank < len(trainer["rng"]) else trainer["rng"][0])
     return manifest
-
-# %% ../nbs/08_checkpoint.ipynb #6e68f728
-def _decide_on_rank0(fn):
-    "Run `fn` on rank 0 and return its result on every rank; a KitError it raises is raised on every rank."
-    import torch.distributed as dist
-    box = [None]
-    if dist.get_rank() == 0:
-        try: box[0] = ("ok", fn())
-        except KitError as e: box[0] = ("error", str(e))
-    dist.broadcast_object_list(box)
-    status, value = box[0]
-    if status == "error": raise KitError(value)
-    return value
 
 # %% ../nbs/08_checkpoint.ipynb #ca77ee34
 def _check_same_run(manifest:dict, info:dict, folder:Path):
@@ -461,11 +441,11 @@ class Saver:
     def resume(self) -> int:
         "Load the newest complete checkpoint if resuming; return the step to start at."
         if not self.ckpt.resume: return 0
-        folders, self.notes = _decide_on_rank0(lambda: _complete(self.ckpt.dir))
+        folders, self.notes = decide_on_rank0(lambda: _complete(self.ckpt.dir))
         if not folders: return 0
         skipped = []
         for folder in folders:  # the newest complete checkpoint; if it fails to load, the ones before it
-            manifest, why = _decide_on_rank0(lambda: _manifest_or_why(folder))
+            manifest, why = decide_on_rank0(lambda: _manifest_or_why(folder))
             if manifest is not None:
                 _check_same_run(manifest, self.info, folder)  # another run's checkpoint: refused, not skipped
                 try:
@@ -500,117 +480,6 @@ class Saver:
         "Where the finished run's adapter goes: DIR/adapter."
         return str(Path(self.ckpt.dir)/"adapter")
 
-# %% ../nbs/08_checkpoint.ipynb #716743cc
-def add_lora(model, # a transformers causal LM, not yet sharded
-             r:int, # LoRA rank
-             seed:int=0 # seed for the adapters' initial values (the same on every rank)
-            ):
-    "Wrap `model` with peft LoRA adapters on every Linear of the decoder (not lm_head); only the adapters train."
-    import torch
-    from fsdp_kit.qlora import _quiet_libraries
-    _quiet_libraries()  # before peft imports bitsandbytes: no notice about an optional CPU kernel package
-    from peft import LoraConfig, get_peft_model
-    torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0))
-
-# %% ../nbs/08_checkpoint.ipynb #2a36c5f3
-def _global_loss(model, tokens, rank:int, world_size:int) -> float:
-    "The model's loss on the whole of `tokens`, each rank computing its rows (every rank calls this)."
-    import torch
-    from fsdp_kit.train import mean_over_ranks
-    with torch.no_grad(): loss = model(input_ids=rank_rows(tokens, rank, world_size), labels=rank_rows(tokens, rank, world_size)).loss
-    return mean_over_ranks([loss])[0]
-
-# %% ../nbs/08_checkpoint.ipynb #e9a6967b
-def adapter_round_trip(model, # a sharded PeftModel
-                       spec, # the run's TrainSpec
-                       adapter_dir:str=None # where to save the adapter; None: a temporary folder, removed afterwards
-                      ) -> dict:
-    "Save the adapter gathered from every rank, reload it with peft in one process, compare losses (every rank calls this)."
-    import torch.distributed as dist
-    from fsdp_kit.qlora import save_adapter, _check_adapter, _shared_tempdir
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    target = adapter_dir or os.path.join(_shared_tempdir(), "adapter")
-    if rank == 0 and os.path.exists(target): shutil.rmtree(target)
-    _barrier()
-    shards = save_adapter(model, target)
-    tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, spec.seq_len, step=10_000, seed=spec.seed)  # held out
-    sharded = _global_loss(model, tokens, rank, world_size)
-    with model.disable_adapter(): disabled = _global_loss(model, tokens, rank, world_size)
-    out = None
-    if rank == 0:
-        import torch
-        from peft import PeftModel
-        base = build_model(model_config(spec.model), spec.seed)
-        with torch.no_grad(): base_loss = base(input_ids=tokens, labels=tokens).loss.item()
-        reloaded = PeftModel.from_pretrained(base, target)
-        with torch.no_grad(): reloaded_loss = reloaded(input_ids=tokens, labels=tokens).loss.item()
-        out = _check_adapter(target, shards) | dict(
-            path=os.path.abspath(target) if adapter_dir else None, sharded_loss=sharded, reloaded_loss=reloaded_loss,
-            reload_loss_diff=abs(sharded - reloaded_loss), adapter_disabled_loss=disabled, base_loss=base_loss,
-            disabled_vs_base_diff=abs(disabled - base_loss))
-    _barrier()
-    if rank == 0 and not adapter_dir: shutil.rmtree(os.path.dirname(target), ignore_errors=True)
-    return out
-
-# %% ../nbs/08_checkpoint.ipynb #1d757b9f
-def merge_and_save(model, # a sharded PeftModel
-                   out_dir:str # the transformers folder to write (rank 0)
-                  ) -> dict:
-    "Merge the adapters into the sharded base weights, save the merged model whole on rank 0, unmerge; return its loss check."
-    import torch, torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32, step=10_001)
-    with torch.no_grad(): model.merge_adapter()
-    merged_loss = _global_loss(model, tokens, rank, world_size)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    with torch.no_grad(): model.unmerge_adapter()
-    out = None
-    if rank == 0:
-        from transformers import AutoModelForCausalLM
-        model.get_base_model().save_pretrained(out_dir, state_dict={_plain_key(k): v for k, v in full.items() if "lora_" not in k})
-        plain = AutoModelForCausalLM.from_pretrained(out_dir)
-        with torch.no_grad(): loaded_loss = plain(input_ids=tokens, labels=tokens).loss.item()
-        out = dict(path=str(out_dir), merged_loss=merged_loss, loaded_loss=loaded_loss, diff=abs(merged_loss - loaded_loss))
-    _barrier()
-    return out
-
-# %% ../nbs/08_checkpoint.ipynb #335f6eb5
-def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None) -> dict:
-    "Shard a model with two LoRA adapters (non-zero), switch between them, merge while sharded and save; compare with one process."
-    import torch, torch.distributed as dist
-    from fsdp_kit.qlora import _quiet_libraries
-    _quiet_libraries()
-    from peft import LoraConfig, get_peft_model
-    from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    from fsdp_kit.train import shard_per_layer
-    def lora_model():
-        base = build_model(model_config("tiny"), seed)
-        torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so merging changes the weights
-        model = get_peft_model(base, LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))
-        model.add_adapter("second", LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))  # before sharding
-        return model
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    out_dir = out_dir or _decide_on_rank0(lambda: tempfile.mkdtemp(prefix="fsdp_kit_merged_"))
-    model, tokens = shard_per_layer(lora_model(), fsdp_mesh(build_mesh())), synthetic_tokens(256, 2 * world_size, 32, step=10_002)
-    switched = {}
-    for name in ("second", "default"):  # set_adapter on the sharded model, each adapter's loss
-        model.set_adapter(name)
-        switched[name] = _global_loss(model, tokens, rank, world_size)
-    result = merge_and_save(model, out_dir)
-    if rank == 0:
-        from transformers import AutoModelForCausalLM
-        one = lora_model()
-        for name in ("second", "default"):
-            one.set_adapter(name)
-            with torch.no_grad(): loss = one(input_ids=tokens, labels=tokens).loss.item()
-            result[f"set_adapter_{name}"] = dict(sharded=switched[name], one_process=loss, diff=abs(switched[name] - loss))
-        reference = one.merge_and_unload().state_dict()
-        saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
-        result["max_weight_diff_vs_one_process_merge"] = max((saved[k] - reference[k]).abs().max().item() for k in reference)
-    return result
-
 # %% ../nbs/08_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
@@ -620,16 +489,17 @@ def load_sharded(path:str, # a transformers folder (config.json + safetensors)
     import torch, torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
-    from fsdp_kit.train import shard_per_layer
-    rank = dist.get_rank()
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.wrap import apply_fsdp
+    rank, shard = dist.get_rank(), lambda m: apply_fsdp(m, FSDPConfig(), mesh)[0]  # each decoder layer, then the root
     if not efficient or rank == 0: model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
         with torch.device("meta"): model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    if not efficient: return shard_per_layer(model, mesh)
+    if not efficient: return shard(model)
     full = model.state_dict() if rank == 0 else {}
     buffers = [{n: b for n, b in model.named_buffers()} if rank == 0 else None]
     dist.broadcast_object_list(buffers)
-    model = shard_per_layer(model, mesh)
+    model = shard(model)
     if rank != 0: model.to_empty(device="cpu")
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
@@ -672,16 +542,15 @@ def loading_worker(path:str, # a transformers folder to load
     "Load and shard `path`, measuring each rank's host memory; check the loaded model's loss (rank 0 returns every rank's numbers)."
     import torch, torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    from fsdp_kit.qlora import _quiet_libraries
     from transformers import AutoConfig, AutoModelForCausalLM
-    _quiet_libraries()
+    quiet_libraries()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = fsdp_mesh(build_mesh())
     with torch.device("meta"): AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))  # import the model code before measuring
     dist.barrier()
     with _PeakRSS() as rss: model = load_sharded(path, mesh, efficient)
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
-    loss = _global_loss(model, tokens, rank, world_size)
+    loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size
     dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20))
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
@@ -690,8 +559,7 @@ def loading_worker(path:str, # a transformers folder to load
 def save_loading_model(path:str, seed:int=0) -> str:
     "Build `LOADING_MODEL` with random weights and save it as a transformers folder at `path`."
     from transformers import AutoConfig
-    from fsdp_kit.qlora import _quiet_libraries
-    _quiet_libraries()
+    quiet_libraries()
     d = dict(LOADING_MODEL)
     build_model(AutoConfig.for_model(d.pop("model_type"), **d), seed).save_pretrained(path)
     return path

@@ -157,7 +157,7 @@ def _cmd_ckpt(a):
 
 
 def _cmd_compare(a):
-    from fsdp_kit.config import load_fsdp_config, to_reshard, POLICIES
+    from fsdp_kit.config import load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
     from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None

@@ -11,7 +11,7 @@ __all__ = ['POLICIES', 'MIXED_PRECISION', 'STATE_DICT_TYPES', 'SHARDING_STRATEGI
 
 # %% ../nbs/02_config.ipynb #878b95bd
 import difflib, json
-from dataclasses import dataclass, field, fields, asdict, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from .errors import KitError, bad_value
 

@@ -11,10 +11,11 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
            'token_loss_sum', 'CPEvalResult', 'cp_eval_worker', 'attention_sweep_worker', 'plot_attention_sweep']
 
 # %% ../nbs/06_cp_eval.ipynb #18908165
-import math, os, statistics, time
-from dataclasses import dataclass, field, asdict
+import os, statistics, time
+from dataclasses import dataclass, field
 from .errors import KitError, bad_value, require_seed, require_model
 from .models import model_config, build_model, synthetic_tokens, rank_rows
+from .ranks import all_gather_tensors
 
 # %% ../nbs/06_cp_eval.ipynb #49f86ce3
 ROTATE_METHODS = ("allgather", "alltoall")  # how key/value shards reach every rank: gathered once, or passed around the ring
@@ -317,29 +318,22 @@ def _forward(model, input_ids, position_ids, cp_group, rotate:str):
     "Logits of this rank's slice, with the evaluation forward's peak memory (by category) and wall time."
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from fsdp_kit.measure import _peak_by_category, _quiet_hook_warnings
+    from fsdp_kit.measure import peak_by_category, quiet_hook_warnings
     device = next(model.parameters()).device
     kwargs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False, cp_group=cp_group, cp_rotate=rotate)
-    with torch.no_grad(), _quiet_hook_warnings():
+    with torch.no_grad(), quiet_hook_warnings():
         model(**kwargs)  # warm-up
         tracker = FSDPMemTracker(model)
         with tracker: model(**kwargs)
         start = time.perf_counter()
         logits = model(**kwargs).logits
-    return logits, _peak_by_category(tracker), time.perf_counter() - start
+    return logits, peak_by_category(tracker), time.perf_counter() - start
 
 def _gather_logits(logits, mesh, cp:int):
     "Full-length logits of the global batch: all-gather the slices over cp, unshard, then gather rows over dp_shard."
-    import torch, torch.distributed as dist
-    if cp > 1: logits = unshard_sequence(_all_gather(logits, mesh["cp"].get_group()), dim=1)
-    return torch.cat(_all_gather(logits, mesh["dp_shard"].get_group()), 0)
-
-def _all_gather(x, group) -> list:
-    "Every rank's `x` in `group`, in group-rank order."
-    import torch, torch.distributed as dist
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return parts
+    import torch
+    if cp > 1: logits = unshard_sequence(all_gather_tensors(logits, mesh["cp"].get_group()), dim=1)
+    return torch.cat(all_gather_tensors(logits, mesh["dp_shard"].get_group()), 0)
 
 # %% ../nbs/06_cp_eval.ipynb #a6ec8638
 def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
@@ -412,7 +406,7 @@ def _subgroups(world:int, cp:int) -> tuple:
 
 def _attention_cost(q, k, v, positions, group, rotate:str, repeats:int) -> tuple:
     "Peak bytes (MemTracker, inputs included), median seconds and output of one CP attention call."
-    import torch, torch.distributed as dist
+    import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
     attend = allgather_attention if rotate == "allgather" else ring_attention
     call = lambda: attend(q, k, v, positions, group, True, q.shape[-1] ** -0.5, q.shape[1] // k.shape[1])

@@ -173,7 +173,7 @@ def _page(page: dict, pages: list) -> str:
 def build_site(out: str, nbs: str = None) -> dict:
     "Render every notebook and the API reference into `out`; return the manifest (pages, figures, errors)."
     try:
-        import nbconvert  # noqa: F401
+        importlib.import_module("nbconvert")
     except ImportError:
         raise KitError("fsdp-kit docs needs nbconvert: pip install -e '.[dev]'") from None
     nbs, out = (Path(nbs) if nbs else find_nbs()), Path(out)

@@ -10,9 +10,9 @@ __all__ = ['MIXED_PRECISION_FLAGS', 'SPELLINGS', 'TRANSFORMERS', 'ACCELERATE', '
            'plugin_kwargs', 'hf_worker']
 
 # %% ../nbs/09_hf.ipynb #cd5036dd
-from dataclasses import asdict, fields
+from dataclasses import fields
 from .errors import KitError, bad_value
-from .config import FSDPConfig, from_transformers, from_accelerate
+from .config import FSDPConfig, from_transformers
 
 # %% ../nbs/09_hf.ipynb #631ee77a
 MIXED_PRECISION_FLAGS = {"no": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}  # FSDPConfig.mixed_precision -> TrainingArguments
@@ -165,11 +165,11 @@ def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
     "Give `cfg` to accelerate, to the Trainer and to the kit; report what each did to the model (rank 0 returns)."
     import tempfile, warnings
     import torch.distributed as dist
-    from fsdp_kit.qlora import _quiet_libraries
+    from fsdp_kit.ranks import quiet_libraries
     from fsdp_kit.models import model_config, build_model
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
-    _quiet_libraries(); warnings.filterwarnings("ignore")  # before the Trainer imports peft and bitsandbytes
+    quiet_libraries(); warnings.filterwarnings("ignore")  # before the Trainer imports peft and bitsandbytes
     config = model_config(model)
     out = dict(world_size=dist.get_world_size(), backend=dist.get_backend())
     out["accelerate"] = _with_accelerate(cfg, build_model(config))

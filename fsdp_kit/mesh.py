@@ -9,7 +9,7 @@ __all__ = ['AXES', 'MeshSpec', 'axis_mesh', 'build_mesh', 'fsdp_mesh', 'MeshLayo
 
 # %% ../nbs/01_mesh.ipynb #60956a54
 import math, warnings
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass
 from .errors import KitError, bad_value
 
 # %% ../nbs/01_mesh.ipynb #c0696976

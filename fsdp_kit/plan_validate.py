@@ -22,15 +22,16 @@ def _lora_spec(spec:PlanSpec):
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
     import torch, torch.distributed as dist
-    from fsdp_kit.qlora import load_lora_model, shard_lora_model, _quiet_libraries, _batch, _loss
+    from fsdp_kit.qlora import load_lora_model, shard_lora_model, batch_rows, model_loss
+    from fsdp_kit.ranks import quiet_libraries
     from fsdp_kit.measure import measure_step
-    _quiet_libraries()
+    quiet_libraries()
     lspec = _lora_spec(spec)
     model = shard_lora_model(load_lora_model(checkpoint, lspec, quantized=spec.method == "qlora"), mesh, "bfloat16")
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    tokens = _batch(lspec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
+    tokens = batch_rows(lspec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
     def step():
-        _loss(model, tokens, grad=True).backward()
+        model_loss(model, tokens, grad=True).backward()
         optim.step(); optim.zero_grad()
     m = measure_step(model, optim, step, timed_steps=1)
     model = optim = None; gc.collect()  # drop this setting's model and optimizer before the next one
@@ -46,13 +47,13 @@ def validate_worker(specs:list) -> list:
     "Measure one training step of each spec on this process group (all of the same world size); rank 0's [(peak_bytes, collectives)]."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    from fsdp_kit.qlora import _shared_tempdir
+    from fsdp_kit.ranks import shared_tempdir
     mesh, out, checkpoints = fsdp_mesh(build_mesh()), [], {}
     try:
         for spec in specs:
             if spec.method == "full": out.append(_measure_full(spec, mesh)); continue
             if spec.model not in checkpoints:
-                checkpoints[spec.model] = _shared_tempdir()
+                checkpoints[spec.model] = shared_tempdir()
                 if dist.get_rank() == 0: build_model(model_config(spec.model), 0).save_pretrained(checkpoints[spec.model])
                 dist.barrier()
             m = _measure_lora(spec, mesh, checkpoints[spec.model])

@@ -7,14 +7,16 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 # %% auto #0
 __all__ = ['STORAGE_BYTES', 'MIXED_PRECISION', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_element', 'pack_codes',
            'unpack_codes', 'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'QLoRASpec',
-           'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'save_adapter',
+           'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'batch_rows', 'model_loss',
            'qlora_worker', 'plot_memory', 'plot_qlora_losses']
 
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
-import gc, logging, math, os, shutil, tempfile, warnings
-from dataclasses import dataclass, field, asdict
-from .errors import KitError, bad_value, require_whole, require_positive, require_seed, require_model
+import gc, math, os, shutil
+from dataclasses import dataclass, field
+from .errors import bad_value, require_whole, require_positive, require_seed, require_model
 from .models import model_config, build_model, decoder_layers, synthetic_tokens, rank_rows
+from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
+from .lora import save_adapter, check_adapter
 
 # %% ../nbs/05_qlora.ipynb #10feb0e8
 STORAGE_BYTES = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each storage dtype
@@ -157,14 +159,6 @@ class QLoRASpec:
         require_model("model", self.model), require_seed("seed", self.seed), require_positive("lr", self.lr)
         return self
 
-# %% ../nbs/05_qlora.ipynb #02d95e10
-def _quiet_libraries():
-    "Silence progress bars and the warnings of loading a 4-bit model from a local folder."
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # a missing optional CPU kernel package
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-
 # %% ../nbs/05_qlora.ipynb #64332af0
 def model_dtype(spec:QLoRASpec) -> str:
     "The dtype of the unquantized parameters and of compute: param_dtype, else a floating storage, else bfloat16."
@@ -234,23 +228,15 @@ class QLoRAResult:
     backend:str='' # process-group backend
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
 
-# %% ../nbs/05_qlora.ipynb #466b7cc9
-def _shared_tempdir() -> str:
-    "A temporary folder made by rank 0, its path sent to every rank."
-    import torch.distributed as dist
-    path = [tempfile.mkdtemp(prefix="fsdp_kit_qlora_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    return path[0]
-
 # %% ../nbs/05_qlora.ipynb #cc7b741f
-def _batch(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
+def batch_rows(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
     "Rows `rank` of `world_size` of step `step`'s global batch (`spec.batch` rows per process); world_size=1: all of it."
     import torch.distributed as dist
     rows = spec.batch * dist.get_world_size()
     return rank_rows(synthetic_tokens(vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size)
 
 # %% ../nbs/05_qlora.ipynb #2439e54a
-def _loss(model, tokens, grad:bool=False):
+def model_loss(model, tokens, grad:bool=False):
     "The model's loss on `tokens` (train mode: no in-place repack of 4-bit weights)."
     import torch
     with torch.set_grad_enabled(grad): return model(input_ids=tokens, labels=tokens).loss
@@ -296,49 +282,17 @@ def _changed(model, before:dict) -> list:
         if not torch.equal(full.detach().reshape(-1).view(torch.uint8), before[name]): changed.append(name)
     return changed
 
-# %% ../nbs/05_qlora.ipynb #5faba7bf
-def save_adapter(model, # a sharded PeftModel
-                 adapter_dir:str # folder to write (rank 0)
-                ) -> dict:
-    "Gather every LoRA tensor from all ranks and save the adapter on rank 0; return each rank's rows of each tensor."
-    import torch.distributed as dist
-    full, local = {}, {}
-    for name, p in model.named_parameters():
-        if "lora_" not in name: continue
-        full[name] = p.full_tensor().detach().cpu()
-        local[name] = p.to_local().detach().cpu().clone()
-    shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, local)
-    if dist.get_rank() == 0: model.save_pretrained(adapter_dir, state_dict=full)
-    dist.barrier()
-    return shards
-
-# %% ../nbs/05_qlora.ipynb #16ee0dcb
-def _check_adapter(adapter_dir:str, shards:list) -> dict:
-    "The saved tensors, their shapes, and whether each one's rows are every rank's shard in order."
-    import torch
-    from safetensors.torch import load_file
-    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-    rows, matches = {}, True
-    for name in shards[0]:
-        key = name.replace(".default", "")
-        parts = [s[name] for s in shards]
-        matches &= key in saved and torch.equal(saved[key], torch.cat(parts))
-        rows[key] = [len(t) for t in parts]
-    return dict(files=sorted(os.listdir(adapter_dir)), tensors=len(saved), shapes={k: list(v.shape) for k, v in saved.items()},
-                rows_per_rank=rows, every_rank_share_saved=bool(matches) and len(saved) == len(shards[0]))
-
 # %% ../nbs/05_qlora.ipynb #c368be5a
 def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dict:
     "Load the saved adapter onto an unsharded 4-bit base; its loss on `tokens`, as loaded and with LoRA in param_dtype (as FSDP computed)."
     import torch
     from peft import PeftModel
     model = PeftModel.from_pretrained(load_base(checkpoint, spec), adapter_dir).train()
-    as_loaded = _loss(model, tokens).item()
+    as_loaded = model_loss(model, tokens).item()
     if spec.param_dtype:
         for name, p in model.named_parameters():
             if "lora_" in name: p.data = p.data.to(getattr(torch, spec.param_dtype))
-    return dict(as_loaded=as_loaded, in_param_dtype=_loss(model, tokens).item())
+    return dict(as_loaded=as_loaded, in_param_dtype=model_loss(model, tokens).item())
 
 # %% ../nbs/05_qlora.ipynb #10c7181a
 def _measure(model, spec:QLoRASpec) -> dict:
@@ -346,24 +300,16 @@ def _measure(model, spec:QLoRASpec) -> dict:
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
-    tokens = _batch(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
+    tokens = batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
     def step():
-        _loss(model, tokens, grad=True).backward()
+        model_loss(model, tokens, grad=True).backward()
         optim.step(); optim.zero_grad()
     return measure_step(model, optim, step, timed_steps=1).peak_bytes
-
-# %% ../nbs/05_qlora.ipynb #d32a1f82
-def _gather(value) -> list:
-    "`value` from every rank, in rank order."
-    import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 # %% ../nbs/05_qlora.ipynb #f860a1a0
 def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     "Train the LoRA weights for `spec.steps` steps with the kit's training loop; the mean loss over ranks of each step."
-    from fsdp_kit.train import train_loop, mean_over_ranks
+    from fsdp_kit.train import train_loop
     return mean_over_ranks(train_loop(model, spec, rank, world_size))
 
 # %% ../nbs/05_qlora.ipynb #944daa2d
@@ -371,11 +317,11 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     "Save the adapter gathered from every rank, check it, reload it on rank 0 and compare the held-out loss."
     import torch.distributed as dist
     adapter_dir = spec.adapter_dir or os.path.join(checkpoint, "adapter")
-    held_out = _batch(spec, model.config.vocab_size, spec.steps, 0, 1)  # a batch no step trained on, whole on every rank
-    trained = _loss(model, held_out).item()
+    held_out = batch_rows(spec, model.config.vocab_size, spec.steps, 0, 1)  # a batch no step trained on, whole on every rank
+    trained = model_loss(model, held_out).item()
     shards = save_adapter(model, adapter_dir)
     if dist.get_rank() != 0: return {}
-    out = _check_adapter(adapter_dir, shards) | dict(path=os.path.abspath(adapter_dir) if spec.adapter_dir else None)
+    out = check_adapter(adapter_dir, shards) | dict(path=os.path.abspath(adapter_dir) if spec.adapter_dir else None)
     reloaded = _reload_loss(checkpoint, adapter_dir, spec, held_out)
     return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"], reloaded_loss_as_loaded=reloaded["as_loaded"],
                       reload_loss_diff=abs(trained - reloaded["in_param_dtype"]))
@@ -386,28 +332,28 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
     import torch.distributed as dist
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    _quiet_libraries()
+    quiet_libraries()
     spec.check()
     rank, world_size, mesh = dist.get_rank(), dist.get_world_size(), fsdp_mesh(build_mesh())
-    checkpoint = _shared_tempdir()
+    checkpoint = shared_tempdir()
     try:
         if rank == 0: build_model(model_config(spec.model), spec.seed).save_pretrained(checkpoint)
         dist.barrier()
         model = load_lora_model(checkpoint, spec)
         shapes, state_bytes, before = _storage_shapes(model), _quant_state_bytes(model), _snapshot(model)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        unsharded = _loss(load_lora_model(checkpoint, spec), _batch(spec, model.config.vocab_size, 0, 0, 1)).item() if rank == 0 else None
+        unsharded = model_loss(load_lora_model(checkpoint, spec), batch_rows(spec, model.config.vocab_size, 0, 0, 1)).item() if rank == 0 else None
         shard_lora_model(model, mesh, spec.param_dtype)
         local = {n.removeprefix("base_model.model.").replace(".base_layer.weight", ""): list(p.to_local().shape)
                  for n, p in model.named_parameters() if "base_layer.weight" in n}
         losses = _train(model, spec, rank, world_size)
         changed = _changed(model, before)
         adapter = _adapter_round_trip(model, spec, checkpoint)
-        peaks = dict(qlora=_gather(_measure(model, spec)))
+        peaks = dict(qlora=gather_objects(_measure(model, spec)))
         del model; gc.collect()
-        peaks["bf16_lora"] = _gather(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh, spec.param_dtype), spec))
-        shard_shapes = {name: [s[name] for s in _gather(local)] for name in local}
-        state_per_rank = _gather(state_bytes)
+        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh, spec.param_dtype), spec))
+        shard_shapes = {name: [s[name] for s in gather_objects(local)] for name in local}
+        state_per_rank = gather_objects(state_bytes)
         dist.barrier()
     finally:
         if rank == 0: shutil.rmtree(checkpoint, ignore_errors=True)

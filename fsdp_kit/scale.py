@@ -11,8 +11,8 @@ __all__ = ['FAULTS', 'FaultSpec', 'inject_fault', 'StepWatch', 'loss_log', 'scal
 import json, os, shlex, signal, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from .errors import KitError, bad_value
-from .launch import Heartbeat, attempt, restarts, torchrun_command, _rank_files, _tag
+from .errors import bad_value
+from .launch import Heartbeat, attempt, restarts, torchrun_command, rank_files, rank_tag
 from .train import TrainSpec, train_worker
 
 # %% ../nbs/10_scale_out.ipynb #78ae631f
@@ -52,7 +52,7 @@ class StepWatch:
         import torch.distributed as dist
         self.rank, self.beat = dist.get_rank(), Heartbeat(self.timeout)
         self.beat.beat(started=first_step, done=first_step)
-        self.log = open(self.beat.run_dir/f"losses-{_tag()}.jsonl", "a")
+        self.log = open(self.beat.run_dir/f"losses-{rank_tag()}.jsonl", "a")
         # prepend: the step counts as started before FSDP's own pre-forward hook all-gathers
         self.hooks = [model.register_forward_pre_hook(lambda m, a: self.beat.beat(started=self.beat.state["done"] + 1), prepend=True),
                       model.register_forward_hook(lambda m, a, out: setattr(self, "loss", out.loss.detach()))]
@@ -75,7 +75,7 @@ def loss_log(run_dir) -> list:
     "Per attempt in `run_dir`: dict(attempt, steps, losses, last_step), the losses averaged over the ranks' logs."
     out = []
     for a in range(max((int(p.name.split("-")[1][1:]) for p in Path(run_dir).glob("losses-a*")), default=-1) + 1):
-        logs = _rank_files(Path(run_dir), "losses", a, lambda t: {r["step"]: r["loss"] for r in map(json.loads, t.splitlines())})
+        logs = rank_files(Path(run_dir), "losses", a, lambda t: {r["step"]: r["loss"] for r in map(json.loads, t.splitlines())})
         steps = sorted(set.intersection(*(set(l) for l in logs.values()))) if logs else []
         out.append(dict(attempt=a, steps=steps, losses=[sum(l[s] for l in logs.values()) / len(logs) for s in steps],
                         last_step=max((max(l, default=0) for l in logs.values()), default=0)))

@@ -10,10 +10,10 @@ __all__ = ['SHORT_POLICY', 'wrap_targets', 'Unit', 'plan_units', 'apply_fsdp', '
 
 # %% ../nbs/03_wrap.ipynb #1396aeee
 import gc
-from dataclasses import dataclass, field, asdict, replace
-from .errors import KitError, bad_value
+from dataclasses import dataclass, field, asdict
+from .errors import bad_value
 from .config import FSDPConfig, POLICIES, check_for_model
-from .models import model_config, check_model, build_model, count_params, decoder_layers, synthetic_tokens, rank_rows
+from .models import model_config, check_model, build_model, decoder_layers, synthetic_tokens, rank_rows
 
 # %% ../nbs/03_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -186,7 +186,7 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh) -> RunResult:
     m = measure_step(model, optim, step, spec.timed_steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
                        m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg))
-    del model, optim; gc.collect()
+    model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
 
 # %% ../nbs/03_wrap.ipynb #3797d50b

@@ -181,7 +181,7 @@ def test_resume_refuses_another_models_checkpoint(cli, runs, tmp_path):
 
 def test_set_adapter_and_merge_while_sharded(tmp_path):
     from fsdp_kit.launch import launch
-    from fsdp_kit.checkpoint import merge_worker
+    from fsdp_kit.lora import merge_worker
     r = launch(merge_worker, 8, 0, str(tmp_path / "merged"), nprocs=2, launcher="torchrun", timeout=120)
     first, second = r["set_adapter_default"], r["set_adapter_second"]
     assert first["diff"] < 1e-5 and second["diff"] < 1e-5 and abs(first["sharded"] - second["sharded"]) > 1e-3

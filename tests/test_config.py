@@ -1,6 +1,5 @@
 """FSDPConfig: the upstream files load as they are, FSDP1 keys are mapped or explained, bad input is refused naming the field."""
 import json
-from pathlib import Path
 import pytest
 import yaml
 from fsdp_kit.config import FSDPConfig, load_fsdp_config, from_transformers, from_accelerate, check_for_model

@@ -1,6 +1,5 @@
 """The docs site: built offline from the notebooks' stored outputs, checked in a real headless browser."""
 import json, os, re, shutil, subprocess
-from pathlib import Path
 import pytest
 from fsdp_kit.docs import build_site, notebooks, page_name
 from tests.conftest import ROOT

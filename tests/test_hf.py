@@ -1,6 +1,5 @@
 """The Trainer / Accelerate path: both spellings of a config and back; the silent CPU fallback to DDP is reported."""
 import json, subprocess, sys
-from pathlib import Path
 import pytest
 import yaml
 from fsdp_kit.config import FSDPConfig, load_fsdp_config, from_accelerate

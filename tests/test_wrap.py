@@ -5,7 +5,7 @@ from fsdp_kit.config import FSDPConfig, POLICIES
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import launch
 from fsdp_kit.models import build_model, model_config, count_params
-from fsdp_kit.wrap import plan_units, wrap_targets, CompareSpec, compare_worker, check_spec
+from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec
 from tests.conftest import EXAMPLES, ROOT
 
 pytestmark = pytest.mark.timeout(300)
