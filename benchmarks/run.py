@@ -154,9 +154,10 @@ def overhead_worker(steps: int):
     import torch, torch.distributed as dist
     from fsdp_kit.measure import _timeline_tracker, _comm_counter, quiet_hook_warnings
     from fsdp_kit.models import model_config, build_model, synthetic_tokens, rank_rows
-    from fsdp_kit.train import shard_per_layer
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.wrap import apply_fsdp
     from fsdp_kit.mesh import build_mesh
-    model = shard_per_layer(build_model(model_config("small")), build_mesh())
+    model, _ = apply_fsdp(build_model(model_config("small")), FSDPConfig(), build_mesh())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = rank_rows(synthetic_tokens(1024, 8, 128), dist.get_rank(), dist.get_world_size())
     def step():

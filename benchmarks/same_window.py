@@ -4,7 +4,7 @@
 
 Separate runs on a shared machine see different moments of it (the speed of this 2-core VM drifts by tens of percent
 within seconds), so their step times differ by more than anything the kit could add. Here each rank holds two copies of
-the same model: one set up and stepped exactly as `fsdp-kit train` does (`train.shard_per_layer` over the kit's mesh,
+the same model: one set up and stepped exactly as `fsdp-kit train` does (`wrap.apply_fsdp` with the default config over the kit's mesh,
 `train.make_optimizer`, `train.train_loop` with the heartbeat, watchdog and loss log of `scale.StepWatch`), one as
 `plain_fsdp.py` does. Each round runs one step of each, the order flipping every round; the kit's time includes
 everything it does after a step (heartbeat, loss log). The ratio is the median over rounds of kit / plain.
@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plain_fsdp
 from fsdp_kit.models import model_config, build_model
 from fsdp_kit.mesh import build_mesh, fsdp_mesh
-from fsdp_kit.train import TrainSpec, shard_per_layer, make_optimizer, train_loop
+from fsdp_kit.config import FSDPConfig
+from fsdp_kit.train import TrainSpec, make_optimizer, train_loop
+from fsdp_kit.wrap import apply_fsdp
 from fsdp_kit.scale import StepWatch
 
 
@@ -36,7 +38,7 @@ def main():
     os.environ["FSDP_KIT_RUN_DIR"] = tempfile.mkdtemp(prefix="fsdp_kit_bench_")  # where the heartbeat writes
 
     spec = TrainSpec(model=a.model, batch=a.batch, seq_len=a.seq_len, steps=a.warmup + a.rounds)
-    kit = shard_per_layer(build_model(model_config(spec.model), spec.seed), fsdp_mesh(build_mesh()))
+    kit, _ = apply_fsdp(build_model(model_config(spec.model), spec.seed), FSDPConfig(), fsdp_mesh(build_mesh()))
     kit_optim = make_optimizer(kit, spec)
     watch = StepWatch(timeout=120)
     after_step = watch.start(kit, 0)

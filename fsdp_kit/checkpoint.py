@@ -483,23 +483,24 @@ class Saver:
 # %% ../nbs/08_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
-                 efficient:bool=True # cpu_ram_efficient_loading: rank 0 reads, the others receive their shards
+                 cfg=None # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: FSDPConfig(cpu_ram_efficient_loading=True))
                 ):
-    "Load a transformers checkpoint and shard it per decoder layer; with `efficient`, only rank 0 reads the weights."
+    "Load a transformers checkpoint and shard it as `cfg` says; with `cfg.cpu_ram_efficient_loading`, only rank 0 reads the weights."
     import torch, torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
     from fsdp_kit.config import FSDPConfig
     from fsdp_kit.wrap import apply_fsdp
-    rank, shard = dist.get_rank(), lambda m: apply_fsdp(m, FSDPConfig(), mesh)[0]  # each decoder layer, then the root
+    cfg, rank = cfg or FSDPConfig(cpu_ram_efficient_loading=True), dist.get_rank()
+    efficient = cfg.cpu_ram_efficient_loading
     if not efficient or rank == 0: model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
         with torch.device("meta"): model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    if not efficient: return shard(model)
+    if not efficient: return apply_fsdp(model, cfg, mesh)[0]
     full = model.state_dict() if rank == 0 else {}
     buffers = [{n: b for n, b in model.named_buffers()} if rank == 0 else None]
     dist.broadcast_object_list(buffers)
-    model = shard(model)
+    model, _ = apply_fsdp(model, cfg, mesh)
     if rank != 0: model.to_empty(device="cpu")
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
@@ -548,7 +549,8 @@ def loading_worker(path:str, # a transformers folder to load
     mesh = fsdp_mesh(build_mesh())
     with torch.device("meta"): AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))  # import the model code before measuring
     dist.barrier()
-    with _PeakRSS() as rss: model = load_sharded(path, mesh, efficient)
+    from fsdp_kit.config import FSDPConfig
+    with _PeakRSS() as rss: model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient))
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
     loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size

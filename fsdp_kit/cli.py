@@ -89,12 +89,16 @@ def _cmd_train(a):
     from fsdp_kit.models import check_model
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
+    cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype)
     ckpt = None
     if a.ckpt:
-        ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=a.state_dict, resume=a.resume, keep=a.keep)
+        state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
+        if a.state_dict and a.fsdp_config and not cfg.state_dict_type.lower().startswith(a.state_dict.lower()):
+            _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
+        ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                     check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, mixed_precision=a.mixed_precision, ckpt=ckpt).check()
+                     check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, fsdp=cfg, ckpt=ckpt).check()
     # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
     check_model(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora else "full", lora_r=spec.lora or 8)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
@@ -112,6 +116,10 @@ def _cmd_train(a):
     text += f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
     if result.losses: text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
+    c = result.config
+    text += (f"\n{len(result.units)} FSDP unit(s) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
+             f"mixed_precision={c['mixed_precision']}" + ", activation checkpointing" * c["activation_checkpointing"] + ", CPU offload" * c["cpu_offload"])
+    if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
     if result.checkpoint:
         c = result.checkpoint
         if c["resumed_from"]: text += f"\nresumed from {c['resumed_from']['path']} (saved by {c['resumed_from']['world_size']} ranks)"
@@ -121,6 +129,25 @@ def _cmd_train(a):
         text += (f"\nLoRA adapter: {d['tensors']} tensors, every rank's rows saved: {d['every_rank_share_saved']}, "
                  f"reloaded with peft: loss diff {d['reload_loss_diff']:.1e}" + (f", in {d['path']}" if d["path"] else ""))
     emit(result, a.json, text)
+
+
+def _override(flag: str, value, field: str, was, source: str):
+    "Say that a flag replaced a field of the user's FSDP config file."
+    if value != was: print(f"note: {flag} {value} overrides {field}={was!r} from {source}", file=sys.stderr)
+
+
+def fsdp_config(a, **flags):
+    "The FSDPConfig a command runs: --fsdp-config's file (or the defaults), with the flags that duplicate one of its fields laid over it."
+    from dataclasses import replace
+    from fsdp_kit.config import FSDPConfig, load_fsdp_config
+    cfg = load_fsdp_config(a.fsdp_config) if a.fsdp_config else FSDPConfig()
+    given = {k: v for k, v in flags.items() if v is not None}
+    for k, v in given.items():
+        if a.fsdp_config: _override(f"--{k.replace('_', '-')}", v, k, getattr(cfg, k), a.fsdp_config)
+    cfg = replace(cfg, **given).check()
+    if a.fsdp_config:
+        for note in cfg.notes: print(f"  {note}", file=sys.stderr)
+    return cfg
 
 
 def _cmd_hf(a):
@@ -196,8 +223,13 @@ def _cmd_qlora(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.models import check_model
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
+    cfg = fsdp_config(a) if a.fsdp_config else None
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, load_in_8bit=a.load_in_8bit,
-                     steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, lora_r=a.lora_r, seed=a.seed, adapter_dir=a.adapter_dir).check()
+                     steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, lora_r=a.lora_r, seed=a.seed, adapter_dir=a.adapter_dir,
+                     fsdp=cfg).check()
+    if cfg is not None:
+        print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
+              f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
     check_model(spec.model, spec.batch, spec.seq_len, a.nproc, method="qlora", lora_r=spec.lora_r)  # builds, and fits this machine
     r = launch(qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
@@ -215,7 +247,7 @@ def _cmd_cp_eval(a):
     from fsdp_kit.models import check_model
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
-                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed)
+                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
     mesh = spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
     check_model(spec.model, max(1, spec.rows // mesh.dp_shard), spec.seq_len, a.nproc)  # builds, and a step fits this machine
     r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
@@ -309,15 +341,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    s.add_argument("--mixed-precision", default=None, help="bf16: FSDP computes in bf16 and reduces gradients in fp32 (default: all fp32)")
+    s.add_argument("--fsdp-config", metavar="FILE", help="the FSDP config to run: a transformers fsdp_config .json or an accelerate .yaml (default: a unit per decoder layer, fp32)")
+    s.add_argument("--mixed-precision", default=None, help="no, bf16 or fp16: the dtype FSDP computes in (overrides the config's mixed_precision)")
+    s.add_argument("--reduce-dtype", default=None, help="fp32, bf16 or fp16: the dtype gradients are reduced in (default: accelerate's, the compute dtype)")
     s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
-    s.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter")
+    s.add_argument("--lora-r", "--lora", dest="lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
     s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
-    s.add_argument("--state-dict", default="sharded", help="sharded (DCP, one file per rank) or full (a transformers folder)")
+    s.add_argument("--state-dict", default=None, help="sharded (DCP, one file per rank) or full (a transformers folder); default: the config's state_dict_type with --fsdp-config, else sharded")
     s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
     s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
     s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each")
@@ -364,6 +398,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
+    s.add_argument("--fsdp-config", metavar="FILE", help="shard with this transformers fsdp_config .json or accelerate .yaml (its mixed_precision gives way to the storage's param_dtype)")
     s = add("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
     s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence")
     s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills the rest")
@@ -374,6 +409,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--rows", type=int, default=4, help="sequences in the global batch")
     s.add_argument("--mask", default="causal", help="attention mask: causal or none")
     s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
+    s.add_argument("--fsdp-config", metavar="FILE", help="shard the model with this transformers fsdp_config .json or accelerate .yaml (default: a unit per decoder layer)")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")

@@ -14,6 +14,7 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
 import os, statistics, time
 from dataclasses import dataclass, field
 from .errors import KitError, bad_value, require_seed, require_model
+from .config import FSDPConfig
 from .models import model_config, build_model, synthetic_tokens, rank_rows
 from .ranks import all_gather_tensors
 
@@ -219,10 +220,18 @@ class CPSpec:
     mask:str="causal" # attention mask: "causal" or None (full attention)
     gather:bool=True # gather full-length logits and compare predictions with the reference
     seed:int=0 # weights and data
+    fsdp:FSDPConfig=None # how to shard the model over dp_shard_cp (None: FSDPConfig(), a unit per decoder layer)
+
+    @property
+    def config(self) -> FSDPConfig:
+        "The FSDP config this evaluation applies."
+        return self.fsdp if self.fsdp is not None else FSDPConfig()
 
     def check(self, world_size:int): # processes that will run it
         "Refuse settings that cannot run, naming the field; return the resolved MeshSpec."
         require_model("model", self.model), require_seed("seed", self.seed)
+        if not isinstance(self.config, FSDPConfig): raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
+        self.config.check()
         mesh = check_sizes(world_size, self.cp, self.dp_shard, self.sp)
         check_rotate(self.rotate); check_mask(self.mask); check_seq_len(self.seq_len, self.cp)
         if not isinstance(self.rows, int) or self.rows < 1 or self.rows % mesh.dp_shard:
@@ -284,6 +293,8 @@ class CPEvalResult:
     backend:str='' # process-group backend
     device:str='cpu' # device type
     versions:dict=field(default_factory=dict) # torch, transformers
+    units:list=None # the FSDP units apply_fsdp made, the root ("") last
+    config:dict=None # the FSDPConfig the evaluation applied
 
 # %% ../nbs/06_cp_eval.ipynb #d85333a9
 def _reference(spec:CPSpec, config, input_ids, labels, device:str="cpu"):
@@ -301,11 +312,11 @@ def _full_attention(model):
         if hasattr(m, "is_causal"): m.is_causal = False
     return model
 
-def _shard(model, mesh):
-    "fully_shard each decoder layer, then the root, over dp_shard_cp (dp_shard without CP)."
+def _shard(model, mesh, cfg):
+    "Shard as `cfg` says (`apply_fsdp`) over dp_shard_cp (dp_shard without CP)."
     from fsdp_kit.mesh import fsdp_mesh
-    from fsdp_kit.train import shard_per_layer
-    return shard_per_layer(model, fsdp_mesh(mesh))
+    from fsdp_kit.wrap import apply_fsdp
+    return apply_fsdp(model, cfg, fsdp_mesh(mesh))
 
 def _axis_groups(mesh) -> dict:
     "The ranks of each axis group this rank belongs to, flattened dp_shard_cp included."
@@ -367,7 +378,7 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
     reference_loss, reference_logits = _reference(spec, config, input_ids, labels, device) if rank == 0 else (None, None)
     model = use_cp_attention(build_model(config, spec.seed, device).eval())
     if spec.mask is None: _full_attention(model)
-    _shard(model, mesh)
+    model, units = _shard(model, mesh, spec.config)
     dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh_spec.dp_shard
     cp_rank, cp_group = (mesh["cp"].get_local_rank(), mesh["cp"].get_group()) if spec.cp > 1 else (0, None)
     shifted = shift_labels(rank_rows(labels, dp_rank, dp_size))  # shift on the whole sequence, then split
@@ -392,7 +403,7 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
                         [p["tokens"] for p in per_rank], eval_loss, reference_loss, abs(eval_loss - reference_loss), mean_of_means,
                         match, logit_diff, [p["peak"]["total"] for p in per_rank], [p["peak"] for p in per_rank], seconds,
                         _axis_groups(mesh), model.config._attn_implementation if device == "cpu" else "torch context_parallel (sdpa)",
-                        dist.get_backend(), device, environment()["versions"])
+                        dist.get_backend(), device, environment()["versions"], [asdict(u) for u in units], asdict(spec.config))
 
 # %% ../nbs/06_cp_eval.ipynb #74c8776b
 def _subgroups(world:int, cp:int) -> tuple:

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
 # %% auto #0
 __all__ = ['CATEGORIES', 'GATHER_OPS', 'SCATTER_OPS', 'QUIET_WARNINGS', 'StepMeasurement', 'peak_by_category',
-           'quiet_hook_warnings', 'measure_step', 'plot_timeline', 'plot_categories']
+           'quiet_hook_warnings', 'measure_step', 'first_step_tracker', 'plot_timeline', 'plot_categories']
 
 # %% ../nbs/03_measure.ipynb #1771caf5
 import statistics, time, warnings
@@ -133,6 +133,18 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
         times.append(time.perf_counter() - start)
     return StepMeasurement(peak_by_category(tracker), tracker.timeline, collectives, statistics.median(times),
                            "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None)
+
+def first_step_tracker(model, optim):
+    "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak by category afterwards."
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    class FirstStep(FSDPMemTracker):
+        def __enter__(self):
+            self.quiet = _quiet_hook_warnings(); self.quiet.__enter__()
+            return super().__enter__()
+        def __exit__(self, *exc):
+            super().__exit__(*exc); self.quiet.__exit__(*exc)
+        def peak_bytes(self): return _peak_by_category(self)
+    return FirstStep(model, optim)
 
 # %% ../nbs/03_measure.ipynb #92165186
 def plot_timeline(timelines:dict, ax=None, mib:bool=True):

@@ -12,8 +12,9 @@ __all__ = ['STORAGE_BYTES', 'MIXED_PRECISION', 'PARAMETER_CATEGORIES', 'dtype_na
 
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
 import gc, math, os, shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from .errors import bad_value, require_whole, require_positive, require_seed, require_model
+from .config import FSDPConfig, PRECISION
 from .models import model_config, build_model, decoder_layers, synthetic_tokens, rank_rows
 from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
 from .lora import save_adapter, check_adapter
@@ -142,6 +143,7 @@ class QLoRASpec:
     lora_r:int=8 # LoRA rank (lora_alpha = 2 * r)
     seed:int=0 # weights, LoRA init and data
     adapter_dir:str=None # where to save the adapter; None: a temporary folder, removed after the reload check
+    fsdp:FSDPConfig=None # the FSDP config to shard with; its mixed_precision is replaced by param_dtype (None: a unit per decoder layer, fp32 reduction)
 
     @property
     def param_dtype(self):
@@ -156,6 +158,9 @@ class QLoRASpec:
             raise bad_value("mixed_precision", self.mixed_precision, "bf16, fp16 or fp32 (FSDP's param_dtype)", "quant_storage must match the param_dtype")
         check_quantization(self.quant_storage, self.param_dtype, self.load_in_8bit)
         for name in ("steps", "batch", "seq_len", "lora_r"): require_whole(name, getattr(self, name), 1)
+        if self.fsdp is not None:
+            if not isinstance(self.fsdp, FSDPConfig): raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
+            self.fsdp.check()
         require_model("model", self.model), require_seed("seed", self.seed), require_positive("lr", self.lr)
         return self
 
@@ -194,16 +199,14 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
 # %% ../nbs/05_qlora.ipynb #70d8447e
 def shard_lora_model(model, # from load_lora_model
                      mesh, # the mesh to shard over
-                     param_dtype:str=None # FSDP's param_dtype; None for no mixed precision
+                     param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
+                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
                     ):
-    "`fully_shard` each decoder layer, then the root, with `MixedPrecisionPolicy(param_dtype)`; return the model."
-    import torch
-    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
-    layers = decoder_layers(model)
-    assert layers, "no decoder layers found: nothing but the root would be sharded"
-    for layer in layers: fully_shard(layer, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
+    "Shard with `apply_fsdp`: `cfg`, its compute dtype set to `param_dtype` (the dtype the 4-bit storage must match); return the model."
+    from fsdp_kit.wrap import apply_fsdp
+    precision = {v: k for k, v in PRECISION.items() if v}.get(dtype_name(param_dtype) if param_dtype else None, "no")
+    cfg = cfg if cfg is not None else FSDPConfig(reduce_dtype="fp32")
+    return apply_fsdp(model, replace(cfg, mixed_precision="no" if precision == "fp32" else precision), mesh)[0]
 
 # %% ../nbs/05_qlora.ipynb #122c2e41
 @dataclass
@@ -343,7 +346,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
         shapes, state_bytes, before = _storage_shapes(model), _quant_state_bytes(model), _snapshot(model)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         unsharded = model_loss(load_lora_model(checkpoint, spec), batch_rows(spec, model.config.vocab_size, 0, 0, 1)).item() if rank == 0 else None
-        shard_lora_model(model, mesh, spec.param_dtype)
+        shard_lora_model(model, mesh, spec.param_dtype, spec.fsdp)
         local = {n.removeprefix("base_model.model.").replace(".base_layer.weight", ""): list(p.to_local().shape)
                  for n, p in model.named_parameters() if "base_layer.weight" in n}
         losses = _train(model, spec, rank, world_size)
@@ -351,7 +354,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
         adapter = _adapter_round_trip(model, spec, checkpoint)
         peaks = dict(qlora=gather_objects(_measure(model, spec)))
         del model; gc.collect()
-        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh, spec.param_dtype), spec))
+        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh, spec.param_dtype, spec.fsdp), spec))
         shard_shapes = {name: [s[name] for s in gather_objects(local)] for name in local}
         state_per_rank = gather_objects(state_bytes)
         dist.barrier()

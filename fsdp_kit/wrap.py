@@ -12,7 +12,7 @@ __all__ = ['SHORT_POLICY', 'wrap_targets', 'Unit', 'plan_units', 'apply_fsdp', '
 import gc
 from dataclasses import dataclass, field, asdict
 from .errors import bad_value
-from .config import FSDPConfig, POLICIES, check_for_model
+from .config import FSDPConfig, POLICIES, PRECISION, check_for_model
 from .models import model_config, check_model, build_model, decoder_layers, synthetic_tokens, rank_rows
 
 # %% ../nbs/03_wrap.ipynb #553c5870
@@ -72,11 +72,12 @@ def plan_units(model, cfg:FSDPConfig) -> list:
 
 # %% ../nbs/03_wrap.ipynb #a3199392
 def _policies(cfg:FSDPConfig):
-    "fully_shard's mp_policy and offload_policy for `cfg`."
+    "fully_shard's mp_policy and offload_policy for `cfg`: compute and reduce dtypes from `PRECISION`, as accelerate's plugin sets them."
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    dtype = lambda name: getattr(torch, PRECISION[name]) if PRECISION.get(name) else None
+    param, reduce = dtype(cfg.mixed_precision), dtype(cfg.reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce or param) if param or reduce else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
     return mp, offload
 
@@ -100,15 +101,14 @@ def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
                mesh # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
               ):
-    "Shard `model` with `fully_shard` as `cfg` says; return it and the planned units."
+    "Shard `model` with `fully_shard` as `cfg` says (the kit's only call of `fully_shard`); return it and the units it made."
     from torch.distributed.fsdp import fully_shard
     units, targets = plan_units(model, cfg), wrap_targets(model, cfg)
     _check_reshard(cfg, mesh.size(-1))
     wrappers = _checkpoint_layers(model, cfg) if cfg.activation_checkpointing else {}
     mp, offload = _policies(cfg)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
-    for _, module in targets: fully_shard(wrappers.get(id(module), module), **kwargs)
-    fully_shard(model, **kwargs)
+    for module in [wrappers.get(id(m), m) for _, m in targets] + [model]: fully_shard(module, **kwargs)  # units first, the root last
     return model, units
 
 # %% ../nbs/03_wrap.ipynb #4e4f720f

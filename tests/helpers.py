@@ -31,3 +31,31 @@ def exits_on_rank(bad_rank=1):
     if dist.get_rank() == bad_rank:
         os._exit(0)
     dist.barrier()
+
+
+def train_each(specs):
+    "train_worker for each spec in turn on this process group: rank 0's results (many settings, one launch)."
+    from fsdp_kit.train import train_worker
+    return [train_worker(s) for s in specs]
+
+
+def fsdp_settings(configs):
+    "For each config, shard tiny with apply_fsdp and read back what each unit's FSDP state holds (policies, dtypes, reshard mesh, wrapper class)."
+    return [_fsdp_settings(cfg) for cfg in configs]
+
+
+def _fsdp_settings(cfg):
+    from fsdp_kit.mesh import build_mesh, fsdp_mesh
+    from fsdp_kit.models import build_model, model_config
+    from fsdp_kit.wrap import apply_fsdp
+    model, units = apply_fsdp(build_model(model_config("tiny")), cfg, fsdp_mesh(build_mesh()))
+    out = []
+    for name, m in model.named_modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        group = get()._fsdp_param_group if get else None
+        if group is None: continue
+        post = group.post_forward_mesh_info
+        out.append(dict(module=name, cls=type(m).__name__, offload=type(group.offload_policy).__name__,
+                        param_dtype=str(group.mp_policy.param_dtype), reduce_dtype=str(group.mp_policy.reduce_dtype),
+                        reshard_to=None if post is None else post.mesh.size(-1)))
+    return out

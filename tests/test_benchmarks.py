@@ -72,6 +72,6 @@ def test_published_results_cover_the_kit():
 
 
 def test_train_refuses_an_unknown_mixed_precision(cli):
-    out = cli("train", "--nproc", 2, "--mixed-precision", "fp16")
+    out = cli("train", "--nproc", 2, "--mixed-precision", "fp8")
     assert out.returncode == 2, out.stderr
-    assert "mixed_precision='fp16'" in out.stderr and "'bf16', 'fp32' or None" in out.stderr
+    assert "--mixed-precision='fp8' is not allowed: one of no, bf16, fp16" in out.stderr

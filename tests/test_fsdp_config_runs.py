@@ -1,0 +1,101 @@
+"""Every setting of an FSDP config reaches `fully_shard` through `apply_fsdp`: a run's units and memory move as the setting says,
+and `fsdp-kit train` runs the users' own config files."""
+import json, re, subprocess, sys
+from dataclasses import asdict
+from pathlib import Path
+import pytest
+from tests.conftest import ROOT
+from tests.helpers import train_each, fsdp_settings
+from fsdp_kit.config import FSDPConfig, load_fsdp_config
+from fsdp_kit.launch import launch
+from fsdp_kit.models import build_model, model_config
+from fsdp_kit.train import TrainSpec
+from fsdp_kit.wrap import plan_units
+
+pytestmark = pytest.mark.timeout(300)
+EXAMPLES = sorted((ROOT / "examples" / "fsdp_configs").iterdir())
+
+
+def test_apply_fsdp_is_the_only_call_of_fully_shard():
+    calls = [f"{p.name}:{n}" for p in sorted((ROOT / "fsdp_kit").glob("*.py")) for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bfully_shard\(", line) and not line.lstrip().startswith(("#", '"'))]
+    assert len(calls) == 1 and calls[0].startswith("wrap.py:"), calls
+
+
+@pytest.fixture(scope="module")
+def runs():
+    "Two steps of tiny under each setting, on 2 ranks, in one launch."
+    settings = dict(default=FSDPConfig(), no_wrap=FSDPConfig(auto_wrap_policy="NO_WRAP"),
+                    size=FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000),
+                    checkpointing=FSDPConfig(activation_checkpointing=True), offload=FSDPConfig(cpu_offload=True))
+    results = launch(train_each, [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=c) for c in settings.values()], nprocs=2)
+    return dict(zip(settings, results))
+
+
+def test_units_are_what_the_policy_plans(runs):
+    meta = build_model(model_config("tiny"), device="meta")
+    for name, r in runs.items():
+        assert r.units == [asdict(u) for u in plan_units(meta, FSDPConfig(**{k: v for k, v in r.config.items() if k not in ("notes", "source")}))]
+    assert [u["module"] for u in runs["default"].units] == ["model.layers.1", "model.layers.0", ""]
+    assert [u["module"] for u in runs["no_wrap"].units] == [""]
+    size = [u["module"] for u in runs["size"].units]
+    assert len(size) > 3 and "model.embed_tokens" in size and all(u["parameters"] > 10_000 for u in runs["size"].units[:-1])
+
+
+def test_memory_moves_as_each_setting_should(runs):
+    peak = {name: r.peak_bytes for name, r in runs.items()}
+    assert peak["no_wrap"]["total"] > peak["default"]["total"]  # every layer gathered at once
+    assert peak["no_wrap"]["unsharded_params"] > peak["default"]["unsharded_params"]
+    assert peak["checkpointing"]["activations"] < peak["default"]["activations"] / 2  # only layer inputs kept for backward
+    # on a CPU-only machine host and device are one memory: CPUOffloadPolicy(pin_memory=False) copies, but moves nothing
+    assert runs["offload"].config["cpu_offload"] and peak["offload"]["total"] == peak["default"]["total"]
+    for r in runs.values(): assert r.losses[-1] < r.losses[0]
+
+
+def test_every_field_reaches_fully_shard():
+    "What each unit's FSDP state holds after apply_fsdp: offload policy, compute and reduce dtypes, reshard, checkpoint wrappers."
+    default, custom = launch(fsdp_settings, [FSDPConfig(), FSDPConfig(cpu_offload=True, mixed_precision="bf16", reduce_dtype="fp32",
+                                                                      activation_checkpointing=True, reshard_after_forward=False)], nprocs=2)
+    assert [u["module"] for u in default] == ["", "model.layers.0", "model.layers.1"] == [u["module"] for u in custom]
+    assert {(u["offload"], u["param_dtype"], u["reduce_dtype"]) for u in default} == {("OffloadPolicy", "None", "None")}
+    assert {(u["offload"], u["param_dtype"], u["reduce_dtype"]) for u in custom} == {("CPUOffloadPolicy", "torch.bfloat16", "torch.float32")}
+    assert [u["cls"] for u in custom[1:]] == ["FSDPCheckpointWrapper"] * 2 and [u["cls"] for u in default[1:]] == ["FSDPLlamaDecoderLayer"] * 2
+    assert all(u["reshard_to"] is None for u in custom) and all(u["reshard_to"] == 2 for u in default[1:])
+    bf16 = launch(fsdp_settings, [FSDPConfig(mixed_precision="bf16")], nprocs=2)[0]
+    assert {u["reduce_dtype"] for u in bf16} == {"torch.bfloat16"}  # accelerate's default: gradients reduced in the compute dtype
+
+
+def test_reshard_to_smaller_groups_sits_between_true_and_false():
+    "reshard_after_forward=2 on 4 ranks keeps a copy sharded over 2 ranks after forward: more than True frees, less than False keeps."
+    specs = [TrainSpec(model="tiny", steps=1, seq_len=32, fsdp=FSDPConfig(reshard_after_forward=r)) for r in (True, 2, False)]
+    true, two, false = (r.peak_bytes["total"] for r in launch(train_each, specs, nprocs=4))
+    assert true < two < false, (true, two, false)
+
+
+def _train_cli(config: Path, tmp_path) -> subprocess.Popen:
+    args = ["train", "--nproc", 2, "--model", "tiny", "--steps", 3, "--fsdp-config", config, "--json", tmp_path / f"{config.stem}.json"]
+    if not load_fsdp_config(config).mixed_precision != "no": args.append("--check-parity")
+    return subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_train_runs_each_example_config_and_reports_it(tmp_path):
+    procs = {p: _train_cli(p, tmp_path) for p in EXAMPLES}
+    for path, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        r, cfg = json.loads((tmp_path / f"{path.stem}.json").read_text()), load_fsdp_config(path)
+        assert {k: v for k, v in r["config"].items() if k != "notes"} == {k: v for k, v in asdict(cfg).items() if k != "notes"}
+        assert r["units"][-1]["module"] == "" and len(r["units"]) == 3 and r["losses"][-1] < r["losses"][0]
+        assert f"{len(r['units'])} FSDP unit(s) by {cfg.auto_wrap_policy}" in out
+        if r["max_param_diff"] is not None: assert r["max_param_diff"] <= 1e-4
+
+
+def test_flags_override_the_file_and_say_so(tmp_path):
+    yaml = ROOT / "examples" / "fsdp_configs" / "accelerate_fsdp_lora.yaml"
+    from tests.badinput import Case, check_case
+    check_case(Case("parity-with-a-bf16-file", ["train", "--fsdp-config", yaml, "--check-parity"], 2, "--check-parity=True"), tmp_path)
+    out = subprocess.run([sys.executable, "-m", "fsdp_kit", "train", "--steps", "2", "--fsdp-config", str(yaml), "--mixed-precision", "no",
+                          "--check-parity", "--json", "-"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"note: --mixed-precision no overrides mixed_precision='bf16' from {yaml}" in out.stderr
+    assert json.loads(out.stdout)["config"]["mixed_precision"] == "no"
