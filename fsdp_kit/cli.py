@@ -86,7 +86,7 @@ def _cmd_mesh(a):
 def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
-    from fsdp_kit.models import check_model
+    from fsdp_kit.plan import check_fits
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype)
@@ -100,7 +100,7 @@ def _cmd_train(a):
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                      check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, fsdp=cfg, ckpt=ckpt).check()
     # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
-    check_model(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora else "full", lora_r=spec.lora or 8)
+    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora else "full", lora_r=spec.lora or 8)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
         if a.resume:
@@ -187,12 +187,14 @@ def _cmd_compare(a):
     from fsdp_kit.config import load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
     from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
+    from fsdp_kit.plan import check_fits
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
     spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
                        reshard=[to_reshard("reshard", r.strip()) for r in a.reshard.split(",")],
                        min_num_params=a.min_num_params, fsdp_config=fsdp_config, batch=a.batch, seq_len=a.seq_len,
                        gradient_checkpointing=a.gradient_checkpointing)
     check_spec(spec, a.nproc)  # refuse bad configs before launching
+    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc)  # and a step that would not fit this machine
     if fsdp_config:
         print(f"{a.fsdp_config}: " + "; ".join(f"{k}={v!r}" for k, v in vars(fsdp_config).items() if k not in ("notes", "source")), file=sys.stderr)
         import torch
@@ -221,7 +223,7 @@ def _cmd_docs(a):
 
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.models import check_model
+    from fsdp_kit.plan import check_fits
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     cfg = fsdp_config(a) if a.fsdp_config else None
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, load_in_8bit=a.load_in_8bit,
@@ -230,7 +232,7 @@ def _cmd_qlora(a):
     if cfg is not None:
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
               f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
-    check_model(spec.model, spec.batch, spec.seq_len, a.nproc, method="qlora", lora_r=spec.lora_r)  # builds, and fits this machine
+    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, method="qlora", lora_r=spec.lora_r)  # builds, and a step fits this machine
     r = launch(qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
@@ -244,12 +246,12 @@ def _cmd_qlora(a):
 
 def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.models import check_model
+    from fsdp_kit.plan import check_fits
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
     mesh = spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    check_model(spec.model, max(1, spec.rows // mesh.dp_shard), spec.seq_len, a.nproc)  # builds, and a step fits this machine
+    check_fits(spec.model, max(1, spec.rows // mesh.dp_shard), spec.seq_len, a.nproc)  # builds, and a step fits this machine
     r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "

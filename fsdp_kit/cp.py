@@ -12,7 +12,7 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
 
 # %% ../nbs/06_cp_eval.ipynb #18908165
 import os, statistics, time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, asdict
 from .errors import KitError, bad_value, require_seed, require_model
 from .config import FSDPConfig
 from .models import model_config, build_model, synthetic_tokens, rank_rows

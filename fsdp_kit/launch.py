@@ -373,8 +373,6 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if nnodes == 1 and rdzv_endpoint is None: cmd += ["--standalone"]
     else:
         if not rdzv_endpoint: raise bad_value("rdzv_endpoint", rdzv_endpoint, "HOST:PORT of the first node, needed when nnodes > 1")
-        host, _, port = str(rdzv_endpoint).rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536: raise bad_value("rdzv_endpoint", rdzv_endpoint, "HOST:PORT with a port in 1..65535")
         if not isinstance(rdzv_id, str) or not rdzv_id.strip(): raise bad_value("rdzv_id", rdzv_id, "a non-empty name every node of the job shares")
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
@@ -481,7 +479,7 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
     if backend not in (None, "gloo", "nccl"): raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
     nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout)
     torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
-    if nnodes > 1: _check_resolves(rdzv_endpoint)
+    if rdzv_endpoint is not None: _check_endpoint(rdzv_endpoint)
     check_specs(args, nprocs * nnodes)
     if under_torchrun(): return _launch_in_this_rank(fn, args, backend, timeout)
     # under torchrun the workers pick the default backend themselves: this process need not import torch (2 s on a small machine)
@@ -506,9 +504,10 @@ def check_specs(args:tuple, world_size:int):
         if len(wanted) == 0: check()
         elif len(wanted) == 1: check(world_size)
 
-def _check_resolves(endpoint:str):
-    "Refuse a rendezvous host this machine cannot resolve (torchrun would retry it silently)."
-    host, _, port = endpoint.rpartition(":")
+def _check_endpoint(endpoint:str):
+    "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve (torchrun would retry it silently)."
+    host, _, port = str(endpoint).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536: raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a port in 1..65535")
     try: socket.getaddrinfo(host.strip("[]"), int(port))
     except (socket.gaierror, UnicodeError) as e: raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a host this machine can resolve", str(e)) from None
 

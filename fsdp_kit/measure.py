@@ -139,11 +139,11 @@ def first_step_tracker(model, optim):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     class FirstStep(FSDPMemTracker):
         def __enter__(self):
-            self.quiet = _quiet_hook_warnings(); self.quiet.__enter__()
+            self.quiet = quiet_hook_warnings(); self.quiet.__enter__()
             return super().__enter__()
         def __exit__(self, *exc):
             super().__exit__(*exc); self.quiet.__exit__(*exc)
-        def peak_bytes(self): return _peak_by_category(self)
+        def peak_bytes(self): return peak_by_category(self)
     return FirstStep(model, optim)
 
 # %% ../nbs/03_measure.ipynb #92165186

@@ -15,7 +15,7 @@ import gc, math, os, shutil
 from dataclasses import dataclass, field, replace
 from .errors import bad_value, require_whole, require_positive, require_seed, require_model
 from .config import FSDPConfig, PRECISION
-from .models import model_config, build_model, decoder_layers, synthetic_tokens, rank_rows
+from .models import model_config, build_model, synthetic_tokens, rank_rows
 from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
 from .lora import save_adapter, check_adapter
 

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, asdict
 from .errors import bad_value, require_whole, require_positive, require_seed, require_model
 from .config import FSDPConfig
-from .models import model_config, build_model, decoder_layers, count_params, synthetic_tokens, rank_rows
+from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
 
 # %% ../nbs/01_train.ipynb #cd8142c2

@@ -199,7 +199,7 @@ def compare_worker(spec:CompareSpec) -> list:
 # %% ../nbs/03_wrap.ipynb #a4492a41
 def check_spec(spec:CompareSpec, world_size:int) -> list:
     "Plan every config of `spec` on the meta device for `world_size` ranks; return the configs or raise KitError."
-    check_model(spec.model, spec.batch, spec.seq_len, world_size)  # a model that builds, and a step that fits this machine's memory
+    check_model(spec.model)  # a model that builds (whether a step fits this machine is plan.check_fits's question)
     meta = build_model(model_config(spec.model), device="meta")
     configs = spec.configs()
     for cfg in configs:

@@ -2,7 +2,8 @@
 import json, math, subprocess, sys
 import pytest
 from fsdp_kit.errors import KitError
-from fsdp_kit.models import PRESETS, check_model, check_fits, step_memory
+from fsdp_kit.models import PRESETS, check_model
+from fsdp_kit.plan import check_fits, step_memory
 from fsdp_kit.plan_gpu import plan_gpu, recommend
 from tests.badinput import Case, check_case
 from tests.conftest import EXAMPLES, ROOT
@@ -86,8 +87,9 @@ def test_the_estimate_is_small_for_tiny_and_large_for_7b_defaults(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="llama")))
     big = step_memory(str(tmp_path), 1, 8)
     assert big["parameters"] == 6_738_415_616 and big["per_rank"] > 16 * 6.7e9  # fp32 params, grads and AdamW's two states
+    assert check_model(str(tmp_path)) == str(tmp_path)  # it builds: a valid 7B Llama
     with pytest.raises(KitError, match="model=.* is not allowed: .*num_hidden_layers=32 \\(transformers' default\\)"):
-        check_model(str(tmp_path))
+        check_fits(str(tmp_path), 1, 8)  # but no step of it fits this machine
 
 
 def test_a_huge_batch_is_refused_naming_the_option():
