@@ -161,11 +161,11 @@ def test_lora_adapter_saved_whole_and_reloads(cli, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--ckpt", "X", "--state-dict", "local"), "state_dict='local' is not allowed: sharded or full"),
+    (("--ckpt", "X", "--state-dict", "local"), "--state-dict='local' is not allowed: sharded or full"),
     (("--resume",), "--resume needs --ckpt DIR"),
-    (("--ckpt", "X", "--save-every", -1), "save_every=-1 is not allowed: a whole number >= 0"),
+    (("--ckpt", "X", "--save-every", -1), "--save-every=-1 is not allowed: a whole number >= 0"),
     (("--ckpt", "pyproject.toml"), "is not allowed: a folder (this is a file)"),
-    (("--lora", 4, "--check-parity"), "check_parity=True is not allowed: a full fine-tune from step 0"),
+    (("--lora", 4, "--check-parity"), "--check-parity=True is not allowed: a full fine-tune from step 0"),
 ])
 def test_bad_checkpoint_options(cli, args, message):
     res = cli("train", "--nproc", 2, *args)

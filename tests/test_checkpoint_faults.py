@@ -88,7 +88,7 @@ CASES = [
     Case("train-resume-state-step", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "trainer_state.pt says step 4, its manifest says 2"),
     Case("train-resume-state-not-dict", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "trainer_state.pt holds list, not a dict"),
     Case("train-resume-model-reshaped", ["train", "--nproc", 2, "--model", "{tmp}/m/config.json", "--ckpt", "{tmp}/ck", "--resume"], 2,
-         "written for a model of other parameter shapes (125,248 parameters; model="),
+         "written for a model of other parameter shapes (125,248 parameters; --model="),
 ]
 SETUP = {"train-ckpt-symlink-loop": _link("loop", "loop"), "train-ckpt-under-symlink-loop": _link("loop", "loop"),
          "train-ckpt-dangling-symlink": _link("dangling", "nowhere"),

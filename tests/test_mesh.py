@@ -59,5 +59,5 @@ def test_cli_mesh_cp_names_flattened_group(cli):
 def test_cli_mesh_refuses_bad_sizes_without_traceback(cli):
     out = cli("mesh", "--nproc", 4, "--dp-replicate", 3, "--dp-shard", 2, timeout=60)
     assert out.returncode == 2
-    assert "dp_replicate=3, dp_shard=2" in out.stderr and "world size is 4" in out.stderr
+    assert "--dp-replicate=3, --dp-shard=2" in out.stderr and "world size is 4" in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""

@@ -101,8 +101,8 @@ def test_slurm_script_names_its_pieces_and_its_launch_line_runs(cli, tmp_path):
     (("slurm", "--nodes", 0, "--gpus-per-node", 8, "--", "train"), "nodes=0 is not allowed: a whole number >= 1"),
     (("slurm", "--nodes", 2, "--gpus-per-node", 8, "--", "mesh"), "command='mesh' is not allowed: train ..."),
     (("slurm", "--nodes", 2, "--gpus-per-node", 8, "--", "train", "--nproc", 4), "command='--nproc' is not allowed: no node options"),
-    (("train", "--inject-fault", "crash", "--fault-rank", 2), "fault_rank=2 is not allowed: 0 <= fault_rank < 2"),
-    (("train", "--nnodes", 2), "rdzv_endpoint=None is not allowed: HOST:PORT of the first node"),
+    (("train", "--inject-fault", "crash", "--fault-rank", 2), "--fault-rank=2 is not allowed: 0 <= fault_rank < 2"),
+    (("train", "--nnodes", 2), "--rdzv-endpoint=None is not allowed: HOST:PORT of the first node"),
 ])
 def test_bad_scale_options_are_refused(cli, args, message):
     res = cli(*args)

@@ -82,9 +82,9 @@ def test_cli_runs_the_example_configs_unchanged(cli, tmp_path, name):
 
 CLI_BAD = [
     (("--policies", "EVERYTHING"), "policies='EVERYTHING' is not allowed"),
-    (("--reshard", "3", "--nproc", "4"), "reshard_after_forward=3 is not allowed"),
+    (("--reshard", "3", "--nproc", "4"), "--reshard=3 is not allowed"),
     (("--reshard", "maybe"), "reshard='maybe' is not allowed"),
-    (("--policies", "SIZE_BASED_WRAP", "--min-num-params", "100000000"), "min_num_params=100000000 is not allowed"),
+    (("--policies", "SIZE_BASED_WRAP", "--min-num-params", "100000000"), "--min-num-params=100000000 is not allowed"),
     (("--model", "nope"), "model='nope' is not allowed"),
     (("--fsdp-config", "no/such.yaml"), "fsdp_config='no/such.yaml' is not allowed"),
     (("--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--gradient-checkpointing"), "together with gradient checkpointing is refused"),
