@@ -1,6 +1,6 @@
 """The benchmark's own parts: its baseline trains the same numbers as the kit, its statistics, FLOP counts and summary are right,
 and the published results cover every notebook."""
-import json, subprocess, sys
+import json, os, subprocess, sys
 import pytest
 from tests.conftest import ROOT
 
@@ -16,7 +16,7 @@ def test_plain_loop_trains_the_same_numbers_as_the_kit(cli, tmp_path):
     assert out.returncode == 0, out.stderr
     plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/plain_fsdp.py",
                             "--model", "tiny", "--steps", "3", "--batch", "2", "--seq-len", "32", "--out", str(tmp_path / "plain.json")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})  # bare torchrun's log folder
     assert plain.returncode == 0, plain.stderr
     kit, base = json.loads((tmp_path / "kit.json").read_text()), json.loads((tmp_path / "plain.json").read_text())
     assert len(base["losses"]) == 3 and base["losses"][-1] < base["losses"][0]

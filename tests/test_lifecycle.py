@@ -91,7 +91,7 @@ def test_a_torchrun_command_line_runs_one_job(tmp_path):
     "The `torchrun ... -m fsdp_kit train` line the launch lesson prints: each rank runs in place, and rank 0 alone reports."
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdp_kit",
            "train", "--steps", "3", "--seq-len", "32", "--json", str(tmp_path / "out.json")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun's own logs
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("2 ranks, steps 1-3") == 1 and out.stdout.count("wrote ") == 1
     assert json.loads((tmp_path / "out.json").read_text())["world_size"] == 2
