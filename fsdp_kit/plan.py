@@ -38,8 +38,9 @@ class PlanSpec:
 
     def fsdp_config(self) -> FSDPConfig:
         "The FSDPConfig of a full fine-tune in this setting."
-        return FSDPConfig(auto_wrap_policy=self.policy, reshard_after_forward=self.reshard_after_forward,
-                          mixed_precision=self.mixed_precision, activation_checkpointing=self.activation_checkpointing).check()
+        return FSDPConfig(auto_wrap_policy=self.policy, reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision,
+                          reduce_dtype="fp32" if self.mixed_precision != "no" else None,  # the planner's model: gradients reduced in fp32
+                          activation_checkpointing=self.activation_checkpointing).check()
 
     def label(self) -> str:
         "A short name: model, ranks, method, policy, reshard, precision, checkpointing."
@@ -226,7 +227,7 @@ def comm_per_unit(config, spec:PlanSpec) -> list:
     if spec.world_size == 1: return []
     out = []
     for u in units(model_tensors(config, spec), spec).values():
-        gathers = (1 + (spec.reshard_after_forward is not False and (u.name != "root" or u.trainable_tensors > 0))) if u.unsharded else 0
+        gathers = (1 + (spec.reshard_after_forward is not False)) if u.unsharded else 0  # apply_fsdp reshards every unit, the root too
         out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded, reduce_scatters=int(u.reduce > 0), reduce_scatter_bytes=u.reduce))
     return out
 
