@@ -10,8 +10,8 @@ sync:              ## the committed library and notebooks are what nbdev-export 
 	python -m pytest -q tests/test_sync.py
 
 nbdev-test:        ## nbdev's own runner over every notebook (cells flagged notest / gpu / slow skipped); not in `test`: nbval executes the same cells and more
-	nbdev-test --n-workers 1 --timing --cell-timeout 300 --file-re '^(0[0-5]|11|index)'
-	@for nb in nbs/0[6-9]*.ipynb nbs/1[0]*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # a fresh process each
+	nbdev-test --n-workers 1 --timing --cell-timeout 300 --file-re '^(0[1-5]|10[ab]_|benchmarks|index)'  # the cheap ones in one process
+	@for nb in nbs/0[6-9]*.ipynb nbs/10_*.ipynb nbs/11*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # the heavy ones (cp, checkpoint, plan*, hf, launch, scale), a fresh process each
 
 pytest:            ## the test suite: real multi-process runs and bad-input cases
 	python -m pytest -q --durations=15 tests --ignore=tests/test_sync.py

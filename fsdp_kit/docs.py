@@ -28,14 +28,20 @@ def find_nbs(start: Path = None) -> Path:
 
 
 def page_name(notebook: Path) -> str:
-    "nbdev's page name: `00_launch.ipynb` -> `launch.html`, `index.ipynb` -> `index.html`."
+    "nbdev's page name: `10_launch.ipynb` -> `launch.html`, `01a_models.ipynb` -> `models.html`, `index.ipynb` -> `index.html`."
     return re.sub(r"^\d+[a-z]?_", "", notebook.stem) + ".html"
 
 
+def course_key(notebook: Path) -> tuple:
+    "Where a notebook sits in the course: the landing page, then the lessons by number and letter (`01_train`, `01a_models`, `02_mesh`, ...), then the unnumbered pages (the benchmark report) by name."
+    m = re.match(r"^(\d+)([a-z]?)_", notebook.stem)
+    if notebook.stem == "index": return (0, 0, "", notebook.name)
+    return (1, int(m.group(1)), m.group(2), notebook.name) if m else (2, 0, "", notebook.name)
+
+
 def notebooks(nbs: Path) -> list:
-    "The site's notebooks in sidebar order: the landing page first, then by file name."
-    found = sorted(p for p in nbs.glob("*.ipynb") if not p.name.startswith("_"))
-    return sorted(found, key=lambda p: (p.stem != "index", p.name))
+    "The site's notebooks in sidebar order, the course's reading order (`course_key`)."
+    return sorted((p for p in nbs.glob("*.ipynb") if not p.name.startswith("_")), key=course_key)
 
 
 def _clean(nb):

@@ -2,6 +2,7 @@
 import json, os, re, shutil, subprocess
 import pytest
 from fsdp_kit.docs import build_site, notebooks, page_name
+from pathlib import Path
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(300)
@@ -90,3 +91,25 @@ def test_readme_commands_are_on_the_landing_page():
     index = "\n".join("".join(c["source"]) for c in json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"])
     missing = [c for c in commands if c not in index]
     assert missing == []
+
+
+def test_pages_follow_the_course(tmp_path):
+    "The sidebar is the reading order: the landing page, the lessons by number then letter, then the unnumbered pages."
+    names = ["benchmarks", "10_launch", "index", "9_x", "01a_models", "10b_errors", "01_train", "10a_ranks", "_private"]
+    for n in names: (tmp_path / f"{n}.ipynb").write_text("{}")
+    assert [p.stem for p in notebooks(tmp_path)] == ["index", "01_train", "01a_models", "9_x", "10_launch", "10a_ranks", "10b_errors", "benchmarks"]
+    assert page_name(Path("06_cp.ipynb")) == "cp.html" and page_name(Path("01a_models.ipynb")) == "models.html"
+    order = [p.stem for p in notebooks(ROOT / "nbs")]
+    assert order[:3] == ["index", "01_train", "01a_models"] and order.index("02_mesh") < order.index("10_launch")
+
+
+def _table(text: str) -> list:
+    "The notebook names in the first column of the notebooks table."
+    return re.findall(r"^\| `(\w+)` \|", text.split("## The notebooks", 1)[1], re.M)
+
+
+def test_readme_and_landing_page_list_every_notebook_in_course_order():
+    index = "\n".join("".join(c["source"]) for c in json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"])
+    course = [p.stem for p in notebooks(ROOT / "nbs")]
+    assert _table(index) == course
+    assert _table((ROOT / "README.md").read_text()) == course
