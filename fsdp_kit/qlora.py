@@ -7,12 +7,12 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 # %% auto #0
 __all__ = ['STORAGE_BYTES', 'MIXED_PRECISION', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_element', 'pack_codes',
            'unpack_codes', 'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'QLoRASpec',
-           'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'batch_rows', 'model_loss',
-           'qlora_worker', 'plot_memory', 'plot_qlora_losses']
+           'model_dtype', 'load_base', 'load_lora_model', 'lora_fsdp_config', 'shard_lora_model', 'QLoRAResult',
+           'batch_rows', 'model_loss', 'qlora_worker', 'plot_memory', 'plot_qlora_losses']
 
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
 import gc, math, os, shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, asdict, replace
 from .errors import bad_value, require_whole, require_positive, require_seed, require_model
 from .config import FSDPConfig, PRECISION
 from .models import model_config, build_model, synthetic_tokens, rank_rows
@@ -197,16 +197,22 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
     return get_peft_model(model, lora).train()
 
 # %% ../nbs/05_qlora.ipynb #70d8447e
+def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
+                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
+                    ) -> FSDPConfig:
+    "The FSDP config a (Q)LoRA model is sharded with: `cfg`, its compute dtype set to `param_dtype`, which the 4-bit storage must match."
+    precision = {v: k for k, v in PRECISION.items() if v}.get(dtype_name(param_dtype) if param_dtype else None, "no")
+    cfg = cfg if cfg is not None else FSDPConfig(reduce_dtype="fp32")
+    return replace(cfg, mixed_precision="no" if precision == "fp32" else precision)
+
 def shard_lora_model(model, # from load_lora_model
                      mesh, # the mesh to shard over
                      param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
                      cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
                     ):
-    "Shard with `apply_fsdp`: `cfg`, its compute dtype set to `param_dtype` (the dtype the 4-bit storage must match); return the model."
+    "Shard with `apply_fsdp` as `lora_fsdp_config(param_dtype, cfg)` says; return the model."
     from fsdp_kit.wrap import apply_fsdp
-    precision = {v: k for k, v in PRECISION.items() if v}.get(dtype_name(param_dtype) if param_dtype else None, "no")
-    cfg = cfg if cfg is not None else FSDPConfig(reduce_dtype="fp32")
-    return apply_fsdp(model, replace(cfg, mixed_precision="no" if precision == "fp32" else precision), mesh)[0]
+    return apply_fsdp(model, lora_fsdp_config(param_dtype, cfg), mesh)[0]
 
 # %% ../nbs/05_qlora.ipynb #122c2e41
 @dataclass
@@ -230,6 +236,7 @@ class QLoRAResult:
     adapter:dict # where it was saved, its tensors, their rows from each rank, and the reload check
     backend:str='' # process-group backend
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
+    config:dict=None # the FSDPConfig the model was sharded with (lora_fsdp_config)
 
 # %% ../nbs/05_qlora.ipynb #cc7b741f
 def batch_rows(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
@@ -365,7 +372,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
                        dict(held=[s["held"] for s in state_per_rank], predicted=[s["predicted"] for s in state_per_rank]),
                        losses, unsharded, abs(losses[0] - unsharded) if unsharded is not None else None, trainable, changed,
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
-                       environment()["versions"])
+                       environment()["versions"], asdict(lora_fsdp_config(spec.param_dtype, spec.fsdp)))
 
 # %% ../nbs/05_qlora.ipynb #607a83ca
 PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffers")

@@ -99,3 +99,22 @@ def test_flags_override_the_file_and_say_so(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"note: --mixed-precision no overrides mixed_precision='bf16' from {yaml}" in out.stderr
     assert json.loads(out.stdout)["config"]["mixed_precision"] == "no"
+
+
+def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
+    "The QLoRA and CP-eval commands shard with the user's file too (the QLoRA lab's compute dtype is the storage's, and says so)."
+    configs = ROOT / "examples" / "fsdp_configs"
+    run = lambda *args: subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+    cp = run("cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json", "--json", tmp_path / "cp.json")
+    qlora = run("qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json")
+    for proc in (cp, qlora):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+    r = json.loads((tmp_path / "cp.json").read_text())
+    assert r["config"]["activation_checkpointing"] and r["config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert len(r["units"]) == 3 and r["loss_diff"] < 1e-5
+    q = json.loads((tmp_path / "q.json").read_text())
+    assert q["config"]["cpu_offload"] and q["config"]["mixed_precision"] == "bf16" and q["param_dtype"] == "bfloat16"
+    assert q["losses"][-1] < q["losses"][0] and q["sharded_vs_unsharded_loss_diff"] < 1e-4
+    assert "replaces mixed_precision='no' from" in err
