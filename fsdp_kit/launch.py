@@ -403,7 +403,7 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
         # the workers' prints go straight to our stderr where it is a real file; a notebook kernel's stream is not one
         try: stream = sys.stderr if sys.stderr.fileno() >= 0 else out
         except (AttributeError, OSError, ValueError): stream = out
-        proc = subprocess.Popen(cmd, stdout=stream, stderr=err, env=env, preexec_fn=_torchrun_dies_with_us)
+        proc = subprocess.Popen(cmd, stdout=stream, stderr=err, env=env, preexec_fn=die_with_parent)  # torchrun, too, ends when we do
         try: _wait_for_rendezvous(proc, run_dir, **nodes)
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): torchrun stops its workers before it exits
             _stop(proc)
@@ -416,12 +416,6 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     native = [l for l in lines if any(k in l for k in ("terminate called", "what()", "Fatal Python error", "Segmentation fault"))]
     return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
-
-def _torchrun_dies_with_us():
-    "In the torchrun child before it starts: SIGTERM when the launching process dies (torchrun then stops its workers)."
-    import ctypes
-    try: ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError): pass
 
 def _stop(proc, grace:float=20):
     "End torchrun: SIGTERM (it passes it on to its workers and waits for them), then SIGKILL after `grace` seconds."
