@@ -7,13 +7,13 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/spec.html.md"""
 # %% auto #0
 __all__ = ['RunSpec', 'accelerate_precision']
 
-# %% ../nbs/01b_spec.ipynb #7d8eec43
+# %% ../nbs/01b_spec.ipynb #4f4d60ee
 from dataclasses import dataclass, KW_ONLY
 from .errors import bad_value, require_whole, require_seed, require_model
 from .config import FSDPConfig, PRECISION, MIXED_PRECISION
 from .mesh import MeshSpec
 
-# %% ../nbs/01b_spec.ipynb #08a0742e
+# %% ../nbs/01b_spec.ipynb #133d8d6e
 @dataclass(frozen=True)
 class RunSpec:
     "The settings every lab shares: the model, its data, the steps, the mesh it shards over and the FSDP config it shards with."
@@ -55,7 +55,7 @@ class RunSpec:
         "Refuse a shared setting this lab does not support, naming the field, the lab and why."
         if getattr(self, name) != allowed: raise bad_value(name, getattr(self, name), f"{allowed!r} (what {type(self).__name__} runs)", why)
 
-# %% ../nbs/01b_spec.ipynb #71abaae7
+# %% ../nbs/01b_spec.ipynb #32f60a56
 def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spellings: fp32, float32, bfloat16, float16, torch.bfloat16)
                          field:str="mixed_precision" # the field being read, named in the error
                         ) -> str:
