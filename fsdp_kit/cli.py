@@ -469,13 +469,21 @@ OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "np
                 "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout"}
 
 
-def option_message(error: KitError, sub: argparse.ArgumentParser) -> str:
-    "The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`)."
-    options = {a.dest: a.option_strings[-1] for a in sub._actions
-               if a.option_strings and a.option_strings[-1].startswith("--") and a.help != argparse.SUPPRESS}  # a hidden old spelling names nothing
+def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:
+    "The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`), in the spelling the user typed (`--seq=` for the old `--seq`)."
+    typed = {}  # dest -> the spelling in argv, old ones included
+    for a in sub._actions:
+        for opt in a.option_strings:
+            if any(t == opt or t.startswith(opt + "=") for t in argv): typed.setdefault(a.dest, opt)
+    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS and any(o.startswith("--") for o in a.option_strings)]  # a hidden old spelling names nothing
+    options = {a.dest: typed.get(a.dest, next(o for o in a.option_strings if o.startswith("--"))) for a in shown}
     options |= {field: options[dest.replace("-", "_")] for field, dest in OPTION_NAMES.items() if dest.replace("-", "_") in options}
     options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
-    return re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
+    text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
+    for a in shown:  # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it
+        for opt in a.option_strings:
+            if typed.get(a.dest, opt) != opt: text = re.sub(rf"(?<![-\w]){re.escape(opt)}=", f"{typed[a.dest]}=", text)
+    return text
 
 
 class Interrupted(BaseException):
@@ -503,7 +511,7 @@ def main(argv=None):
         check_json_dest(getattr(args, "json", None))
         args.fn(args)
     except KitError as e:
-        print(f"fsdp-kit {args.command}: error: {option_message(e, sub)}", file=sys.stderr)
+        print(f"fsdp-kit {args.command}: error: {option_message(e, sub, argv)}", file=sys.stderr)
         sys.exit(2)
     except WorkerError as e:
         print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)
