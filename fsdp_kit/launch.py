@@ -496,7 +496,8 @@ def check_specs(args:tuple, world_size:int):
         if not callable(check) or isinstance(a, type): continue
         params = inspect.signature(check).parameters
         wanted = [p for p in params.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
-        if "world_size" in params: check(world_size=world_size)  # a RunSpec: its mesh sizes must fill the world
+        optional = params.get("world_size")
+        if optional is not None and optional.default is not optional.empty: check(world_size=world_size)  # a RunSpec: its mesh sizes must fill the world
         elif len(wanted) == 0: check()
         elif len(wanted) == 1: check(world_size)
 
