@@ -6,8 +6,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 
 # %% auto #0
 __all__ = ['STORAGE_BYTES', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_element', 'pack_codes', 'unpack_codes',
-           'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'QLoRASpec', 'model_dtype',
-           'load_base', 'load_lora_model', 'lora_fsdp_config', 'shard_lora_model', 'QLoRAResult', 'batch_rows',
+           'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'lora_fsdp_config',
+           'QLoRASpec', 'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'batch_rows',
            'model_loss', 'qlora_worker', 'plot_memory', 'plot_qlora_losses']
 
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
@@ -128,6 +128,15 @@ def check_quantization(quant_storage, # bnb_4bit_quant_storage
                         f"Set quant_storage={param!r}, or param_dtype={storage!r}")
     return storage, param
 
+# %% ../nbs/05_qlora.ipynb #bf7152a7
+def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
+                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
+                    ) -> FSDPConfig:
+    "The FSDP config a (Q)LoRA model is sharded with: `cfg`, its compute dtype set to `param_dtype`, which the 4-bit storage must match."
+    precision = {v: k for k, v in PRECISION.items() if v}.get(dtype_name(param_dtype) if param_dtype else None, "no")
+    cfg = cfg if cfg is not None else FSDPConfig(reduce_dtype="fp32")
+    return replace(cfg, mixed_precision="no" if precision == "fp32" else precision)
+
 # %% ../nbs/05_qlora.ipynb #e0128c90
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
@@ -199,14 +208,6 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
     return get_peft_model(model, lora).train()
 
 # %% ../nbs/05_qlora.ipynb #70d8447e
-def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
-                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
-                    ) -> FSDPConfig:
-    "The FSDP config a (Q)LoRA model is sharded with: `cfg`, its compute dtype set to `param_dtype`, which the 4-bit storage must match."
-    precision = {v: k for k, v in PRECISION.items() if v}.get(dtype_name(param_dtype) if param_dtype else None, "no")
-    cfg = cfg if cfg is not None else FSDPConfig(reduce_dtype="fp32")
-    return replace(cfg, mixed_precision="no" if precision == "fp32" else precision)
-
 def shard_lora_model(model, # from load_lora_model
                      mesh, # the mesh to shard over
                      param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
