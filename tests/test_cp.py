@@ -35,7 +35,8 @@ def test_guards():
     with pytest.raises(KitError, match=r"attention_mask='padding'.*'causal' or None"): check_mask("padding")
     with pytest.raises(KitError, match=r"cp_size=3 .*divisor of the world size 4: one of 1, 2, 4"): check_sizes(4, cp=3)
     with pytest.raises(KitError, match=r"cp_size=2 and sp_size=2 cannot both be above 1"): check_sizes(4, cp=2, sp=2)
-    with pytest.raises(KitError, match=r"rows=3 .*dp_shard=2"): CPSpec(cp=2, rows=3).check(4)
+    with pytest.raises(KitError, match=r"steps=3 is not allowed: 1 \(what CPSpec runs\)"): CPSpec(cp=2, steps=3).check(4)
+    assert CPSpec(cp=2, batch=3).rows(4) == 6  # batch is per data-parallel rank: dp_shard=2 of them
     assert check_sizes(4, cp=2).dp_shard == 2 and CPSpec(cp=4, seq_len=64).check(4).cp == 4
 
 

@@ -59,7 +59,7 @@ def _padded_shard_bytes(model, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sharded_parameter_bytes_are_total_over_world_size(world):
-    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], timed_steps=1)
+    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], steps=1)
     runs = launch(compare_worker, spec, nprocs=world)
     model = build_model(model_config("tiny"), device="meta")
     total = count_params(model) * 4
