@@ -331,10 +331,15 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     if nprocs == 1: return _launch_here(fn, args, backend, timeout, run_dir)
     saved, tempfile.tempdir = tempfile.tempdir, str(run_dir)  # torchelastic makes its log folder here; the workers restore ours
     os.environ["FSDP_KIT_CALLER_TMPDIR"] = saved or ""
+    import multiprocessing
+    before = {p.pid for p in multiprocessing.active_children()}
     with _quiet_launch_logs(), redirect_stdout(_DropBanner(sys.stdout)):
         try: notebook_launcher(run_worker, (fn, args, backend, timeout, str(run_dir)), num_processes=nprocs, use_port=str(free_port()))
         except Exception as e: return f"{type(e).__name__}: {str(e)[:500]}"
-        finally: tempfile.tempdir = saved; os.environ.pop("FSDP_KIT_CALLER_TMPDIR", None)
+        finally:
+            tempfile.tempdir = saved; os.environ.pop("FSDP_KIT_CALLER_TMPDIR", None)
+            for p in multiprocessing.active_children():  # a failed or interrupted launch (Ctrl-C, a test's timeout) leaves no worker behind
+                if p.pid not in before: p.kill(); p.join(5)
     return ""
 
 # %% ../nbs/10_launch.ipynb #01fbe885

@@ -146,3 +146,20 @@ def test_many_forked_launches_in_a_row_never_hang():
     for i in range(25):
         out = launch(rank_info, nprocs=4, timeout=30)
         assert out["world_size"] == 4 and out["rank_sum"] == 6.0, i
+
+
+def test_an_interrupted_wait_kills_the_forked_workers():
+    "A BaseException in the caller while it waits (Ctrl-C in a notebook, pytest's timeout) ends the forked workers too: none is left for exit to wait on."
+    import multiprocessing, signal
+    from tests.helpers import hangs_on_rank_0
+
+    class Interrupted(BaseException): pass
+
+    def interrupt(*_): raise Interrupted()
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(8)
+    try:
+        with pytest.raises(Interrupted): launch(hangs_on_rank_0, nprocs=2, launcher="notebook", timeout=100)
+    finally:
+        signal.alarm(0); signal.signal(signal.SIGALRM, old)
+    assert multiprocessing.active_children() == []
