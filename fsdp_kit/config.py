@@ -1,4 +1,4 @@
-"""`FSDPConfig` holds what transformers' `fsdp_config` (version 2) and accelerate's FSDP YAML express; `load_fsdp_config` reads either as it is, maps FSDP1-era keys to their FSDP2 meaning, and refuses what it cannot honour with a message naming the field, the value and what is allowed.
+"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either as its upstream entry point does (`accelerate launch`, `TrainingArguments`), converts FSDP1 files as `accelerate to-fsdp2` does, notes every key it maps, ignores or runs differently, and refuses what it cannot read with a message naming the field, the value and what is allowed.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 
@@ -174,7 +174,7 @@ def _check_version(value, source:str) -> int:
 
 def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
     "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one, with a note for what each FSDP1 key became."
-    from .upstream import to_fsdp2
+    from fsdp_kit.upstream import to_fsdp2
     entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
     cfg.notes.append(f"version: {entry} runs this file with FSDP1 ({'version ' + str(keys['version']) if 'version' in keys else 'no fsdp_version'}); "
                      "the kit runs FSDP2 and reads the file as `accelerate to-fsdp2` converts it")
@@ -193,7 +193,7 @@ def _strip_prefix(keys:dict) -> dict:
 
 def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
     "Every field as upstream reads the (FSDP2) file: an absent key takes upstream's value; a key upstream reads otherwise is noted."
-    from .upstream import FIELDS
+    from fsdp_kit.upstream import FIELDS
     if "refused" in upstream:
         cfg.notes.append(f"{entry} refuses this file ({upstream['refused']}); the kit reads it with its own defaults")
         return
@@ -209,7 +209,7 @@ def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
 
 def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
     "A note for every field where the kit's reading differs from what upstream runs (FSDP1 files, translated)."
-    from .upstream import FIELDS
+    from fsdp_kit.upstream import FIELDS
     if "refused" in upstream: cfg.notes.append(f"{entry} refuses this file as it is ({upstream['refused']})"); return
     for name in FIELDS:
         if getattr(cfg, name) != upstream[name]:
@@ -218,7 +218,7 @@ def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
 
 def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig) -> FSDPConfig:
     "The kit's reading: FSDP1 files converted as `accelerate to-fsdp2` does, every key checked, then each field as upstream reads it, differences noted."
-    from .upstream import reading_of
+    from fsdp_kit.upstream import reading_of
     entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
     keys = _strip_prefix(section)
     version = _check_version(keys.get("version", 1 if accelerate else 2), cfg.source)  # accelerate's plugin defaults to FSDP1, transformers' to FSDP2
@@ -304,7 +304,7 @@ def load_fsdp_config(path:str # a transformers fsdp_config .json or an accelerat
     "Read an FSDP config file in either upstream format."
     path = Path(path)
     data = _parse_file(path)
-    from .upstream import is_accelerate_config
+    from fsdp_kit.upstream import is_accelerate_config
     read = from_accelerate if is_accelerate_config(data) else from_transformers
     try: return read(data, source=str(path))
     except KitError as e:

@@ -10,22 +10,22 @@ __all__ = ['FIELDS', 'DTYPE_NAMES', 'UPSTREAM_ENV', 'NO_DEVICE', 'is_accelerate_
            'policy_name', 'dtype_name', 'reshard_reading', 'precision_reading', 'plugin_reading', 'parallelism_reading',
            'accelerate_reading', 'trainer_reading', 'upstream_reading', 'reading_of', 'to_fsdp2']
 
-# %% ../nbs/03a_upstream.ipynb #6a40980a
+# %% ../nbs/03a_upstream.ipynb #b6889bd3
 import contextlib, dataclasses, functools, json, logging, os, tempfile, warnings
 from pathlib import Path
 
-# %% ../nbs/03a_upstream.ipynb #6b4ab59e
+# %% ../nbs/03a_upstream.ipynb #4af3dbf0
 FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "mixed_precision",
           "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")  # FSDPConfig's names
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch dtype -> the spelling of accelerate and FSDPConfig
 UPSTREAM_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # variables through which accelerate hands settings to a worker
 
-# %% ../nbs/03a_upstream.ipynb #2b875f1f
+# %% ../nbs/03a_upstream.ipynb #7808e73d
 def is_accelerate_config(data:dict) -> bool:
     "True for an accelerate config (what `accelerate config` writes), False for transformers' `fsdp_config`."
     return "distributed_type" in data or "fsdp_config" in data
 
-# %% ../nbs/03a_upstream.ipynb #3d16b60e
+# %% ../nbs/03a_upstream.ipynb #208c8c46
 @contextlib.contextmanager
 def environ(env:dict):
     "`os.environ` is exactly `env` inside the block, and what it was after."
@@ -50,7 +50,7 @@ def quiet():
         finally:
             for l, level in zip(loggers, levels): l.setLevel(level)
 
-# %% ../nbs/03a_upstream.ipynb #4f8bdc8d
+# %% ../nbs/03a_upstream.ipynb #f5fa092a
 NO_DEVICE = "There are currently no available devices found"  # accelerate's FSDP1 plugin looks up the current GPU for sync_module_states
 
 def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* variables from it)
@@ -67,14 +67,14 @@ def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* va
             if NO_DEVICE not in str(e): raise
     return plugin
 
-# %% ../nbs/03a_upstream.ipynb #271d66db
+# %% ../nbs/03a_upstream.ipynb #52e907b2
 def launch_args(path:str) -> list:
     "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none (accelerate asks for it then)."
     import yaml
     data = yaml.safe_load(Path(path).read_text()) or {}
     return ["--config_file", str(path)] + ([] if int(data.get("num_processes", -1)) > 0 else ["--num_processes", "2"])
 
-# %% ../nbs/03a_upstream.ipynb #78d92d19
+# %% ../nbs/03a_upstream.ipynb #74e35184
 def launch_env(path:str # an accelerate config file
               ) -> dict:
     "The environment `accelerate launch --config_file path train.py` starts its workers with, from accelerate's own launch code."
@@ -86,7 +86,7 @@ def launch_env(path:str # an accelerate config file
         if not args.use_fsdp or args.cpu: return {}
         return prepare_multi_gpu_env(args)
 
-# %% ../nbs/03a_upstream.ipynb #69c9f7e4
+# %% ../nbs/03a_upstream.ipynb #eb674e12
 def plugin_args_here(path:str) -> tuple:
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in this process."
     from transformers import TrainingArguments
@@ -97,16 +97,18 @@ def plugin_args_here(path:str) -> tuple:
 @functools.cache
 def transformers_helper():
     "One helper process per kit process for TrainingArguments: importing it takes seconds and imports peft and bitsandbytes, which must stay out of a process that forks workers."
-    import multiprocessing
+    import multiprocessing, signal
     from concurrent.futures import ProcessPoolExecutor
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),  # Ctrl-C is the kit's to handle, not the helper's
+                               initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
 
 def trainer_plugin_args(path:str # a transformers fsdp_config JSON file
                        ) -> tuple:
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
+    from fsdp_kit.upstream import plugin_args_here  # the module's function (a notebook's own copy cannot be sent to another process)
     return transformers_helper().submit(plugin_args_here, str(path)).result()
 
-# %% ../nbs/03a_upstream.ipynb #258a8f33
+# %% ../nbs/03a_upstream.ipynb #e8dd1b1f
 def policy_name(plugin) -> str:
     "The auto-wrap policy's name in accelerate's spelling (the plugin holds torch's function)."
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
@@ -123,7 +125,7 @@ def reshard_reading(plugin):
     strategy = plugin.sharding_strategy if plugin.sharding_strategy is not None else plugin.reshard_after_forward
     return FSDP_SHARDING_STRATEGY[strategy.value - 1]
 
-# %% ../nbs/03a_upstream.ipynb #f19ff5e8
+# %% ../nbs/03a_upstream.ipynb #db47259e
 def precision_reading(plugin, mixed_precision:str) -> dict:
     "The mixed precision policy accelerate sets on `plugin` for `mixed_precision` (what `AcceleratorState` does), as dtype names."
     if mixed_precision == "no" or mixed_precision is None: return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
@@ -144,7 +146,7 @@ def plugin_reading(plugin, mixed_precision:str) -> dict:
                 activation_checkpointing=plugin.activation_checkpointing, state_dict_type=plugin.state_dict_type.name,
                 cpu_ram_efficient_loading=plugin.cpu_ram_efficient_loading, **precision_reading(plugin, mixed_precision))
 
-# %% ../nbs/03a_upstream.ipynb #866d3dbe
+# %% ../nbs/03a_upstream.ipynb #86772d56
 def parallelism_reading(env:dict) -> dict:
     "The sizes of accelerate's `ParallelismConfig` a worker builds from `env` (None when the file has no parallelism_config)."
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true": return None
@@ -152,7 +154,7 @@ def parallelism_reading(env:dict) -> dict:
     with environ(env): pc = ParallelismConfig()
     return {k: getattr(pc, k) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
 
-# %% ../nbs/03a_upstream.ipynb #aea3ece1
+# %% ../nbs/03a_upstream.ipynb #767ff046
 def accelerate_reading(path:str) -> dict:
     "What `accelerate launch --config_file path` hands the script: the FSDP plugin its workers build, the mixed precision, the parallelism sizes."
     env = launch_env(path)
@@ -164,7 +166,7 @@ def trainer_reading(path:str) -> dict:
     plugin_args, mixed_precision = trainer_plugin_args(path)
     return dict(**plugin_reading(fsdp_plugin(clean_environ(), **plugin_args), mixed_precision), parallelism_config=None)
 
-# %% ../nbs/03a_upstream.ipynb #3404ffd7
+# %% ../nbs/03a_upstream.ipynb #abc04615
 def upstream_reading(path:str # an accelerate config .yaml (or .json) or a transformers fsdp_config .json
                     ) -> dict:
     "What the upstream entry point for the file builds, computed by accelerate's and transformers' own code."
@@ -179,7 +181,7 @@ def upstream_reading(path:str # an accelerate config .yaml (or .json) or a trans
         return dict(entry_point=entry, refused=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return dict(entry_point=entry, **reading)
 
-# %% ../nbs/03a_upstream.ipynb #364e096c
+# %% ../nbs/03a_upstream.ipynb #4c718ff7
 def reading_of(data:dict, # an accelerate config or a transformers fsdp_config, as parsed
                accelerate:bool # which of the two it is
               ) -> dict:
@@ -190,7 +192,7 @@ def reading_of(data:dict, # an accelerate config or a transformers fsdp_config, 
         path.write_text(yaml.safe_dump(data) if accelerate else json.dumps(data))
         return upstream_reading(path)
 
-# %% ../nbs/03a_upstream.ipynb #461e81a7
+# %% ../nbs/03a_upstream.ipynb #6fef0360
 def to_fsdp2(data:dict, # an accelerate config or a transformers fsdp_config for FSDP1
              accelerate:bool # which of the two it is
             ) -> dict:
