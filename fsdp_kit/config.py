@@ -216,7 +216,7 @@ def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
             cfg.notes.append(f"{name}={getattr(cfg, name)!r} here, {upstream[name]!r} under {entry}, which runs FSDP1: "
                              "the kit runs the FSDP2 file accelerate to-fsdp2 writes")
 
-def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig) -> FSDPConfig:
+def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precision:str=None) -> FSDPConfig:
     "The kit's reading: FSDP1 files converted as `accelerate to-fsdp2` does, every key checked, then each field as upstream reads it, differences noted."
     from fsdp_kit.upstream import reading_of
     entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
@@ -225,19 +225,25 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig) -> FSDPConfi
     fsdp2 = _from_fsdp1(data, keys, accelerate, cfg) if version == 1 else data
     keys2 = _strip_prefix(fsdp2.get("fsdp_config") or {}) if accelerate else _strip_prefix(fsdp2)
     if accelerate and "mixed_precision" in data: keys2["mixed_precision"] = data["mixed_precision"]
+    if not accelerate and mixed_precision is not None:  # TrainingArguments' bf16=True / fp16=True
+        if keys2.get("mixed_precision", mixed_precision) != mixed_precision:
+            cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: {WHY_UPSTREAM['mixed_precision']}")
+        keys2["mixed_precision"] = mixed_precision
     given = _apply_keys(cfg, {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
-    _follow_upstream(cfg, given, reading_of(fsdp2, accelerate), entry)
-    if version == 1: _note_differences(cfg, reading_of(data, accelerate), entry)
+    _follow_upstream(cfg, given, reading_of(fsdp2, accelerate, mixed_precision or "no"), entry)
+    if version == 1: _note_differences(cfg, reading_of(data, accelerate, mixed_precision or "no"), entry)
     cfg.notes = list(dict.fromkeys(cfg.notes))
     return cfg.check()
 
 # %% ../nbs/03_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
-                      source:str="transformers fsdp_config" # where it came from, for messages
+                      source:str="transformers fsdp_config", # where it came from, for messages
+                      mixed_precision:str=None # TrainingArguments' own precision ("bf16" for bf16=True, "fp16" for fp16=True); the dict cannot say it
                      ) -> FSDPConfig:
     "An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True, fsdp_config=...)` reads it."
     if not isinstance(fsdp_config, dict): raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
-    return _read(fsdp_config, fsdp_config, False, FSDPConfig(source=source))
+    if mixed_precision is not None: _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION)
+    return _read(fsdp_config, fsdp_config, False, FSDPConfig(source=source), mixed_precision)
 
 # %% ../nbs/03_config.ipynb #2a75d81c
 LAUNCH_NOTES = {  # top-level keys of an accelerate config that say something about the run, and what

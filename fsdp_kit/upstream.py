@@ -6,26 +6,26 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/upstream.html.md"""
 
 # %% auto #0
 __all__ = ['FIELDS', 'DTYPE_NAMES', 'UPSTREAM_ENV', 'NO_DEVICE', 'is_accelerate_config', 'environ', 'clean_environ', 'quiet',
-           'fsdp_plugin', 'launch_args', 'launch_env', 'plugin_args_here', 'transformers_helper', 'trainer_plugin_args',
-           'policy_name', 'dtype_name', 'reshard_reading', 'precision_reading', 'plugin_reading', 'parallelism_reading',
-           'accelerate_reading', 'trainer_reading', 'upstream_reading', 'reading_of', 'to_fsdp2']
+           'fsdp_plugin', 'launch_args', 'launch_env', 'plugin_args_here', 'transformers_helper', 'serve_plugin_args',
+           'trainer_plugin_args', 'policy_name', 'dtype_name', 'reshard_reading', 'precision_reading', 'plugin_reading',
+           'parallelism_reading', 'accelerate_reading', 'trainer_reading', 'upstream_reading', 'reading_of', 'to_fsdp2']
 
-# %% ../nbs/03a_upstream.ipynb #b6889bd3
+# %% ../nbs/03a_upstream.ipynb #d338d16b
 import contextlib, dataclasses, functools, json, logging, os, tempfile, warnings
 from pathlib import Path
 
-# %% ../nbs/03a_upstream.ipynb #4af3dbf0
+# %% ../nbs/03a_upstream.ipynb #9987cab0
 FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "mixed_precision",
           "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")  # FSDPConfig's names
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch dtype -> the spelling of accelerate and FSDPConfig
 UPSTREAM_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # variables through which accelerate hands settings to a worker
 
-# %% ../nbs/03a_upstream.ipynb #7808e73d
+# %% ../nbs/03a_upstream.ipynb #e7cbe603
 def is_accelerate_config(data:dict) -> bool:
     "True for an accelerate config (what `accelerate config` writes), False for transformers' `fsdp_config`."
     return "distributed_type" in data or "fsdp_config" in data
 
-# %% ../nbs/03a_upstream.ipynb #208c8c46
+# %% ../nbs/03a_upstream.ipynb #a9683782
 @contextlib.contextmanager
 def environ(env:dict):
     "`os.environ` is exactly `env` inside the block, and what it was after."
@@ -50,7 +50,7 @@ def quiet():
         finally:
             for l, level in zip(loggers, levels): l.setLevel(level)
 
-# %% ../nbs/03a_upstream.ipynb #f5fa092a
+# %% ../nbs/03a_upstream.ipynb #ffeed71b
 NO_DEVICE = "There are currently no available devices found"  # accelerate's FSDP1 plugin looks up the current GPU for sync_module_states
 
 def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* variables from it)
@@ -67,14 +67,14 @@ def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* va
             if NO_DEVICE not in str(e): raise
     return plugin
 
-# %% ../nbs/03a_upstream.ipynb #52e907b2
+# %% ../nbs/03a_upstream.ipynb #f1261c20
 def launch_args(path:str) -> list:
     "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none (accelerate asks for it then)."
     import yaml
     data = yaml.safe_load(Path(path).read_text()) or {}
     return ["--config_file", str(path)] + ([] if int(data.get("num_processes", -1)) > 0 else ["--num_processes", "2"])
 
-# %% ../nbs/03a_upstream.ipynb #74e35184
+# %% ../nbs/03a_upstream.ipynb #b5472ad1
 def launch_env(path:str # an accelerate config file
               ) -> dict:
     "The environment `accelerate launch --config_file path train.py` starts its workers with, from accelerate's own launch code."
@@ -86,29 +86,50 @@ def launch_env(path:str # an accelerate config file
         if not args.use_fsdp or args.cpu: return {}
         return prepare_multi_gpu_env(args)
 
-# %% ../nbs/03a_upstream.ipynb #eb674e12
-def plugin_args_here(path:str) -> tuple:
+# %% ../nbs/03a_upstream.ipynb #c0ccf187
+def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in this process."
     from transformers import TrainingArguments
     with quiet(), environ(clean_environ()), tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, fsdp=True, fsdp_config=str(path), use_cpu=True, report_to="none")
+        args = TrainingArguments(output_dir=out, fsdp=True, fsdp_config=str(path), use_cpu=True, report_to="none",
+                                 bf16=mixed_precision == "bf16", fp16=mixed_precision == "fp16")
         return args.fsdp_plugin_args, args.mixed_precision
 
 @functools.cache
 def transformers_helper():
     "One helper process per kit process for TrainingArguments: importing it takes seconds and imports peft and bitsandbytes, which must stay out of a process that forks workers."
-    import multiprocessing, signal
-    from concurrent.futures import ProcessPoolExecutor
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),  # Ctrl-C is the kit's to handle, not the helper's
-                               initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    import subprocess, sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.Popen([sys.executable, "-c", "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # it ends when this process closes its stdin (or dies)
 
-def trainer_plugin_args(path:str # a transformers fsdp_config JSON file
+def serve_plugin_args():
+    "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out with the answer of `plugin_args_here` or the error it raised."
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the kit's to handle, not the helper's
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever upstream prints goes to stderr, away from the answers
+    for line in sys.stdin:
+        try: answer = dict(ok=plugin_args_here(*json.loads(line)))
+        except Exception as e: answer = dict(error=type(e).__name__, message=str(e))
+        answers.write(json.dumps(answer) + "\n"); answers.flush()
+
+def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
+                        mixed_precision:str="no" # TrainingArguments' own precision: "bf16" for bf16=True, "fp16" for fp16=True
                        ) -> tuple:
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
-    from fsdp_kit.upstream import plugin_args_here  # the module's function (a notebook's own copy cannot be sent to another process)
-    return transformers_helper().submit(plugin_args_here, str(path)).result()
+    import builtins
+    helper = transformers_helper()
+    helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
+    line = helper.stdout.readline()
+    if not line: raise ChildProcessError(f"the TrainingArguments helper process ended (exit status {helper.poll()})")
+    answer = json.loads(line)
+    if "error" in answer:  # upstream's refusal, raised here with its own type and words
+        kind = getattr(builtins, answer["error"], None)
+        raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(answer["message"])
+    return tuple(answer["ok"])
 
-# %% ../nbs/03a_upstream.ipynb #e8dd1b1f
+# %% ../nbs/03a_upstream.ipynb #ce0e49a0
 def policy_name(plugin) -> str:
     "The auto-wrap policy's name in accelerate's spelling (the plugin holds torch's function)."
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
@@ -125,7 +146,7 @@ def reshard_reading(plugin):
     strategy = plugin.sharding_strategy if plugin.sharding_strategy is not None else plugin.reshard_after_forward
     return FSDP_SHARDING_STRATEGY[strategy.value - 1]
 
-# %% ../nbs/03a_upstream.ipynb #db47259e
+# %% ../nbs/03a_upstream.ipynb #060edf03
 def precision_reading(plugin, mixed_precision:str) -> dict:
     "The mixed precision policy accelerate sets on `plugin` for `mixed_precision` (what `AcceleratorState` does), as dtype names."
     if mixed_precision == "no" or mixed_precision is None: return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
@@ -146,7 +167,7 @@ def plugin_reading(plugin, mixed_precision:str) -> dict:
                 activation_checkpointing=plugin.activation_checkpointing, state_dict_type=plugin.state_dict_type.name,
                 cpu_ram_efficient_loading=plugin.cpu_ram_efficient_loading, **precision_reading(plugin, mixed_precision))
 
-# %% ../nbs/03a_upstream.ipynb #86772d56
+# %% ../nbs/03a_upstream.ipynb #3fec4ada
 def parallelism_reading(env:dict) -> dict:
     "The sizes of accelerate's `ParallelismConfig` a worker builds from `env` (None when the file has no parallelism_config)."
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true": return None
@@ -154,45 +175,47 @@ def parallelism_reading(env:dict) -> dict:
     with environ(env): pc = ParallelismConfig()
     return {k: getattr(pc, k) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
 
-# %% ../nbs/03a_upstream.ipynb #767ff046
+# %% ../nbs/03a_upstream.ipynb #75dd9f6a
 def accelerate_reading(path:str) -> dict:
     "What `accelerate launch --config_file path` hands the script: the FSDP plugin its workers build, the mixed precision, the parallelism sizes."
     env = launch_env(path)
     if not env: return dict(fsdp=False)
     return dict(**plugin_reading(fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"]), parallelism_config=parallelism_reading(env))
 
-def trainer_reading(path:str) -> dict:
+def trainer_reading(path:str, mixed_precision:str="no") -> dict:
     "What `TrainingArguments(fsdp=True, fsdp_config=path)` hands accelerate: the plugin its Trainer builds, the mixed precision."
-    plugin_args, mixed_precision = trainer_plugin_args(path)
+    plugin_args, mixed_precision = trainer_plugin_args(path, mixed_precision)
     return dict(**plugin_reading(fsdp_plugin(clean_environ(), **plugin_args), mixed_precision), parallelism_config=None)
 
-# %% ../nbs/03a_upstream.ipynb #abc04615
-def upstream_reading(path:str # an accelerate config .yaml (or .json) or a transformers fsdp_config .json
+# %% ../nbs/03a_upstream.ipynb #5b74cf37
+def upstream_reading(path:str, # an accelerate config .yaml (or .json) or a transformers fsdp_config .json
+                     mixed_precision:str="no" # for a transformers JSON: TrainingArguments' precision ("bf16" for bf16=True), which the JSON cannot say
                     ) -> dict:
     "What the upstream entry point for the file builds, computed by accelerate's and transformers' own code."
     import yaml
     text = Path(path).read_text()
     data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     accelerate = isinstance(data, dict) and is_accelerate_config(data)
-    entry = f"accelerate launch {' '.join(launch_args(path))}" if accelerate else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r})"
+    entry = f"accelerate launch {' '.join(launch_args(path))}" if accelerate else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}" + (f", {mixed_precision}=True)" if mixed_precision != "no" else ")")
     try:
-        with quiet(): reading = accelerate_reading(path) if accelerate else trainer_reading(path)
+        with quiet(): reading = accelerate_reading(path) if accelerate else trainer_reading(path, mixed_precision)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:  # upstream refuses the file: say how, in its own words
         return dict(entry_point=entry, refused=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return dict(entry_point=entry, **reading)
 
-# %% ../nbs/03a_upstream.ipynb #4c718ff7
+# %% ../nbs/03a_upstream.ipynb #fe419908
 def reading_of(data:dict, # an accelerate config or a transformers fsdp_config, as parsed
-               accelerate:bool # which of the two it is
+               accelerate:bool, # which of the two it is
+               mixed_precision:str="no" # for a transformers fsdp_config: TrainingArguments' precision
               ) -> dict:
     "`upstream_reading` of a config given as a dict (written to a temporary file, as upstream reads files)."
     import yaml
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder)/("config.yaml" if accelerate else "fsdp_config.json")
         path.write_text(yaml.safe_dump(data) if accelerate else json.dumps(data))
-        return upstream_reading(path)
+        return upstream_reading(path, mixed_precision)
 
-# %% ../nbs/03a_upstream.ipynb #6fef0360
+# %% ../nbs/03a_upstream.ipynb #c25db61a
 def to_fsdp2(data:dict, # an accelerate config or a transformers fsdp_config for FSDP1
              accelerate:bool # which of the two it is
             ) -> dict:
