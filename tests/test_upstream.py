@@ -25,16 +25,24 @@ def is_accelerate(path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def trainer_args():
-    "TrainingArguments(fsdp=True, fsdp_config=FILE).fsdp_plugin_args and .mixed_precision for every JSON file, from one process."
+def training_arguments_process():
+    "A process computing TrainingArguments for every JSON file, started before the reports so that the two overlap."
     paths = [str(p) for p in FILES if not is_accelerate(p)]
-    done = subprocess.run([sys.executable, "-c", TRAINING_ARGUMENTS, *paths], capture_output=True, text=True, timeout=300, env=FRESH)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([sys.executable, "-c", TRAINING_ARGUMENTS, *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=FRESH)
+    yield proc
+    proc.kill(); proc.wait()
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def trainer_args(training_arguments_process):
+    "TrainingArguments(fsdp=True, fsdp_config=FILE).fsdp_plugin_args and .mixed_precision for every JSON file."
+    out, err = training_arguments_process.communicate(timeout=300)
+    assert training_arguments_process.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reports(training_arguments_process, tmp_path_factory):
     "What `fsdp-kit hf --fsdp-config FILE --json OUT` writes, for every file (in process)."
     out = {}
     for path in FILES:
