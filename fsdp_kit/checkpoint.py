@@ -24,7 +24,7 @@ STATE_DICT_TYPES = {"sharded": "SHARDED_STATE_DICT", "full": "FULL_STATE_DICT"} 
 FORMAT = "fsdp_kit checkpoint 1"  # written into every manifest
 
 # %% ../nbs/07_checkpoint.ipynb #44afc3d5
-@dataclass
+@dataclass(frozen=True)
 class CheckpointSpec:
     "Where and how a training run checkpoints, and whether it resumes."
     dir:str # the checkpoint folder: one step-NNNNNN folder per checkpoint, and `latest`
@@ -33,16 +33,19 @@ class CheckpointSpec:
     resume:bool=False # continue from the newest complete checkpoint in `dir` (start at step 0 if there is none)
     keep:int=2 # complete checkpoints kept; older ones are removed after a newer one is published
 
+    @property
+    def kind(self) -> str:
+        "`state_dict` in the kit's spelling, sharded or full (None if it is neither)."
+        by_upstream = {v: k for k, v in STATE_DICT_TYPES.items()}
+        kind = by_upstream.get(str(self.state_dict).upper(), str(self.state_dict).lower())
+        return kind if kind in STATE_DICT_TYPES else None
+
     def check(self) -> "CheckpointSpec":
-        "Refuse settings that cannot work, naming the field; normalise `state_dict`; create the folder and check it is writable."
+        "Refuse settings that cannot work, naming the field; create the folder and check it is writable; return the spec, unchanged."
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir): raise bad_value("ckpt", self.dir, "a folder path")
         if not isinstance(self.resume, bool): raise bad_value("resume", self.resume, "True or False")
         if Path(self.dir).exists() and not Path(self.dir).is_dir(): raise bad_value("ckpt", str(self.dir), "a folder (this is a file)")
-        by_upstream = {v: k for k, v in STATE_DICT_TYPES.items()}
-        kind = by_upstream.get(str(self.state_dict).upper(), str(self.state_dict).lower())
-        if kind not in STATE_DICT_TYPES:
-            raise bad_value("state_dict", self.state_dict, "sharded or full (SHARDED_STATE_DICT or FULL_STATE_DICT)")
-        self.state_dict = kind
+        if self.kind is None: raise bad_value("state_dict", self.state_dict, "sharded or full (SHARDED_STATE_DICT or FULL_STATE_DICT)")
         for name, low in (("save_every", 0), ("keep", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low: raise bad_value(name, value, f"a whole number >= {low}")
@@ -397,7 +400,7 @@ def model_shape(model:str) -> dict:
 
 def _run_info(spec) -> dict:
     "What a checkpoint must agree with to be resumed by the run `spec` describes."
-    return dict(model=str(spec.model), lora=spec.lora, seed=spec.seed, model_shape=model_shape(spec.model))
+    return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))  # "lora": the key manifests have always had
 
 def _trainer_state_problem(folder:Path, step:int) -> str:
     "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold `step`, the schedule and the RNG states."
@@ -465,7 +468,7 @@ class Saver:
         if self.ckpt.save_every and done % self.ckpt.save_every == 0: self.save(done)
 
     def save(self, step:int):
-        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.state_dict, self.ckpt.keep, self.info)
+        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info)
         self.saved.append(step)
 
     def finish(self, steps:int) -> dict:
@@ -473,7 +476,7 @@ class Saver:
         if self.step not in self.saved and not (self.resumed_from and self.resumed_from["step"] == self.step): self.save(self.step)
         if self.resumed_from and self.resumed_from["step"] >= steps:
             self.notes.append(f"the checkpoint is at step {self.resumed_from['step']}, --steps is {steps}: nothing left to train")
-        return dict(dir=str(Path(self.ckpt.dir).resolve()), state_dict=self.ckpt.state_dict, saved_steps=self.saved,
+        return dict(dir=str(Path(self.ckpt.dir).resolve()), state_dict=self.ckpt.kind, saved_steps=self.saved,
                     resumed_from=self.resumed_from, latest=str(Path(self.ckpt.dir).resolve()/"latest"), notes=self.notes)
 
     def adapter_dir(self) -> str:

@@ -9,7 +9,7 @@
     fsdp-kit slurm --nodes 4 --gpus-per-node 8 --time 01:00:00 -- train --model small --steps 100 > job.sh
     fsdp-kit qlora --nproc 2 --model tiny --quant-storage bfloat16 --steps 10 --json out.json
     fsdp-kit cp-eval --nproc 2 --cp 2 --rotate alltoall --json out.json
-    fsdp-kit plan --model llama-2-70b --gpus 2 --gpu-mem-gb 24 --method qlora --grad-ckpt --offload --json plan.json
+    fsdp-kit plan --model llama-2-70b --gpus 2 --gpu-mem-gb 24 --method qlora --seq-len 2048 --grad-ckpt --offload --json plan.json
     fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
 """
@@ -98,9 +98,9 @@ def _cmd_train(a):
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                     check_parity=a.check_parity, warmup=a.warmup, lora=a.lora, fsdp=cfg, ckpt=ckpt).check()
+                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt).check(a.nnodes * a.nproc)
     # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
-    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora else "full", lora_r=spec.lora or 8)
+    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8)
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
         if a.resume:
@@ -195,23 +195,24 @@ def _cmd_compare(a):
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
     spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
                        reshard=[to_reshard("reshard", r.strip()) for r in a.reshard.split(",")],
-                       min_num_params=a.min_num_params, fsdp_config=fsdp_config, batch=a.batch, seq_len=a.seq_len,
+                       min_num_params=a.min_num_params, fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
                        gradient_checkpointing=a.gradient_checkpointing)
     check_spec(spec, a.nproc)  # refuse bad configs before launching
     check_fits(spec.model, spec.batch, spec.seq_len, a.nproc)  # and a step that would not fit this machine
+    notes = []
     if fsdp_config:
         print(f"{a.fsdp_config}: " + "; ".join(f"{k}={v!r}" for k, v in vars(fsdp_config).items() if k not in ("notes", "source")), file=sys.stderr)
         import torch
         from fsdp_kit.wrap import lab_notes
-        fsdp_config.notes += lab_notes(fsdp_config, torch.cuda.is_available())
-        for note in fsdp_config.notes: print(f"  {note}", file=sys.stderr)
+        notes = fsdp_config.notes + lab_notes(fsdp_config, torch.cuda.is_available())  # the config's own notes stay as read
+        for note in notes: print(f"  {note}", file=sys.stderr)
     runs = launch(compare_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
         plot_compare(runs).savefig(a.plot, dpi=100, bbox_inches="tight")
         print(f"wrote {a.plot}", file=sys.stderr if a.json == "-" else sys.stdout)
-    emit(dict(model=a.model, world_size=a.nproc, notes=fsdp_config.notes if fsdp_config else [], runs=[asdict(r) for r in runs]),
+    emit(dict(model=a.model, world_size=a.nproc, notes=notes, runs=[asdict(r) for r in runs]),
          a.json, runs_table(runs))
 
 
@@ -230,9 +231,9 @@ def _cmd_qlora(a):
     from fsdp_kit.plan import check_fits
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     cfg = fsdp_config(a) if a.fsdp_config else None
-    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, load_in_8bit=a.load_in_8bit,
-                     steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, lora_r=a.lora_r, seed=a.seed, adapter_dir=a.adapter_dir,
-                     fsdp=cfg).check()
+    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), load_in_8bit=a.load_in_8bit,
+                     steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
+                     adapter_dir=a.adapter_dir, fsdp=cfg).check(a.nproc)
     if cfg is not None:
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
               f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
@@ -248,14 +249,23 @@ def _cmd_qlora(a):
     emit(r, a.json, text)
 
 
+def _precision(value, option="--mixed-precision"):
+    "accelerate's name for a --mixed-precision value (None stays None); an old spelling is read, and the new one named."
+    from fsdp_kit.spec import accelerate_precision
+    if value is None: return None
+    name = accelerate_precision(value)
+    if name != value: print(f"note: {option} {value} is the old spelling of {option} {name}; it is read as {name} in this release", file=sys.stderr)
+    return name
+
+
 def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.plan import check_fits
     from fsdp_kit.cp import CPSpec, cp_eval_worker
-    spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, rows=a.rows,
+    spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
-    mesh = spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    check_fits(spec.model, max(1, spec.rows // mesh.dp_shard), spec.seq_len, a.nproc)  # builds, and a step fits this machine
+    spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
+    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc)  # builds, and a step fits this machine
     r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
@@ -264,6 +274,17 @@ def _cmd_cp_eval(a):
         text += f"\ngathered predictions equal the reference argmax: {r.predictions_match_reference} (max |logit diff| {r.max_logit_diff:.1e})"
     text += "\npeak MiB per rank: " + " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes)
     emit(r, a.json, text)
+
+
+def _cp_batch(a) -> int:
+    "--batch, or the old --rows (the global batch) turned into sequences per data-parallel rank."
+    if a.rows is None: return a.batch
+    from fsdp_kit.cp import check_sizes
+    dp_shard = check_sizes(a.nproc, a.cp, a.dp_shard, a.sp).dp_shard
+    if isinstance(a.rows, bool) or a.rows < 1 or a.rows % dp_shard:
+        raise bad_value("rows", a.rows, f"a whole number >= 1, a multiple of the data-parallel size dp_shard={dp_shard}", "Or give --batch, sequences per data-parallel rank")
+    print(f"note: --rows {a.rows} is the old spelling of --batch {a.rows // dp_shard} (sequences per data-parallel rank, {dp_shard} of them)", file=sys.stderr)
+    return a.rows // dp_shard
 
 
 def _cmd_plan(a):
@@ -285,7 +306,7 @@ def _cmd_plan(a):
         emit(result, a.json, plan_validate.validation_table(result))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
-    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq, mixed_precision=a.mixed_precision, cp=a.cp)
+    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, mixed_precision=_precision(a.mixed_precision), cp=a.cp)
     if a.recommend:
         r = plan_gpu.recommend(a.model, **kwargs)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
@@ -354,7 +375,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
-    s.add_argument("--lora-r", "--lora", dest="lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling)")
+    s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for this release)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
     s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
     s.add_argument("--state-dict", default=None, help="sharded (DCP, one file per rank) or full (a transformers folder); default: the config's state_dict_type with --fsdp-config, else sharded")
@@ -395,12 +416,13 @@ def parser() -> argparse.ArgumentParser:
     s = add("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32")
-    s.add_argument("--mixed-precision", default=None, help="FSDP param_dtype: bf16, fp16 or fp32")
+    s.add_argument("--mixed-precision", default=None, help="FSDP's compute dtype in accelerate's names: no, bf16 or fp16 (default: the --quant-storage dtype; fp32, bfloat16, float16: old spellings, read for this release)")
     s.add_argument("--load-in-8bit", action="store_true", help="8-bit instead of 4-bit (refused under FSDP, to show why)")
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     s.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
@@ -412,7 +434,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--rotate", default="allgather", help="allgather or alltoall")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp")
-    s.add_argument("--rows", type=int, default=4, help="sequences in the global batch")
+    s.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank (its cp ranks split them)")
+    s.add_argument("--rows", type=int, default=None, help="old spelling, kept for this release: sequences in the global batch, read as --batch ROWS / dp_shard")
     s.add_argument("--mask", default="causal", help="attention mask: causal or none")
     s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
     s.add_argument("--fsdp-config", metavar="FILE", help="shard the model with this transformers fsdp_config .json or accelerate .yaml (default: a unit per decoder layer)")
@@ -427,10 +450,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="full", help="full, lora or qlora")
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
-    s.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
+    s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer")
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
-    s.add_argument("--mixed-precision", default="bf16", help="bf16 or fp32")
+    s.add_argument("--mixed-precision", default="bf16", help="bf16 or no (fp32 compute; fp32 is the old spelling of no, read for this release)")
     s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
     s.add_argument("--base-dtype", default="bf16", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 or fp32")
@@ -445,16 +469,25 @@ def parser() -> argparse.ArgumentParser:
 
 
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
-OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora",
+OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
                 "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout"}
 
 
-def option_message(error: KitError, sub: argparse.ArgumentParser) -> str:
-    "The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`)."
-    options = {a.dest: a.option_strings[-1] for a in sub._actions if a.option_strings and a.option_strings[-1].startswith("--")}
+def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:
+    "The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`), in the spelling the user typed (`--seq=` for the old `--seq`)."
+    typed = {}  # dest -> the spelling in argv, old ones included
+    for a in sub._actions:
+        for opt in a.option_strings:
+            if any(t == opt or t.startswith(opt + "=") for t in argv): typed.setdefault(a.dest, opt)
+    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS and any(o.startswith("--") for o in a.option_strings)]  # a hidden old spelling names nothing
+    options = {a.dest: typed.get(a.dest, next(o for o in a.option_strings if o.startswith("--"))) for a in shown}
     options |= {field: options[dest.replace("-", "_")] for field, dest in OPTION_NAMES.items() if dest.replace("-", "_") in options}
     options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
-    return re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
+    text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
+    for a in shown:  # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it
+        for opt in a.option_strings:
+            if typed.get(a.dest, opt) != opt: text = re.sub(rf"(?<![-\w]){re.escape(opt)}=", f"{typed[a.dest]}=", text)
+    return text
 
 
 class Interrupted(BaseException):
@@ -482,7 +515,7 @@ def main(argv=None):
         check_json_dest(getattr(args, "json", None))
         args.fn(args)
     except KitError as e:
-        print(f"fsdp-kit {args.command}: error: {option_message(e, sub)}", file=sys.stderr)
+        print(f"fsdp-kit {args.command}: error: {option_message(e, sub, argv)}", file=sys.stderr)
         sys.exit(2)
     except WorkerError as e:
         print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)

@@ -12,9 +12,9 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
 
 # %% ../nbs/06_cp.ipynb #18908165
 import os, statistics, time
-from dataclasses import dataclass, field, asdict
-from .errors import KitError, bad_value, require_seed, require_model
-from .config import FSDPConfig
+from dataclasses import dataclass, field, asdict, KW_ONLY
+from .errors import KitError, bad_value
+from .spec import RunSpec
 from .models import model_config, build_model, synthetic_tokens, rank_rows
 from .ranks import all_gather_tensors
 
@@ -207,36 +207,30 @@ def use_cp_attention(model):
     return model
 
 # %% ../nbs/06_cp.ipynb #ada13ab1
-@dataclass
-class CPSpec:
-    "Settings of a CP evaluation."
-    model:str="tiny" # preset name or config.json path
+@dataclass(frozen=True)
+class CPSpec(RunSpec):
+    "Settings of a CP evaluation: the shared ones (`RunSpec`; `batch` is sequences per data-parallel rank, split over its cp ranks), then sp, rotation, mask and gathering."
+    _:KW_ONLY
     cp:int=2 # context-parallel ranks per sequence (cp_size)
-    dp_shard:int=-1 # data-parallel ranks (-1: the world size / cp)
+    seq_len:int=128 # tokens per sequence: a multiple of 2 x cp
+    steps:int=1 # evaluation forwards (only 1: evaluation takes no optimizer step)
     sp:int=1 # sequence-parallel ranks (refused above 1 with cp above 1)
     rotate:str="allgather" # allgather or alltoall
-    seq_len:int=128 # tokens per sequence: a multiple of 2 x cp
-    rows:int=4 # sequences in the global batch: a multiple of the data-parallel size
     mask:str="causal" # attention mask: "causal" or None (full attention)
     gather:bool=True # gather full-length logits and compare predictions with the reference
-    seed:int=0 # weights and data
-    fsdp:FSDPConfig=None # how to shard the model over dp_shard_cp (None: FSDPConfig(), a unit per decoder layer)
 
-    @property
-    def config(self) -> FSDPConfig:
-        "The FSDP config this evaluation applies."
-        return self.fsdp if self.fsdp is not None else FSDPConfig()
-
-    def check(self, world_size:int): # processes that will run it
-        "Refuse settings that cannot run, naming the field; return the resolved MeshSpec."
-        require_model("model", self.model), require_seed("seed", self.seed)
-        if not isinstance(self.config, FSDPConfig): raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
-        self.config.check()
-        mesh = check_sizes(world_size, self.cp, self.dp_shard, self.sp)
+    def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
+        "Refuse settings that cannot run, naming the field; return the spec, unchanged."
+        super().check()
+        self.refuse_unless("steps", 1, "CP evaluation runs one forward pass over the batch")
+        self.refuse_unless("dp_replicate", 1, "CP evaluation shards the model over dp_shard x cp (dp_shard_cp)")
+        if world_size is not None: check_sizes(world_size, self.cp, self.dp_shard, self.sp)
         check_rotate(self.rotate); check_mask(self.mask); check_seq_len(self.seq_len, self.cp)
-        if not isinstance(self.rows, int) or self.rows < 1 or self.rows % mesh.dp_shard:
-            raise bad_value("rows", self.rows, f"a whole number, a multiple of the data-parallel size dp_shard={mesh.dp_shard}")
-        return mesh
+        return self
+
+    def rows(self, world_size:int) -> int:
+        "Sequences in the global batch: `batch` per data-parallel rank, times dp_shard."
+        return self.batch * check_sizes(world_size, self.cp, self.dp_shard, self.sp).dp_shard
 
 # %% ../nbs/06_cp.ipynb #79ee303f
 def eval_batch(vocab_size:int, # tokens are in [0, vocab_size)
@@ -372,9 +366,10 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
     world, rank = dist.get_world_size(), dist.get_rank()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device == "cuda": torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    mesh_spec = spec.check(world)
+    spec.check(world)
+    mesh_spec = check_sizes(world, spec.cp, spec.dp_shard, spec.sp)
     mesh, config = build_mesh(mesh_spec), model_config(spec.model)
-    input_ids, labels = eval_batch(config.vocab_size, spec.rows, spec.seq_len, spec.seed)
+    input_ids, labels = eval_batch(config.vocab_size, spec.rows(world), spec.seq_len, spec.seed)
     reference_loss, reference_logits = _reference(spec, config, input_ids, labels, device) if rank == 0 else (None, None)
     model = use_cp_attention(build_model(config, spec.seed, device).eval())
     if spec.mask is None: _full_attention(model)
@@ -399,7 +394,7 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
     if rank != 0: return None
     match = bool(torch.equal(full.argmax(-1), reference_logits.argmax(-1))) if spec.gather else None
     logit_diff = (full - reference_logits).abs().max().item() if spec.gather else None
-    return CPEvalResult(spec.model, world, spec.cp, mesh_spec.dp_shard, spec.rotate, spec.seq_len, spec.rows, int(tokens),
+    return CPEvalResult(spec.model, world, spec.cp, mesh_spec.dp_shard, spec.rotate, spec.seq_len, spec.rows(world), int(tokens),
                         [p["tokens"] for p in per_rank], eval_loss, reference_loss, abs(eval_loss - reference_loss), mean_of_means,
                         match, logit_diff, [p["peak"]["total"] for p in per_rank], [p["peak"] for p in per_rank], seconds,
                         _axis_groups(mesh), model.config._attn_implementation if device == "cpu" else "torch context_parallel (sdpa)",

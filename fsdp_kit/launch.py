@@ -494,8 +494,11 @@ def check_specs(args:tuple, world_size:int):
     for a in args:
         check = getattr(a, "check", None)
         if not callable(check) or isinstance(a, type): continue
-        wanted = [p for p in inspect.signature(check).parameters.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
-        if len(wanted) == 0: check()
+        params = inspect.signature(check).parameters
+        wanted = [p for p in params.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
+        optional = params.get("world_size")
+        if optional is not None and optional.default is not optional.empty: check(world_size=world_size)  # a RunSpec: its mesh sizes must fill the world
+        elif len(wanted) == 0: check()
         elif len(wanted) == 1: check(world_size)
 
 def _check_endpoint(endpoint:str):

@@ -13,15 +13,16 @@ __all__ = ['LINEARS', 'MODEL_PRESETS', 'GiB', 'SIZE_KEYS', 'PlanSpec', 'Param', 
 # %% ../nbs/08_plan.ipynb #f38f063a
 import math, os
 from pathlib import Path
-from dataclasses import dataclass
-from .errors import bad_value
-from .config import FSDPConfig
+from dataclasses import dataclass, KW_ONLY
+from .errors import bad_value, require_whole
+from .config import FSDPConfig, POLICIES
+from .spec import RunSpec
 from .models import PRESETS, model_config, build_model, read_config_json
 
 # %% ../nbs/08_plan.ipynb #0752fdfc
-@dataclass
-class PlanSpec:
-    "One training setting to predict (and, on this machine, to measure)."
+@dataclass(frozen=True)
+class PlanSpec(RunSpec):
+    "One training setting to predict (and, on this machine, to measure): the shared settings (`RunSpec`: batch per rank, seq_len, cp...), then the planner's own, its FSDP settings among them."
     model:str="small" # preset (tiny, small, llama-2-7b, ...) or config.json path
     world_size:int=2 # ranks sharing the parameters (GPUs)
     policy:str="TRANSFORMER_BASED_WRAP" # auto_wrap_policy: TRANSFORMER_BASED_WRAP or NO_WRAP
@@ -30,17 +31,34 @@ class PlanSpec:
     activation_checkpointing:bool=False # recompute each decoder layer in backward
     method:str="full" # "full", "lora" (bf16 base) or "qlora" (4-bit NF4 base, bf16 storage)
     lora_r:int=8 # LoRA rank (all linear layers of the decoder)
-    batch:int=2 # sequences per rank
-    seq_len:int=64 # tokens per sequence
     cpu_offload:bool=False # sharded params, grads and optimizer state in host memory
-    cp:int=1 # context-parallel ranks: each holds seq_len / cp tokens
     base_dtype:str="bf16" # LoRA/QLoRA: dtype the base model is loaded in ("bf16", or "fp32" as peft's example script does for LoRA)
+    _:KW_ONLY
+    batch:int=2 # sequences per rank
+    steps:int=1 # steps measured when validating (the planner models one step)
+
+    @property
+    def config(self) -> FSDPConfig:
+        "The FSDP config of a full fine-tune in this setting (see `fsdp_config`)."
+        return self.fsdp_config()
+
+    def check(self, world_size:int=None): # unused: a PlanSpec names its own world_size
+        "Refuse settings the planner does not model, naming the field; return the spec, unchanged."
+        require_whole("world_size", self.world_size, 1)
+        if self.policy not in POLICIES: raise bad_value("policy", self.policy, f"one of {', '.join(POLICIES)}")
+        if self.mixed_precision not in ("no", "bf16"): raise bad_value("mixed_precision", self.mixed_precision, "no or bf16 (what the planner models)")
+        if self.method not in ("full", "lora", "qlora"): raise bad_value("method", self.method, "full, lora or qlora")
+        if self.base_dtype not in ("bf16", "fp32"): raise bad_value("base_dtype", self.base_dtype, "bf16 or fp32")
+        self.refuse_unless("fsdp", None, "a PlanSpec's FSDP settings are its own fields: policy, reshard_after_forward, mixed_precision, activation_checkpointing, cpu_offload")
+        self.refuse_unless("dp_replicate", 1, "The planner models one shard group of world_size ranks")
+        super().check(self.world_size)
+        return self
 
     def fsdp_config(self) -> FSDPConfig:
         "The FSDPConfig of a full fine-tune in this setting."
         return FSDPConfig(auto_wrap_policy=self.policy, reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision,
                           reduce_dtype="fp32" if self.mixed_precision != "no" else None,  # the planner's model: gradients reduced in fp32
-                          activation_checkpointing=self.activation_checkpointing).check()
+                          activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload).check()
 
     def label(self) -> str:
         "A short name: model, ranks, method, policy, reshard, precision, checkpointing."

@@ -12,6 +12,7 @@ __all__ = ['ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PLAN_OPTIONS', 'PU
 import math
 from dataclasses import dataclass, field, asdict
 from .errors import bad_value
+from .spec import accelerate_precision
 from .plan import LINEARS, PlanSpec, layer_index, meta_shapes, model_tensors, units, dims, moments
 from .plan import comm_per_unit, predict_comm, plan_config
 
@@ -39,7 +40,7 @@ class GPUPlan:
     communication:dict # per GPU per step: all_gather / reduce_scatter {count, bytes}, per_unit, context_parallel, host_device, total_bytes
     notes:list=field(default_factory=list) # what the model assumes
 
-PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq", cp="cp", lora_r="lora-r")  # argument -> option of fsdp-kit plan
+PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # argument -> option of fsdp-kit plan
 
 def _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r):
     "Refuse settings that make no sense, naming the field."
@@ -48,7 +49,7 @@ def _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precisi
     if isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb, (int, float)) or not math.isfinite(gpu_mem_gb) or gpu_mem_gb <= 0:
         raise bad_value("--gpu-mem-gb", gpu_mem_gb, "a finite number of GB > 0 (gpu_mem_gb)")
     if method not in ("full", "lora", "qlora"): raise bad_value("method", method, "full, lora or qlora")
-    if mixed_precision not in ("bf16", "fp32"): raise bad_value("mixed_precision", mixed_precision, "bf16 or fp32")
+    if accelerate_precision(mixed_precision) not in ("no", "bf16"): raise bad_value("mixed_precision", mixed_precision, "no or bf16 (fp32, the old spelling of no, is read as no)")
     if gpus % cp: raise bad_value("cp", cp, f"a divisor of gpus={gpus}")
     if seq_len % cp: raise bad_value("cp", cp, f"a divisor of seq_len={seq_len}")
 
@@ -80,7 +81,7 @@ def plan_gpu(model:str, # preset or config.json path
              seq_len:int=2048, # tokens per sequence
              grad_ckpt:bool=False, # activation checkpointing per decoder layer
              offload:bool=False, # CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
-             mixed_precision:str="bf16", # bf16 (param_dtype bf16, reduce fp32, fp32 master weights) or fp32
+             mixed_precision:str="bf16", # bf16 (param_dtype bf16, reduce fp32, fp32 master weights) or no (fp32; "fp32" is read as no)
              reshard:bool=True, # reshard_after_forward
              cp:int=1, # context-parallel ranks (sequence split), inside `gpus`
              base_dtype:str="bf16" # LoRA: the dtype the frozen base is loaded in (bf16 or fp32); QLoRA's non-quantized weights too
@@ -89,8 +90,9 @@ def plan_gpu(model:str, # preset or config.json path
     _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
     config = plan_config(model)
     if base_dtype not in ("bf16", "fp32"): raise bad_value("base_dtype", base_dtype, "bf16 or fp32")
-    spec = PlanSpec(model, gpus, "TRANSFORMER_BASED_WRAP", reshard, "bf16" if mixed_precision == "bf16" else "no", grad_ckpt, method,
-                    lora_r, batch, seq_len, offload, cp, base_dtype)
+    mixed_precision = accelerate_precision(mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
+    spec = PlanSpec(model, gpus, "TRANSFORMER_BASED_WRAP", reshard, mixed_precision, grad_ckpt, method, lora_r, offload, base_dtype,
+                    batch=batch, seq_len=seq_len, cp=cp)
     tensors = model_tensors(config, spec)
     ms = moments(config, spec)
     states = {k: ms[-1][1].get(k, 0) for k in ("sharded_params", "sharded_grads", "optimizer_state")}
@@ -111,7 +113,7 @@ def plan_gpu(model:str, # preset or config.json path
         gathers = {u.name: 1 + (reshard is not False and (u.name != "root" or u.trainable_tensors > 0)) for u in us}
         comm["host_device"] = dict(bytes=sum(u.sharded * gathers[u.name] + u.sharded_grads for u in us))
     comm["total_bytes"] = sum(v.get("bytes", 0) for v in comm.values() if isinstance(v, dict))
-    load = sum(math.prod(s) for _, s in meta_shapes(config)[0]) * (4 if method == "full" and mixed_precision == "fp32" else 2)
+    load = sum(math.prod(s) for _, s in meta_shapes(config)[0]) * (4 if method == "full" and mixed_precision == "no" else 2)
     procs = min(gpus, 8)
     host = sum(states.values()) + 2 * max(t.shard_numel(gpus) * 4 for t in tensors if t.trainable) if offload else 0
     notes = [f"allocator overhead modelled as {ALLOCATOR_OVERHEAD:.0%} of the tensors alive at the peak, plus {CUDA_CONTEXT_BYTES / 2**30:.1f} GiB of CUDA context and NCCL per process",

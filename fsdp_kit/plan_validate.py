@@ -40,7 +40,7 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
 def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
-    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, timed_steps=1), mesh)
+    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh)
     return r.peak_bytes, r.collectives
 
 def validate_worker(specs:list) -> list:
@@ -119,7 +119,7 @@ def validate(specs:list=None, # the settings to run; None: validation_matrix(max
     "Run every setting for real, one launch per world size, and put each prediction beside its measurement."
     import time
     from fsdp_kit.launch import launch, environment
-    specs = specs or validation_matrix(max_world)
+    specs = [s.check() for s in specs or validation_matrix(max_world)]  # refused here, before any launch
     start, runs = time.perf_counter(), []
     for world in sorted({s.world_size for s in specs}):
         group = [s for s in specs if s.world_size == world]

@@ -9,7 +9,7 @@ __all__ = ['FAULTS', 'FaultSpec', 'inject_fault', 'StepWatch', 'loss_log', 'scal
 
 # %% ../nbs/11_scale.ipynb #d613e9df
 import json, os, shlex, signal, time
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 from .errors import bad_value
 from .launch import Heartbeat, attempt, restarts, torchrun_command, rank_files, rank_tag
@@ -88,7 +88,8 @@ def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to surviv
                       ):
     "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming from the last checkpoint after a torchrun restart."
     now = attempt()
-    if now and spec.ckpt is not None: spec.ckpt.resume = True  # torchrun restarted us: continue from the last complete checkpoint
+    if now and spec.ckpt is not None:  # torchrun restarted us: continue from the last complete checkpoint (a variant; the spec stays as given)
+        spec = replace(spec, ckpt=replace(spec.ckpt, resume=True))
     watch = StepWatch(timeout, fault)
     try: result = train_worker(spec, watch)
     finally: watch.stop()  # an exception in the loop must not leave the watchdog armed

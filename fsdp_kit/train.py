@@ -10,57 +10,46 @@ __all__ = ['TrainSpec', 'make_optimizer', 'train_loop', 'TrainResult', 'train_wo
 # %% ../nbs/01_train.ipynb #17cfd961
 import statistics, time
 from contextlib import nullcontext
-from dataclasses import dataclass, asdict
-from .errors import bad_value, require_whole, require_positive, require_seed, require_model
-from .config import FSDPConfig
+from dataclasses import dataclass, asdict, KW_ONLY
+from .errors import bad_value, require_whole, require_positive
+from .spec import RunSpec
 from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
 
 # %% ../nbs/01_train.ipynb #cd8142c2
-@dataclass
-class TrainSpec:
-    "Settings of a training run."
-    model:str="tiny" # preset name or config.json path
-    steps:int=10 # optimizer steps
-    batch:int=4 # sequences per rank per step
-    seq_len:int=64 # tokens per sequence
+@dataclass(frozen=True)
+class TrainSpec(RunSpec):
+    "Settings of a training run: the shared ones (`RunSpec`: model, seed, batch per rank, seq_len, steps, mesh sizes, fsdp), then the optimizer, the parity check, LoRA and checkpoints."
+    _:KW_ONLY
     lr:float=3e-3 # AdamW learning rate
-    seed:int=0 # seed for weights and data
     check_parity:bool=False # also train one process on the same global batches and compare
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
-    lora:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
-    fsdp:FSDPConfig=None # how to wrap, shard, cast and offload (None: FSDPConfig(), a unit per decoder layer, all fp32)
+    lora_r:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
 
-    @property
-    def config(self) -> FSDPConfig:
-        "The FSDP config this run applies."
-        return self.fsdp if self.fsdp is not None else FSDPConfig()
-
-    def check(self):
-        "Refuse settings that cannot run, naming the field."
-        require_model("model", self.model), require_seed("seed", self.seed), require_positive("lr", self.lr)
-        for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
-        for name in ("warmup", "lora"): require_whole(name, getattr(self, name), 0)
+    def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
+        "Refuse settings that cannot run, naming the field; return the spec, unchanged."
+        super().check(world_size)
+        self.refuse_unless("cp", 1, "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        require_positive("lr", self.lr)
+        for name in ("warmup", "lora_r"): require_whole(name, getattr(self, name), 0)
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
             raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec", "e.g. TrainSpec(ckpt=CheckpointSpec('ckpt', save_every=5))")
-        if not isinstance(self.config, FSDPConfig): raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
-        self.config.check()
         if self.check_parity and (self.config.mixed_precision != "no" or self.config.reduce_dtype not in (None, "fp32")):
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32",
                             f"Drop --check-parity or mixed_precision={self.config.mixed_precision!r}")
-        if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
-            raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora or --resume")
+        if self.check_parity and (self.lora_r or (self.ckpt and self.ckpt.resume)):
+            raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
         return self
 
 # %% ../nbs/01_train.ipynb #399cb3b6
-def make_optimizer(model, spec:TrainSpec):
+def make_optimizer(model, spec:TrainSpec): # a TrainSpec or a QLoRASpec: its lr and warmup
     "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
     import torch
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
-    warmup = getattr(spec, "warmup", 0)  # specs of other labs (QLoRASpec) have no warm-up
+    warmup = spec.warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
 
@@ -107,7 +96,7 @@ class TrainResult:
     max_param_diff:float=None # largest |sharded - one process| over all parameters, with check_parity
     first_step:int=0 # the global step of losses[0]: 0 for a fresh run, the checkpoint's step for a resumed one
     checkpoint:dict=None # what was saved and resumed, with ckpt (see `checkpoint.CheckpointSpec`)
-    adapter:dict=None # the LoRA adapter saved and reloaded, with lora
+    adapter:dict=None # the LoRA adapter saved and reloaded, with lora_r
     units:list=None # the FSDP units `apply_fsdp` made: [{"module", "cls", "parameters"}], the root ("") last
     config:dict=None # the FSDPConfig the run applied, field by field
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
@@ -137,10 +126,10 @@ def train_worker(spec:TrainSpec,
     from fsdp_kit.measure import first_step_tracker
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
-    if spec.lora:
+    if spec.lora_r:
         from fsdp_kit.lora import add_lora
-        model = add_lora(model, spec.lora, spec.seed)
-    model, units = apply_fsdp(model, spec.config, fsdp_mesh(build_mesh()))  # on the mesh's device: fully_shard moves it there
+        model = add_lora(model, spec.lora_r, spec.seed)
+    model, units = apply_fsdp(model, spec.config, fsdp_mesh(build_mesh(spec.mesh)))  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver
@@ -157,7 +146,7 @@ def train_worker(spec:TrainSpec,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
                          peak_bytes=tracker.peak_bytes() if losses else None)
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
-    if spec.lora:
+    if spec.lora_r:
         from fsdp_kit.lora import adapter_round_trip
         result.adapter = adapter_round_trip(model, spec, saver.adapter_dir() if saver else None)
     if spec.check_parity and rank == 0:

@@ -10,9 +10,10 @@ __all__ = ['SHORT_POLICY', 'wrap_targets', 'Unit', 'plan_units', 'apply_fsdp', '
 
 # %% ../nbs/04_wrap.ipynb #1396aeee
 import gc
-from dataclasses import dataclass, field, asdict
-from .errors import bad_value
-from .config import FSDPConfig, POLICIES, PRECISION, check_for_model
+from dataclasses import dataclass, field, asdict, KW_ONLY
+from .errors import bad_value, require_whole
+from .config import FSDPConfig, POLICIES, PRECISION, check_for_model, to_reshard
+from .spec import RunSpec
 from .models import model_config, check_model, build_model, decoder_layers, synthetic_tokens, rank_rows
 
 # %% ../nbs/04_wrap.ipynb #553c5870
@@ -123,25 +124,33 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
     return notes
 
 # %% ../nbs/04_wrap.ipynb #0e04b547
-@dataclass
-class CompareSpec:
-    "Which configs to run, on which model and data."
+@dataclass(frozen=True)
+class CompareSpec(RunSpec):
+    "Which configs to run, on which model and data: the shared settings (`RunSpec`; `fsdp` runs that one config), then the policies and reshard values to compare."
     model:str="small" # preset name or config.json path
+    _:KW_ONLY
+    batch:int=2 # sequences per rank
+    steps:int=3 # plain steps timed per config (median), after the measured one
     policies:list=field(default_factory=lambda: list(POLICIES)) # wrap policies to compare
     reshard:list=field(default_factory=lambda: [True, False]) # reshard_after_forward values to compare
     min_num_params:int=100_000 # SIZE_BASED_WRAP threshold
-    fsdp_config:FSDPConfig=None # run this one config instead of policies x reshard
-    batch:int=2 # sequences per rank
-    seq_len:int=64 # tokens per sequence
-    seed:int=0 # weights and data
-    timed_steps:int=3 # plain steps timed per config (median)
     gradient_checkpointing:bool=False # the model's own (transformers) gradient checkpointing
 
-    def configs(self) -> list:
-        "The FSDPConfigs this spec runs, checked."
-        if self.fsdp_config is not None: return [self.fsdp_config.check()]
+    def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
+        "Refuse settings that cannot run, naming the field; return the spec, unchanged."
+        super().check(world_size)
+        self.refuse_unless("cp", 1, "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
+        for r in self.reshard: to_reshard("reshard_after_forward", r)
+        require_whole("min_num_params", self.min_num_params, 0)
+        if not isinstance(self.gradient_checkpointing, bool): raise bad_value("gradient_checkpointing", self.gradient_checkpointing, "True or False")
+        return self
+
+    def configs(self) -> list:
+        "The FSDPConfigs this spec runs, checked: `fsdp` alone when given, else every policy x reshard value."
+        self.check()
+        if self.fsdp is not None: return [self.fsdp]
         return [FSDPConfig(auto_wrap_policy=p, reshard_after_forward=r, min_num_params=self.min_num_params).check()
                 for p in self.policies for r in self.reshard]
 
@@ -183,7 +192,7 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh) -> RunResult:
         model(input_ids=tokens, labels=tokens).loss.backward()
         optim.step()
         optim.zero_grad()
-    m = measure_step(model, optim, step, spec.timed_steps)
+    m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
                        m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg))
     model = optim = step = None; gc.collect()  # free this config's model before the next one
@@ -193,19 +202,20 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh) -> RunResult:
 def compare_worker(spec:CompareSpec) -> list:
     "Run every config of `spec` on this process group; a list of RunResult (rank 0's)."
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    mesh = fsdp_mesh(build_mesh())
+    mesh = fsdp_mesh(build_mesh(spec.mesh))
     return [run_config(cfg, spec, mesh) for cfg in spec.configs()]
 
 # %% ../nbs/04_wrap.ipynb #a4492a41
 def check_spec(spec:CompareSpec, world_size:int) -> list:
     "Plan every config of `spec` on the meta device for `world_size` ranks; return the configs or raise KitError."
+    spec.check(world_size)
     check_model(spec.model)  # a model that builds (whether a step fits this machine is plan.check_fits's question)
     meta = build_model(model_config(spec.model), device="meta")
-    configs = spec.configs()
+    configs, shard_size = spec.configs(), spec.mesh.resolve(world_size).dp_shard
     for cfg in configs:
         check_for_model(cfg, meta, spec.gradient_checkpointing)
         plan_units(meta, cfg)
-        _check_reshard(cfg, world_size)
+        _check_reshard(cfg, shard_size)
     return configs
 
 # %% ../nbs/04_wrap.ipynb #0fdd9b76

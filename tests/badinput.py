@@ -47,3 +47,8 @@ def check_case(case:Case, tmp):
     assert "Traceback" not in out + err, f"{case.id}: a traceback reached the user:\n{err[-2000:]}"
     assert code == case.code, f"{case.id}: exit {code}, expected {case.code}; stderr:\n{err[-2000:]}"
     assert case.phrase in err, f"{case.id}: {case.phrase!r} not in the message:\n{err[-2000:]}"
+
+
+def refused(argv:list, phrase:str, tmp, code:int=2):
+    "Assert that `fsdp-kit ARGV`, run in this process, exits `code` with `phrase` in its one-line message and no traceback."
+    check_case(Case(" ".join(map(str, argv))[:60], [str(a) for a in argv], code, phrase), tmp)

@@ -26,6 +26,7 @@ def rows():
           Case("train-mixed-precision-fp8", [*TRAIN, "--mixed-precision", "fp8"], 2, "--mixed-precision='fp8'"),
           Case("train-parity-bf16", [*TRAIN, "--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity=True"),
           Case("train-parity-lora", [*TRAIN, "--check-parity", "--lora", "4"], 2, "--check-parity=True"),
+          Case("train-lora-r-negative", [*TRAIN, "--lora-r", "-1"], 2, "--lora-r=-1"),
           Case("train-resume-no-ckpt", [*TRAIN, "--resume"], 2, "--resume needs --ckpt DIR"),
           Case("train-save-every-no-ckpt", [*TRAIN, "--save-every", "2"], 2, "--save-every needs --ckpt DIR"),
           Case("train-state-dict", [*TRAIN, "--ckpt", "{tmp}/ck", "--state-dict", "LOCAL"], 2, "--state-dict='LOCAL'"),
@@ -73,6 +74,8 @@ def rows():
           Case("cp-seq-len-0", [*CP, "--seq-len", "0"], 2, "--seq-len=0"),
           Case("cp-mask", [*CP, "--mask", "padding"], 2, "padding"),
           Case("cp-rows-0", [*CP, "--rows", "0"], 2, "--rows=0"),
+          Case("cp-rows-not-a-multiple", [*CP, "--nproc", "4", "--rows", "3"], 2, "--rows=3 is not allowed: a whole number >= 1, a multiple of the data-parallel size"),
+          Case("cp-batch-0", [*CP, "--batch", "0"], 2, "--batch=0"),
           Case("cp-dp-shard-3", [*CP, "--dp-shard", "3"], 2, "--dp-shard=3"),
           Case("cp-sp-2", [*CP, "--sp", "2"], 2, "--sp=2"),
           Case("cp-seed-neg", [*CP, "--seed", "-1"], 2, "--seed=-1")]

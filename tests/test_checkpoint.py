@@ -3,30 +3,28 @@ import json, os, shutil, signal, subprocess, sys, time
 from pathlib import Path
 import pytest
 from tests.conftest import ROOT
+from tests.badinput import refused
 
 pytestmark = pytest.mark.timeout(300)
 TRAIN = ("train", "--nproc", 2, "--model", "tiny", "--warmup", 3)
 
 
-def train(cli, tmp, name, *args):
-    "Run `fsdp-kit train` and return its JSON result."
-    out = tmp / f"{name}.json"
-    res = cli(*TRAIN, *args, "--json", out)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    "One uninterrupted 20-step run, and for each format 10 steps with checkpoints then a resume to 20."
-    from tests.conftest import run_cli as cli
+    "One uninterrupted 20-step run, and for each format 10 steps with checkpoints then a resume to 20: one launch, the runs in turn."
+    from dataclasses import asdict
+    from fsdp_kit.checkpoint import CheckpointSpec
+    from fsdp_kit.launch import launch
+    from fsdp_kit.train import TrainSpec
+    from tests.helpers import train_each
     tmp = tmp_path_factory.mktemp("ckpt")
-    out = dict(tmp=tmp, straight=train(cli, tmp, "straight", "--steps", 20))
+    spec = lambda steps, ckpt=None: TrainSpec(model="tiny", warmup=3, steps=steps, ckpt=ckpt)
+    specs = [spec(20)]
     for kind in ("sharded", "full"):
-        ck = tmp / kind
-        out[kind] = [train(cli, tmp, f"{kind}1", "--steps", 10, "--ckpt", ck, "--save-every", 5, "--state-dict", kind),
-                     train(cli, tmp, f"{kind}2", "--steps", 20, "--ckpt", ck, "--save-every", 5, "--state-dict", kind, "--resume")]
-    return out
+        specs += [spec(10, CheckpointSpec(str(tmp / kind), save_every=5, state_dict=kind)),
+                  spec(20, CheckpointSpec(str(tmp / kind), save_every=5, state_dict=kind, resume=True))]
+    results = [json.loads(json.dumps(asdict(r))) for r in launch(train_each, specs, nprocs=2, timeout=240)]
+    return dict(tmp=tmp, straight=results[0], sharded=results[1:3], full=results[3:5])
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
@@ -167,16 +165,19 @@ def test_lora_adapter_saved_whole_and_reloads(cli, tmp_path):
     (("--ckpt", "pyproject.toml"), "is not allowed: a folder (this is a file)"),
     (("--lora", 4, "--check-parity"), "--check-parity=True is not allowed: a full fine-tune from step 0"),
 ])
-def test_bad_checkpoint_options(cli, args, message):
-    res = cli("train", "--nproc", 2, *args)
-    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+def test_bad_checkpoint_options(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)  # relative folders (X) are made here; pyproject.toml is a file here too
+    (tmp_path / "pyproject.toml").write_text("")
+    refused(["train", "--nproc", 2, *args], message, tmp_path)
 
 
-def test_resume_refuses_another_models_checkpoint(cli, runs, tmp_path):
+def test_resume_refuses_another_models_checkpoint(runs, tmp_path):
     from tests.conftest import EXAMPLES
-    res = cli("train", "--nproc", 2, "--model", EXAMPLES / "qwen2-tiny" / "config.json", "--ckpt", runs["tmp"] / "sharded", "--resume")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "model=" in res.stderr and "as the checkpoint" in res.stderr and "'tiny'" in res.stderr
+    from tests.badinput import run_case, Case
+    code, _, err = run_case(Case("other-model", ["train", "--nproc", "2", "--model", str(EXAMPLES / "qwen2-tiny" / "config.json"),
+                                                 "--ckpt", str(runs["tmp"] / "sharded"), "--resume"], 2, ""), tmp_path)
+    assert code == 2 and "Traceback" not in err
+    assert "model=" in err and "as the checkpoint" in err and "'tiny'" in err
 
 
 def test_set_adapter_and_merge_while_sharded(tmp_path):

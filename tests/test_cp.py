@@ -1,5 +1,4 @@
 """Context-parallel evaluation: sharding, guards, and eval losses under CP equal to one process without CP."""
-import json
 import pytest
 import torch
 from fsdp_kit.cp import (CPSpec, cp_eval_worker, shard_sequence, unshard_sequence, nearest_lengths, check_seq_len, check_sizes,
@@ -7,6 +6,7 @@ from fsdp_kit.cp import (CPSpec, cp_eval_worker, shard_sequence, unshard_sequenc
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import launch
 from tests.conftest import EXAMPLES
+from tests.badinput import refused
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,7 +35,8 @@ def test_guards():
     with pytest.raises(KitError, match=r"attention_mask='padding'.*'causal' or None"): check_mask("padding")
     with pytest.raises(KitError, match=r"cp_size=3 .*divisor of the world size 4: one of 1, 2, 4"): check_sizes(4, cp=3)
     with pytest.raises(KitError, match=r"cp_size=2 and sp_size=2 cannot both be above 1"): check_sizes(4, cp=2, sp=2)
-    with pytest.raises(KitError, match=r"rows=3 .*dp_shard=2"): CPSpec(cp=2, rows=3).check(4)
+    with pytest.raises(KitError, match=r"steps=3 is not allowed: 1 \(what CPSpec runs\)"): CPSpec(cp=2, steps=3).check(4)
+    assert CPSpec(cp=2, batch=3).rows(4) == 6  # batch is per data-parallel rank: dp_shard=2 of them
     assert check_sizes(4, cp=2).dp_shard == 2 and CPSpec(cp=4, seq_len=64).check(4).cp == 4
 
 
@@ -46,10 +47,8 @@ def test_guards():
     (["--nproc", "2", "--cp", "2", "--rotate", "ring"], "'allgather' or 'alltoall'"),
     (["--nproc", "4", "--cp", "3"], "--cp=3 is not allowed: a divisor of the world size 4: one of 1, 2, 4"),
 ])
-def test_cli_guards(cli, args, message):
-    proc = cli("cp-eval", *args, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_guards(tmp_path, args, message):
+    refused(["cp-eval", *args], message, tmp_path)
 
 
 def _check(r, cp, rotate):
@@ -72,22 +71,16 @@ def test_padding_mask_refused_by_the_model():
         assert torch.equal(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, model(input_ids=ids).logits)
 
 
-def test_cli_cp1_cp2_and_dp2_cp2(cli, tmp_path):
-    out = {}
-    for name, args in (("cp1", ["--nproc", "1", "--cp", "1"]), ("cp2", ["--nproc", "2", "--cp", "2"]),
-                       ("dp2cp2", ["--nproc", "4", "--dp-shard", "2", "--cp", "2", "--rotate", "alltoall"])):
-        proc = cli("cp-eval", *args, "--json", tmp_path / f"{name}.json")
-        assert proc.returncode == 0, proc.stderr
-        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+def test_cp1_cp2_and_dp2_cp2():
+    "One process, 2-way CP and 2 x 2 (dp_shard x cp) agree on the loss and the token count (the command's own run is tests/test_fsdp_config_runs.py's)."
+    out = {"cp1": launch(cp_eval_worker, CPSpec(cp=1), nprocs=1), "cp2": launch(cp_eval_worker, CPSpec(cp=2), nprocs=2),
+           "dp2cp2": launch(cp_eval_worker, CPSpec(cp=2, dp_shard=2, rotate="alltoall"), nprocs=4)}
     for name, rotate, cp in (("cp1", "allgather", 1), ("cp2", "allgather", 2), ("dp2cp2", "alltoall", 2)):
-        r = out[name]
-        assert {"eval_loss", "eval_loss_reference", "cp_size", "rotate_method", "tokens", "peak_bytes"} <= set(r)
-        assert (r["cp_size"], r["rotate_method"]) == (cp, rotate)
-        assert abs(r["eval_loss"] - r["eval_loss_reference"]) <= 1e-5 and r["predictions_match_reference"]
-    assert out["dp2cp2"]["groups"]["dp_shard_cp"] == [0, 1, 2, 3] and out["dp2cp2"]["dp_shard"] == 2
-    assert len(set(out["dp2cp2"]["tokens_per_rank"])) > 1  # ranks hold different numbers of valid tokens
-    assert out["cp1"]["tokens"] == out["cp2"]["tokens"] == out["dp2cp2"]["tokens"]
-    assert abs(out["cp1"]["eval_loss"] - out["cp2"]["eval_loss"]) <= 1e-5 and abs(out["cp2"]["eval_loss"] - out["dp2cp2"]["eval_loss"]) <= 1e-5
+        _check(out[name], cp, rotate)
+    assert out["dp2cp2"].groups["dp_shard_cp"] == [0, 1, 2, 3] and out["dp2cp2"].dp_shard == 2
+    assert len(set(out["dp2cp2"].tokens_per_rank)) > 1  # ranks hold different numbers of valid tokens
+    assert out["cp1"].tokens == out["cp2"].tokens == out["dp2cp2"].tokens
+    assert abs(out["cp1"].eval_loss - out["cp2"].eval_loss) <= 1e-5 and abs(out["cp2"].eval_loss - out["dp2cp2"].eval_loss) <= 1e-5
 
 
 def test_eval_loss_does_not_change_with_cp():

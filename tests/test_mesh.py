@@ -56,8 +56,8 @@ def test_cli_mesh_cp_names_flattened_group(cli):
     assert json.loads(out.stdout)["groups"]["dp_shard_cp"] == [[0, 1, 2, 3]]
 
 
-def test_cli_mesh_refuses_bad_sizes_without_traceback(cli):
-    out = cli("mesh", "--nproc", 4, "--dp-replicate", 3, "--dp-shard", 2, timeout=60)
-    assert out.returncode == 2
-    assert "--dp-replicate=3, --dp-shard=2" in out.stderr and "world size is 4" in out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+def test_cli_mesh_refuses_bad_sizes_without_traceback(tmp_path):
+    from tests.badinput import run_case, Case
+    code, out, err = run_case(Case("mesh-3x2", ["mesh", "--nproc", "4", "--dp-replicate", "3", "--dp-shard", "2"], 2, ""), tmp_path)
+    assert code == 2 and "--dp-replicate=3, --dp-shard=2" in err and "world size is 4" in err
+    assert "Traceback" not in err and out == ""

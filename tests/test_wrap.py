@@ -7,6 +7,7 @@ from fsdp_kit.launch import launch
 from fsdp_kit.models import build_model, model_config, count_params
 from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec
 from tests.conftest import EXAMPLES, ROOT
+from tests.badinput import refused
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,7 +59,7 @@ def _padded_shard_bytes(model, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sharded_parameter_bytes_are_total_over_world_size(world):
-    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], timed_steps=1)
+    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], steps=1)
     runs = launch(compare_worker, spec, nprocs=world)
     model = build_model(model_config("tiny"), device="meta")
     total = count_params(model) * 4
@@ -69,8 +70,9 @@ def test_sharded_parameter_bytes_are_total_over_world_size(world):
         assert run.world_size == world
 
 
-@pytest.mark.parametrize("name", ["transformers_fsdp_config.json", "accelerate_fsdp_lora.yaml", "accelerate_fsdp_qlora.yaml"])
-def test_cli_runs_the_example_configs_unchanged(cli, tmp_path, name):
+def test_cli_runs_an_example_config_unchanged(cli, tmp_path):
+    "The compare command on an accelerate YAML as it is (all three example files are run by `fsdp-kit train` in tests/test_fsdp_config_runs.py)."
+    name = "accelerate_fsdp_lora.yaml"
     out = cli("compare", "--nproc", 2, "--model", "small", "--fsdp-config", ROOT / "examples" / "fsdp_configs" / name, "--json", tmp_path / "o.json")
     assert out.returncode == 0, out.stderr
     data = json.loads((tmp_path / "o.json").read_text())
@@ -94,7 +96,6 @@ CLI_BAD = [
 
 
 @pytest.mark.parametrize("args, message", CLI_BAD, ids=[m.split(" ")[0] for _, m in CLI_BAD])
-def test_cli_compare_refuses_bad_input_without_traceback(cli, args, message):
-    out = cli("compare", *args, timeout=60)
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr and "Traceback" not in out.stderr
+def test_cli_compare_refuses_bad_input_without_traceback(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(ROOT)
+    refused(["compare", *args], message, tmp_path)
