@@ -225,10 +225,10 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
     fsdp2 = _from_fsdp1(data, keys, accelerate, cfg) if version == 1 else data
     keys2 = _strip_prefix(fsdp2.get("fsdp_config") or {}) if accelerate else _strip_prefix(fsdp2)
     if accelerate and "mixed_precision" in data: keys2["mixed_precision"] = data["mixed_precision"]
-    if not accelerate and mixed_precision is not None:  # TrainingArguments' bf16=True / fp16=True
-        if keys2.get("mixed_precision", mixed_precision) != mixed_precision:
-            cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: {WHY_UPSTREAM['mixed_precision']}")
-        keys2["mixed_precision"] = mixed_precision
+    if not accelerate and keys2.get("mixed_precision", mixed_precision) != mixed_precision:  # transformers never reads it: neither checked nor applied
+        cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: {WHY_UPSTREAM['mixed_precision']}")
+    if not accelerate: keys2.pop("mixed_precision", None)
+    if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision  # TrainingArguments' bf16=True / fp16=True
     given = _apply_keys(cfg, {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
     _follow_upstream(cfg, given, reading_of(fsdp2, accelerate, mixed_precision or "no"), entry)
     if version == 1: _note_differences(cfg, reading_of(data, accelerate, mixed_precision or "no"), entry)

@@ -64,7 +64,7 @@ BAD_FILES = [  # (file name, content, what the message must say)
     ("policy.json", {"auto_wrap_policy": "TRANSFORMER_WRAP"}, "auto_wrap_policy='TRANSFORMER_WRAP' is not allowed: one of TRANSFORMER_BASED_WRAP"),
     ("reshard.json", {"reshard_after_forward": "sometimes"}, "reshard_after_forward='sometimes' is not allowed"),
     ("offload.json", {"cpu_offload": "maybe"}, "cpu_offload='maybe' is not allowed: true or false"),
-    ("fp8.json", {"mixed_precision": "fp8"}, "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
+    ("fp8.yaml", {"distributed_type": "FSDP", "mixed_precision": "fp8", "fsdp_config": {}}, "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
     ("local.json", {"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type='LOCAL_STATE_DICT' is not allowed"),
     ("negative.json", {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": -5}, "min_num_params=-5 is not allowed"),
     ("classes.json", {"transformer_layer_cls_to_wrap": [3]}, "transformer_layer_cls_to_wrap=[3] is not allowed"),
@@ -95,6 +95,7 @@ ACCEPTED_NOW = [  # (file name, content, field values, a note) that were refused
     ("v1.json", {"version": 1}, {"reshard_after_forward": True}, "TrainingArguments(fsdp=True) runs this file with FSDP1"),
     ("noshard.json", {"sharding_strategy": "NO_SHARD"}, {"reshard_after_forward": True}, "sharding_strategy='NO_SHARD' is ignored under FSDP2"),
     ("disagree.json", {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": False}, {"reshard_after_forward": False}, "is ignored under FSDP2"),
+    ("fp8.json", {"mixed_precision": "fp8"}, {"mixed_precision": "no"}, "mixed_precision='fp8' in fsdp_config is not read: transformers never reads"),
     ("null.yaml", {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2, "fsdp_ignored_modules": None}}, {"auto_wrap_policy": "NO_WRAP"},
      "ignored_modules=None changes nothing"),
 ]
