@@ -153,12 +153,16 @@ def fsdp_config(a, **flags):
 def _cmd_hf(a):
     from fsdp_kit.config import load_fsdp_config
     from fsdp_kit.hf import training_arguments, accelerate_config, accelerate_yaml, hf_worker
+    from fsdp_kit.upstream import upstream_reading, FIELDS
     cfg = load_fsdp_config(a.fsdp_config)
     out = dict(source=a.fsdp_config, notes=cfg.notes, training_arguments=training_arguments(cfg),
-               accelerate_config=accelerate_config(cfg, a.nproc))
+               accelerate_config=accelerate_config(cfg, a.nproc), config={k: getattr(cfg, k) for k in FIELDS}, upstream=upstream_reading(a.fsdp_config))
+    up = out["upstream"]  # what the file's own entry point builds, beside what the kit runs
+    upstream_text = (f"{up['entry_point']} builds " + (f"FSDP{up['fsdp_version']}: " + ", ".join(f"{k}={up[k]!r}" for k in FIELDS) if "refused" not in up else f"nothing: {up['refused']}")
+                     + "\nthe kit runs FSDP2: " + ", ".join(f"{k}={v!r}" for k, v in out["config"].items()) + "\n")
     text = (f"{a.fsdp_config} as TrainingArguments:\n  TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in out["training_arguments"].items())
             + ", ...)\nas an accelerate config (accelerate launch --config_file):\n" + "".join(f"  {l}\n" for l in accelerate_yaml(cfg, a.nproc).splitlines())
-            + "".join(f"note: {n}\n" for n in cfg.notes))
+            + upstream_text + "".join(f"note: {n}\n" for n in cfg.notes))
     if a.check:
         from fsdp_kit.launch import launch
         out["check"] = launch(hf_worker, cfg, a.model, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)

@@ -1,4 +1,4 @@
-"""`FSDPConfig` holds what transformers' `fsdp_config` (version 2) and accelerate's FSDP YAML express; `load_fsdp_config` reads either as it is, maps FSDP1-era keys to their FSDP2 meaning, and refuses what it cannot honour with a message naming the field, the value and what is allowed.
+"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either as its upstream entry point does (`accelerate launch`, `TrainingArguments`), converts FSDP1 files as `accelerate to-fsdp2` does, notes every key it maps, ignores or runs differently, and refuses what it cannot read with a message naming the field, the value and what is allowed.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 
@@ -6,9 +6,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 
 # %% auto #0
 __all__ = ['POLICIES', 'PRECISION', 'MIXED_PRECISION', 'STATE_DICT_TYPES', 'SHARDING_STRATEGIES', 'SHARDING_BY_NUMBER',
-           'NOT_APPLYING', 'FIELD_KEYS', 'KNOWN_KEYS', 'ACCELERATE_TOP_LEVEL', 'FSDPConfig', 'to_bool', 'to_reshard',
-           'to_class_list', 'from_transformers', 'from_accelerate', 'load_fsdp_config', 'layer_class_names',
-           'check_for_model']
+           'NOT_APPLYING', 'NO_OP', 'WHY_UPSTREAM', 'FIELD_KEYS', 'KNOWN_KEYS', 'LAUNCH_NOTES', 'ACCELERATE_OWN',
+           'FSDPConfig', 'to_bool', 'to_reshard', 'to_class_list', 'from_transformers', 'accelerate_top_level',
+           'from_accelerate', 'load_fsdp_config', 'layer_class_names', 'check_for_model']
 
 # %% ../nbs/03_config.ipynb #878b95bd
 import difflib, json
@@ -36,6 +36,7 @@ class FSDPConfig:
     activation_checkpointing:bool=False # recompute each decoder layer's activations in backward
     state_dict_type:str="FULL_STATE_DICT" # checkpoint format: one gathered file or one shard per rank
     cpu_ram_efficient_loading:bool=False # only rank 0 reads weights; the others receive them by broadcast
+    parallelism_config:dict=None # accelerate's parallelism sizes (dp_replicate_size, dp_shard_size, tp_size, cp_size), shown; meshes come from the kit's own options
     notes:list=field(default_factory=list) # what each upstream key was mapped to
     source:str="" # where this config came from
 
@@ -52,6 +53,8 @@ class FSDPConfig:
             raise bad_value("reshard_after_forward", r, "true, false, or a whole number >= 2 (the size of the groups to reshard to)")
         if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int) or self.min_num_params < 0:
             raise bad_value("min_num_params", self.min_num_params, "a whole number >= 0")
+        if self.parallelism_config is not None and not isinstance(self.parallelism_config, dict):
+            raise bad_value("parallelism_config", self.parallelism_config, "a mapping of sizes, e.g. {'dp_shard_size': 2, 'cp_size': 2}")
         if not isinstance(self.transformer_layer_cls_to_wrap, list) or not all(isinstance(c, str) for c in self.transformer_layer_cls_to_wrap):
             raise bad_value("transformer_layer_cls_to_wrap", self.transformer_layer_cls_to_wrap, "a list of class names, e.g. ['LlamaDecoderLayer']")
         return self
@@ -93,26 +96,33 @@ SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forwar
     "FULL_SHARD": (True, "FULL_SHARD -> reshard_after_forward=True: parameters are freed after forward and gathered again in backward"),
     "SHARD_GRAD_OP": (False, "SHARD_GRAD_OP -> reshard_after_forward=False: gathered parameters stay from forward to backward (ZeRO-2 style)"),
     "HYBRID_SHARD": (True, "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard (fsdp-kit mesh --dp-replicate N)"),
-    "_HYBRID_SHARD_ZERO2": (False, "_HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: use dp_replicate x dp_shard"),
+    "HYBRID_SHARD_ZERO2": (False, "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: use dp_replicate x dp_shard"),
+    "NO_SHARD": (False, "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's NO_SHARD replicated whole parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use a mesh with dp_shard=1 and dp_replicate=N"),
 }
-SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "_HYBRID_SHARD_ZERO2"}
+SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2"}
 NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
     "use_orig_params": "FSDP2 always keeps the original parameters (each one a DTensor sharded on dim 0); there are no flat parameters",
     "backward_prefetch": "FSDP2 always prefetches the next unit's all-gather in backward (explicit control: set_modules_to_backward_prefetch)",
     "forward_prefetch": "FSDP2 issues the next unit's all-gather from its own schedule (explicit control: set_modules_to_forward_prefetch)",
     "sync_module_states": "FSDP2 does not broadcast module states; the kit builds identical weights on every rank from one seed, and cpu_ram_efficient_loading broadcasts from rank 0",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by design; there is no rate limiter to set",
+    "ignored_modules": "the kit shards every module; accelerate would leave the modules this names unsharded (null names none)",
+    "activation_checkpointing_offload": "the kit keeps checkpointed activations on the device; accelerate would offload them to host memory when true",
+}
+NO_OP = {"ignored_modules": (None, "", []), "activation_checkpointing_offload": (False, "false", "False")}  # values with which these keys change nothing
+WHY_UPSTREAM = {  # source key -> why upstream reads another value than the file's key says
+    "mixed_precision": "transformers never reads fsdp_config's mixed_precision: the precision comes from TrainingArguments(bf16=True) or fp16=True (fsdp-kit: --mixed-precision)",
+    "offload_params": "transformers reads cpu_offload, not accelerate's offload_params",
+    "transformer_layer_cls_to_wrap": "upstream reads layer classes only under TRANSFORMER_BASED_WRAP",
+    "min_num_params": "upstream reads min_num_params only under SIZE_BASED_WRAP",
 }
 
 # %% ../nbs/03_config.ipynb #a6312664
 def _sharding_strategy(value, cfg:FSDPConfig) -> bool:
-    "Map an FSDP1 sharding strategy (name or accelerate's number) to reshard_after_forward, noting why."
-    name = SHARDING_BY_NUMBER.get(str(value).strip(), str(value).strip().upper())
-    if name == "NO_SHARD":
-        raise bad_value("sharding_strategy", value, f"one of {', '.join(SHARDING_STRATEGIES)}",
-                        "NO_SHARD is plain data parallelism: FSDP2 has no such mode; use DDP, or a mesh with dp_shard=1 and dp_replicate=N")
+    "Explain an FSDP1 sharding strategy (name or accelerate's number) as reshard_after_forward, refusing unknown ones."
+    name = SHARDING_BY_NUMBER.get(str(value).strip(), str(value).strip().upper().lstrip("_"))
     if name not in SHARDING_STRATEGIES:
-        raise bad_value("sharding_strategy", value, f"one of {', '.join(SHARDING_STRATEGIES)} (or accelerate's numbers 1, 2, 4, 5)")
+        raise bad_value("sharding_strategy", value, f"one of {', '.join(SHARDING_STRATEGIES)} (or accelerate's numbers 1 to 5)")
     reshard, note = SHARDING_STRATEGIES[name]
     cfg.notes.append(f"sharding_strategy: {note}")
     return reshard
@@ -133,77 +143,148 @@ FIELD_KEYS = {  # upstream key (without fsdp_) -> FSDPConfig field and converter
 KNOWN_KEYS = sorted([*FIELD_KEYS, *NOT_APPLYING, "sharding_strategy", "version"])
 
 # %% ../nbs/03_config.ipynb #83217054
-def _apply_keys(cfg:FSDPConfig, keys:dict) -> FSDPConfig:
-    "Set `cfg`'s fields from upstream `keys` (already without the fsdp_ prefix); map or explain FSDP1 keys."
-    strategy = None
+def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
+    "Set `cfg`'s fields from FSDP2 `keys` (without the fsdp_ prefix), explaining the rest; returns {field: (key, value)} for the fields set."
+    given = {}
     for key, value in keys.items():
         if key in FIELD_KEYS:
             name, convert = FIELD_KEYS[key]
             setattr(cfg, name, convert(key, value))
-            if key == "offload_params": cfg.notes.append("offload_params -> cpu_offload")
-        elif key == "sharding_strategy": strategy = _sharding_strategy(value, cfg)
+            given[name] = (key, value)
+            if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
+        elif key == "sharding_strategy":
+            cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as {'accelerate' if accelerate else 'transformers'} ignores it: "
+                             "reshard_after_forward alone decides (true frees gathered parameters after forward, false keeps them)")
+        elif key in NO_OP and value in NO_OP[key]: cfg.notes.append(f"{key}={value!r} changes nothing (accelerate's no-op)")
+        elif key in NO_OP: cfg.notes.append(f"{key}={value!r} is not applied by the kit: {NOT_APPLYING[key]}")
         elif key in NOT_APPLYING: cfg.notes.append(f"{key}={value!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
         elif key.startswith("xla"): raise bad_value(key, value, "no XLA keys: the kit runs FSDP2 on torch.distributed, not torch_xla")
         elif key != "version":
             near = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
             raise KitError(f"unknown key {key!r} in {cfg.source or 'the FSDP config'}" + (f"; did you mean {near[0]!r}?" if near else "")
                            + f" Known keys: {', '.join(KNOWN_KEYS)}")
-    if strategy is not None:
-        if "reshard_after_forward" in keys and keys["reshard_after_forward"] is not None and to_reshard("reshard_after_forward", keys["reshard_after_forward"]) != strategy:
-            raise KitError(f"sharding_strategy={keys['sharding_strategy']!r} and reshard_after_forward={keys['reshard_after_forward']!r} disagree: give one of them")
-        cfg.reshard_after_forward = strategy
-    return cfg.check()
+    cfg.check()
+    return given
 
 # %% ../nbs/03_config.ipynb #75b4bc87
-def _check_version(value, source:str):
-    "Only FSDP2 configs: version 2 (or absent)."
-    if value is None or str(value).strip() == "2": return
-    raise bad_value("version", value, "2 (FSDP2)", f"in {source}: the kit runs FSDP2 only; FSDP1 keys such as sharding_strategy are translated when version is 2")
+def _check_version(value, source:str) -> int:
+    "FSDP version 1 or 2 (version 1 files are read as `accelerate to-fsdp2` converts them)."
+    if str(value).strip() in ("1", "2"): return int(str(value).strip())
+    raise bad_value("version", value, "1 or 2 (FSDP1 files are read as accelerate to-fsdp2 converts them)", f"in {source}")
+
+def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
+    "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one, with a note for what each FSDP1 key became."
+    from fsdp_kit.upstream import to_fsdp2
+    entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
+    cfg.notes.append(f"version: {entry} runs this file with FSDP1 ({'version ' + str(keys['version']) if 'version' in keys else 'no fsdp_version'}); "
+                     "the kit runs FSDP2 and reads the file as `accelerate to-fsdp2` converts it")
+    if "sharding_strategy" in keys and accelerate: _sharding_strategy(keys["sharding_strategy"], cfg)
+    elif "sharding_strategy" in keys:  # transformers reads reshard_after_forward only: never act on this key
+        cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it reads reshard_after_forward): ignored")
+        data = {k: v for k, v in data.items() if k not in ("sharding_strategy", "fsdp_sharding_strategy")}
+    for key in keys:
+        if key in NOT_APPLYING and key not in NO_OP: cfg.notes.append(f"{key}={keys[key]!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
+    return to_fsdp2(data, accelerate)
 
 # %% ../nbs/03_config.ipynb #b102ebfe
 def _strip_prefix(keys:dict) -> dict:
     "Keys without accelerate's / transformers' `fsdp_` prefix."
     return {(str(k)[5:] if str(k).startswith("fsdp_") else str(k)): v for k, v in keys.items()}
 
+def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
+    "Every field as upstream reads the (FSDP2) file: an absent key takes upstream's value; a key upstream reads otherwise is noted."
+    from fsdp_kit.upstream import FIELDS
+    if "refused" in upstream:
+        cfg.notes.append(f"{entry} refuses this file ({upstream['refused']}); the kit reads it with its own defaults")
+        return
+    for name in FIELDS:
+        if name in given and getattr(cfg, name) != upstream[name]:
+            key, raw = given[name]
+            cfg.notes.append(f"{key}={raw!r} is not what {entry} runs: it reads {name}={upstream[name]!r}"
+                             + (f" ({WHY_UPSTREAM[key]})" if key in WHY_UPSTREAM else "") + "; so does the kit")
+        setattr(cfg, name, upstream[name])
+    if cfg.parallelism_config:
+        cfg.notes.append("parallelism_config: " + ", ".join(f"{k}={v}" for k, v in cfg.parallelism_config.items())
+                         + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit mesh / cp-eval --dp-replicate --dp-shard --cp)")
+
+def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
+    "A note for every field where the kit's reading differs from what upstream runs (FSDP1 files, translated)."
+    from fsdp_kit.upstream import FIELDS
+    if "refused" in upstream: cfg.notes.append(f"{entry} refuses this file as it is ({upstream['refused']})"); return
+    for name in FIELDS:
+        if getattr(cfg, name) != upstream[name]:
+            cfg.notes.append(f"{name}={getattr(cfg, name)!r} here, {upstream[name]!r} under {entry}, which runs FSDP1: "
+                             "the kit runs the FSDP2 file accelerate to-fsdp2 writes")
+
+def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precision:str=None) -> FSDPConfig:
+    "The kit's reading: FSDP1 files converted as `accelerate to-fsdp2` does, every key checked, then each field as upstream reads it, differences noted."
+    from fsdp_kit.upstream import reading_of
+    entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
+    keys = _strip_prefix(section)
+    version = _check_version(keys.get("version", 1 if accelerate else 2), cfg.source)  # accelerate's plugin defaults to FSDP1, transformers' to FSDP2
+    fsdp2 = _from_fsdp1(data, keys, accelerate, cfg) if version == 1 else data
+    keys2 = _strip_prefix(fsdp2.get("fsdp_config") or {}) if accelerate else _strip_prefix(fsdp2)
+    if accelerate and "mixed_precision" in data: keys2["mixed_precision"] = data["mixed_precision"]
+    if not accelerate and keys2.get("mixed_precision", mixed_precision) != mixed_precision:  # transformers never reads it: neither checked nor applied
+        cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: {WHY_UPSTREAM['mixed_precision']}")
+    if not accelerate: keys2.pop("mixed_precision", None)
+    if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision  # TrainingArguments' bf16=True / fp16=True
+    given = _apply_keys(cfg, {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
+    _follow_upstream(cfg, given, reading_of(fsdp2, accelerate, mixed_precision or "no"), entry)
+    if version == 1: _note_differences(cfg, reading_of(data, accelerate, mixed_precision or "no"), entry)
+    cfg.notes = list(dict.fromkeys(cfg.notes))
+    return cfg.check()
+
 # %% ../nbs/03_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
-                      source:str="transformers fsdp_config" # where it came from, for messages
+                      source:str="transformers fsdp_config", # where it came from, for messages
+                      mixed_precision:str=None # TrainingArguments' own precision ("bf16" for bf16=True, "fp16" for fp16=True); the dict cannot say it
                      ) -> FSDPConfig:
-    "An `FSDPConfig` from transformers' `fsdp_config` dict."
+    "An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True, fsdp_config=...)` reads it."
     if not isinstance(fsdp_config, dict): raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
-    keys = _strip_prefix(fsdp_config)
-    _check_version(keys.get("version"), source)
-    return _apply_keys(FSDPConfig(source=source), keys)
+    if mixed_precision is not None: _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION)
+    return _read(fsdp_config, fsdp_config, False, FSDPConfig(source=source), mixed_precision)
 
 # %% ../nbs/03_config.ipynb #2a75d81c
-ACCELERATE_TOP_LEVEL = {"compute_environment", "debug", "distributed_type", "downcast_bf16", "fsdp_config", "machine_rank",
-                        "main_training_function", "mixed_precision", "num_machines", "num_processes", "rdzv_backend",
-                        "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "main_process_ip",
-                        "main_process_port", "gpu_ids", "enable_cpu_affinity", "dynamo_config", "parallelism_config"}
+LAUNCH_NOTES = {  # top-level keys of an accelerate config that say something about the run, and what
+    "use_cpu": "under distributed_type FSDP accelerate launch uses it only to pick threads per process; the kit runs on CPU (gloo) where there is no GPU",
+    "downcast_bf16": "accelerate applies it on TPUs only",
+}
+ACCELERATE_OWN = ("distributed_type", "fsdp_config", "mixed_precision", "num_processes", "parallelism_config", *LAUNCH_NOTES)
+
+def accelerate_top_level() -> set:
+    "The top-level keys accelerate accepts in its config file (its `ClusterConfig` fields)."
+    from accelerate.commands.config.config_args import ClusterConfig
+    return set(ClusterConfig.__dataclass_fields__)
 
 # %% ../nbs/03_config.ipynb #c9927bb2
+def _launch_notes(config:dict, cfg:FSDPConfig):
+    "Notes on the accelerate config's top-level keys: the process count, the keys that say something, the launch settings the kit leaves to its own launcher."
+    if "num_processes" in config:
+        cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit uses its own process count (--nproc)")
+    said = [k for k in LAUNCH_NOTES if config.get(k) not in (None, False, "no", "false")]
+    cfg.notes += [f"{k}={config[k]!r}: {LAUNCH_NOTES[k]}" for k in said]
+    rest = [f"{k}={v!r}" for k, v in config.items() if k not in ACCELERATE_OWN or (k in LAUNCH_NOTES and k not in said)]
+    if rest: cfg.notes.append("launch settings the kit does not use (it starts its own processes): " + ", ".join(rest))
+
 def from_accelerate(config:dict, # the parsed accelerate config YAML
                     source:str="accelerate config" # where it came from, for messages
                    ) -> FSDPConfig:
-    "An `FSDPConfig` from an accelerate config (the YAML `accelerate config` writes)."
+    "An `FSDPConfig` from an accelerate config (the YAML `accelerate config` writes), read as `accelerate launch --config_file` reads it."
     if not isinstance(config, dict): raise bad_value("accelerate config", type(config).__name__, f"a YAML mapping in {source}")
-    unknown = sorted(set(config) - ACCELERATE_TOP_LEVEL)
+    allowed = accelerate_top_level()
+    unknown = sorted(set(config) - allowed)
     if unknown:
-        near = difflib.get_close_matches(unknown[0], sorted(ACCELERATE_TOP_LEVEL), n=1)
+        near = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
         raise KitError(f"unknown key {unknown[0]!r} in {source}" + (f"; did you mean {near[0]!r}?" if near else ""))
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
         raise bad_value("distributed_type", kind, f"FSDP in {source}", "with any other value accelerate runs without sharding (DDP or one process)")
     section = config.get("fsdp_config") or {}
     if not isinstance(section, dict): raise bad_value("fsdp_config", section, f"a mapping of fsdp_ keys under fsdp_config: in {source}", f"it is of type {type(section).__name__}")
-    keys = _strip_prefix(section)
-    _check_version(keys.get("version"), source)
     cfg = FSDPConfig(source=source)
-    if "mixed_precision" in config:
-        keys = {**keys, "mixed_precision": config["mixed_precision"]}
-    if "num_processes" in config:
-        cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit uses its own process count (--nproc)")
-    return _apply_keys(cfg, keys)
+    _launch_notes(config, cfg)
+    return _read(config, section, True, cfg)
 
 # %% ../nbs/03_config.ipynb #9e5c11d7
 def _parse_file(path:Path) -> dict:
@@ -229,7 +310,8 @@ def load_fsdp_config(path:str # a transformers fsdp_config .json or an accelerat
     "Read an FSDP config file in either upstream format."
     path = Path(path)
     data = _parse_file(path)
-    read = from_accelerate if "distributed_type" in data or "fsdp_config" in data else from_transformers
+    from fsdp_kit.upstream import is_accelerate_config
+    read = from_accelerate if is_accelerate_config(data) else from_transformers
     try: return read(data, source=str(path))
     except KitError as e:
         if str(path) in str(e): raise

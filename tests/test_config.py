@@ -37,12 +37,19 @@ def test_accelerate_yaml_loads_as_is_and_explains_fsdp1_keys(name, mixed, offloa
         assert key in notes, key
 
 
-@pytest.mark.parametrize("strategy, reshard", [("FULL_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD", True), ("2", False)])
-def test_sharding_strategy_maps_to_reshard_after_forward(strategy, reshard):
+@pytest.mark.parametrize("strategy, reshard", [("FULL_SHARD", True), ("SHARD_GRAD_OP", False), ("HYBRID_SHARD", True), ("2", False),
+                                               ("HYBRID_SHARD_ZERO2", False), ("_HYBRID_SHARD_ZERO2", False), ("NO_SHARD", False)])
+def test_fsdp1_sharding_strategy_is_converted_as_accelerate_to_fsdp2_does(strategy, reshard):
     cfg = from_accelerate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": strategy}})
-    assert cfg.reshard_after_forward is reshard and any("sharding_strategy" in n for n in cfg.notes)
-    if strategy == "HYBRID_SHARD":
-        assert "dp_replicate x dp_shard" in cfg.notes[0]
+    notes = "\n".join(cfg.notes)
+    assert cfg.reshard_after_forward is reshard and "sharding_strategy: " in notes and "accelerate launch runs this file with FSDP1" in notes
+    if strategy.startswith("HYBRID_SHARD"):
+        assert "dp_replicate x dp_shard" in notes
+
+
+def test_sharding_strategy_is_ignored_under_fsdp2_as_upstream_ignores_it():
+    cfg = from_accelerate({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}})
+    assert cfg.reshard_after_forward is True and any(n.startswith("sharding_strategy='SHARD_GRAD_OP' is ignored under FSDP2") for n in cfg.notes)
 
 
 def test_transformers_accepts_prefixed_keys_strings_and_ints():
@@ -53,17 +60,15 @@ def test_transformers_accepts_prefixed_keys_strings_and_ints():
 
 BAD_FILES = [  # (file name, content, what the message must say)
     ("typo.json", {"version": 2, "reshard_after_foward": True}, "did you mean 'reshard_after_forward'"),
-    ("v1.json", {"version": 1}, "version=1 is not allowed: 2 (FSDP2)"),
     ("v3.json", {"version": 3}, "version=3 is not allowed"),
     ("policy.json", {"auto_wrap_policy": "TRANSFORMER_WRAP"}, "auto_wrap_policy='TRANSFORMER_WRAP' is not allowed: one of TRANSFORMER_BASED_WRAP"),
     ("reshard.json", {"reshard_after_forward": "sometimes"}, "reshard_after_forward='sometimes' is not allowed"),
     ("offload.json", {"cpu_offload": "maybe"}, "cpu_offload='maybe' is not allowed: true or false"),
-    ("fp8.json", {"mixed_precision": "fp8"}, "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
+    ("fp8.yaml", {"distributed_type": "FSDP", "mixed_precision": "fp8", "fsdp_config": {}}, "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
     ("local.json", {"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type='LOCAL_STATE_DICT' is not allowed"),
     ("negative.json", {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": -5}, "min_num_params=-5 is not allowed"),
     ("classes.json", {"transformer_layer_cls_to_wrap": [3]}, "transformer_layer_cls_to_wrap=[3] is not allowed"),
-    ("noshard.json", {"sharding_strategy": "NO_SHARD"}, "sharding_strategy='NO_SHARD' is not allowed"),
-    ("disagree.json", {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": False}, "disagree"),
+    ("strategy.yaml", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "HALF_SHARD"}}, "sharding_strategy='HALF_SHARD' is not allowed"),
     ("xla.json", {"xla": True}, "xla=True is not allowed"),
     ("list.json", [1, 2], "holds a list, not a mapping"),
     ("ddp.yaml", {"distributed_type": "MULTI_GPU", "fsdp_config": {}}, "distributed_type='MULTI_GPU' is not allowed: FSDP"),
@@ -84,6 +89,22 @@ def test_bad_config_files_are_refused_naming_the_field_and_file(tmp_path, name, 
     with pytest.raises(KitError) as info:
         load_fsdp_config(path)
     assert message in str(info.value) and str(path) in str(info.value)
+
+
+ACCEPTED_NOW = [  # (file name, content, field values, a note) that were refused before: transformers and accelerate run them
+    ("v1.json", {"version": 1}, {"reshard_after_forward": True}, "TrainingArguments(fsdp=True) runs this file with FSDP1"),
+    ("noshard.json", {"sharding_strategy": "NO_SHARD"}, {"reshard_after_forward": True}, "sharding_strategy='NO_SHARD' is ignored under FSDP2"),
+    ("disagree.json", {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": False}, {"reshard_after_forward": False}, "is ignored under FSDP2"),
+    ("fp8.json", {"mixed_precision": "fp8"}, {"mixed_precision": "no"}, "mixed_precision='fp8' in fsdp_config is not read: transformers never reads"),
+    ("null.yaml", {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2, "fsdp_ignored_modules": None}}, {"auto_wrap_policy": "NO_WRAP"},
+     "ignored_modules=None changes nothing"),
+]
+
+
+@pytest.mark.parametrize("name, content, values, note", ACCEPTED_NOW, ids=[a[0] for a in ACCEPTED_NOW])
+def test_files_upstream_runs_are_accepted(tmp_path, name, content, values, note):
+    cfg = load_fsdp_config(_write(tmp_path, name, content))
+    assert {k: getattr(cfg, k) for k in values} == values and any(note in n for n in cfg.notes), cfg.notes
 
 
 def test_malformed_files_name_the_file(tmp_path):
