@@ -12,7 +12,7 @@ __all__ = ['WORKFLOWS', 'DEFAULT_CONFIGS', 'SFT_RUN_LIMIT', 'HFRunSpec', 'HFRunR
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c001
 import json, os, subprocess, sys, time, warnings
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from .errors import KitError, bad_value, require_whole, require_positive, require_seed, require_model
 
@@ -179,7 +179,10 @@ def _max_diff(a:dict, b:dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c007
-def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list) -> dict:
+def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
+               mixed_precision:str="no", # the kit's FSDPConfig.mixed_precision (the file's own setting is "no")
+               steps:int=None # steps to train (None: spec.steps)
+              ) -> dict:
     "Train `base` with the kit's recipe (`apply_fsdp` on the same config file, `train_loop` on the same rows, AdamW as the Trainer's) and compare."
     import torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -188,15 +191,31 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list) -> dict:
     from fsdp_kit.wrap import apply_fsdp
     from fsdp_kit.train import TrainSpec, train_loop
     from fsdp_kit.ranks import mean_over_ranks
-    cfg = load_fsdp_config(spec.config_path())
+    cfg = replace(load_fsdp_config(spec.config_path()), mixed_precision=mixed_precision).check()
     model, units = apply_fsdp(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), cfg, fsdp_mesh(build_mesh()))
     optim = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)  # the Trainer's optim="adamw_torch", weight_decay=0
-    run = TrainSpec(model=spec.model, steps=spec.steps, batch=spec.batch, seq_len=spec.seq_len, lr=spec.lr, seed=spec.seed)
+    run = TrainSpec(model=spec.model, steps=steps or spec.steps, batch=spec.batch, seq_len=spec.seq_len, lr=spec.lr, seed=spec.seed)
     losses = mean_over_ranks(train_loop(model, run, dist.get_rank(), dist.get_world_size(),
                                         optimizer=(optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0))))
     facts = fsdp_facts(model)
     return dict(losses=losses, max_loss_diff=max(abs(a - b) for a, b in zip(losses, trainer_losses_)), units=facts["units"],
                 mixed_precision_policy=facts["mixed_precision_policy"], config=asdict(cfg), full=full_state_dict(model))
+
+def _bf16_pair(spec:HFRunSpec, base:str, folder:Path, steps:int=3) -> dict:
+    "A few steps of the Trainer with `bf16=True` and of the kit with mixed_precision bf16, same file and rows: their policies and losses."
+    import torch
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, Trainer
+    AcceleratorState._reset_state(True)
+    args = trainer_arguments(spec, str(folder / "bf16"), spec.config_path(), max_steps=steps, bf16=True)
+    data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, steps * spec.batch * args.world_size, spec.seq_len,
+                     args.world_size, spec.batch, spec.seed)
+    trainer = _quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
+    trainer.train()
+    losses, policy = trainer_losses(trainer), fsdp_facts(trainer.model_wrapped)["mixed_precision_policy"]
+    kit = kit_parity(spec, base, losses, mixed_precision="bf16", steps=steps)
+    return dict(trainer_losses=losses, kit_losses=kit["losses"], max_loss_diff=kit["max_loss_diff"], trainer_policy=policy,
+                kit_policy=kit["mixed_precision_policy"], autocast=str(trainer.accelerator.native_amp))
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c008
 def _sharded_copy(path:str) -> dict:
@@ -263,7 +282,7 @@ def trainer_worker(spec:HFRunSpec) -> HFRunResult:
         parity = kit_parity(spec, base, losses)
         full = parity.pop("full")  # rank 0 holds the gathered state dicts (cpu_offload), the other ranks empty ones
         if dist.get_rank() == 0: parity["max_param_diff"] = _max_diff(full, trained)
-        result.parity = parity
+        result.parity = parity | dict(bf16=_bf16_pair(spec, base, folder))
     result.resume = _resume(spec, base, folder, losses)
     return result
 

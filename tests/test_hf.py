@@ -131,6 +131,9 @@ def test_trainer_resumes_a_sharded_checkpoint_and_matches_the_kit(hf_run):
     assert resume["resumed"] == r["losses"][5:] and resume["max_diff"] == 0
     parity = r["parity"]  # fp32: the kit's recipe on the same file, model, rows and optimizer
     assert len(parity["losses"]) == 10 and parity["max_loss_diff"] < 1e-5 and parity["max_param_diff"] < 1e-5
+    bf16 = parity["bf16"]  # bf16: both reduce in bf16; accelerate also casts the outputs (and autocasts), the kit does not
+    assert bf16["trainer_policy"] == dict(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype="bfloat16")
+    assert bf16["kit_policy"] == dict(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype=None) and bf16["max_loss_diff"] < 0.05
     layers = lambda units: sorted(u["module"].replace("._checkpoint_wrapped_module", "") for u in units if "layers" in u["module"])
     assert set(layers(r["units"])) == set(layers(parity["units"])) == {"model.layers.0", "model.layers.1"}  # the policy's units agree
 
