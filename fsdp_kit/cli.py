@@ -394,7 +394,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check and --run")
     s.add_argument("--run", metavar="WORKFLOW", help="run one Hugging Face workflow on --nproc ranks with this file: "
-                   "trainer (Trainer + TrainingArguments), sft / qlora (accelerate launch examples/sft_lora.py), native (DistributedConfig)")
+                   "trainer (Trainer + TrainingArguments), sft / qlora (accelerate launch examples/sft_lora.py, stopped after 600 s in all), "
+                   "native (DistributedConfig)")
     s.add_argument("--steps", type=int, default=10, help="with --run: optimizer steps")
     s.add_argument("--batch", type=int, default=2, help="with --run: sequences per rank per step")
     s.add_argument("--seq-len", type=int, default=32, help="with --run: tokens per sequence")

@@ -153,14 +153,3 @@ def test_native_path_needs_no_accelerate_and_shows_its_plan(hf_run):
     assert r["distributed_type"] == "DistributedType.MULTI_CPU"  # the Trainer leaves a model transformers sharded alone
     assert any(n.startswith("fsdp_plan:") and "model.layers.*" in n for n in r["notes"])
     assert {u["module"] for u in r["units"]} >= {"model.layers.0", "model.layers.1", "lm_head", ""}
-
-
-@pytest.mark.parametrize("args,message", [
-    (("--run", "dpo"), "--run='dpo' is not allowed: one of trainer, sft, qlora, native"),
-    (("--run", "sft"), "is not allowed: a .yaml or .yml file for sft"),
-    (("--run", "trainer", "--steps", "1"), "--steps=1 is not allowed: 2 or more for trainer"),
-    (("--run", "trainer", "--check"), "--check and --run: pick one"),
-])
-def test_hf_run_bad_options(cli, args, message):
-    res = cli("hf", "--fsdp-config", FSDP_CONFIGS / "transformers_fsdp_config.json", *args)
-    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
