@@ -107,6 +107,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, training_args: SF
         if data_args.result_json:
             with open(data_args.result_json, "w") as f: json.dump(asdict(result), f, indent=1)
         print(json.dumps(dict(workflow=result.workflow, fsdp_units=result.fsdp_units, losses=result.losses, load_check=result.load_check)))
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()  # a clean end: no warning, no wait at exit
 
 
 if __name__ == "__main__":
