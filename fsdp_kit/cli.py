@@ -151,6 +151,7 @@ def fsdp_config(a, **flags):
 
 
 def _cmd_hf(a):
+    if a.run: return _cmd_hf_run(a)
     from fsdp_kit.config import load_fsdp_config
     from fsdp_kit.hf import training_arguments, accelerate_config, accelerate_yaml, hf_worker
     from fsdp_kit.upstream import upstream_reading, FIELDS
@@ -168,6 +169,22 @@ def _cmd_hf(a):
         out["check"] = launch(hf_worker, cfg, a.model, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
         text += "\n".join(out["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit"))
     emit(out, a.json, text.rstrip())
+
+
+def _cmd_hf_run(a):
+    "fsdp-kit hf --run WORKFLOW: one Hugging Face workflow on --nproc ranks (trainer, native: torchrun; sft, qlora: accelerate launch)."
+    from fsdp_kit.hf_run import HFRunSpec, run_workflow
+    if a.check: raise KitError("--check and --run: pick one (--check compares accelerate, the Trainer and the kit; --run runs one workflow)")
+    spec = HFRunSpec(a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
+                     seed=a.seed, check_parity=a.run == "trainer").check()
+    r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout)
+    text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
+            f"{r.world_size} ranks, {r.distributed_type}); MixedPrecisionPolicy {r.mixed_precision_policy}\n"
+            f"losses {' '.join(f'{l:.4f}' for l in r.losses)}\nsaved {r.saved} -> loaded with {r.loaded_with}: {r.load_check}")
+    if r.parity: text += f"\nthe kit's recipe on the same config and data: max loss difference {r.parity['max_loss_diff']:.1e}, {len(r.parity['units'])} units"
+    if r.resume: text += f"\nresumed from {r.resume['checkpoint']}: max loss difference {r.resume['max_diff']:.1e}"
+    text += "".join(f"\nnote: {n}" for n in r.notes) + f"\n{r.seconds} s"
+    emit(asdict(r), a.json, text)
 
 
 def _cmd_slurm(a):
@@ -400,7 +417,16 @@ def parser() -> argparse.ArgumentParser:
     s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
     s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
     s.add_argument("--check", action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
-    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check and --run")
+    s.add_argument("--run", metavar="WORKFLOW", help="run one Hugging Face workflow on --nproc ranks with this file: "
+                   "trainer (Trainer + TrainingArguments), sft / qlora (accelerate launch examples/sft_lora.py, stopped after 600 s in all), "
+                   "native (DistributedConfig)")
+    s.add_argument("--steps", type=int, default=10, help="with --run: optimizer steps")
+    s.add_argument("--batch", type=int, default=2, help="with --run: sequences per rank per step")
+    s.add_argument("--seq-len", type=int, default=32, help="with --run: tokens per sequence")
+    s.add_argument("--lr", type=float, default=3e-3, help="with --run: learning rate (AdamW, constant)")
+    s.add_argument("--seed", type=int, default=0, help="with --run: seed for the weights and the data")
+    s.add_argument("--out", metavar="DIR", help="with --run: folder for the base model, the saved model or adapter, checkpoints and logs (default: a temporary folder)")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
     s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train)")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
@@ -470,7 +496,7 @@ def parser() -> argparse.ArgumentParser:
 
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
 OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
-                "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout"}
+                "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run"}
 
 
 def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:

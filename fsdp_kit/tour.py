@@ -1,14 +1,14 @@
 """`fsdp-kit tour`: run what the kit can show on this machine, on its built-in defaults, and write a report.
 
 Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
-`nproc` ranks (train, compare, qlora, cp_eval, checkpoint) run one after another inside a single `torchrun` launch
+`nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single `torchrun` launch
 (`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch.
 """
 import json, time
 from dataclasses import asdict
 from pathlib import Path
 
-_SHARED = ("train", "compare", "qlora", "cp_eval", "checkpoint")  # the steps `labs_worker` runs
+_SHARED = ("train", "compare", "qlora", "cp_eval", "checkpoint", "hf_trainer")  # the steps `labs_worker` runs
 
 
 def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
@@ -19,12 +19,14 @@ def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     from fsdp_kit.checkpoint import CheckpointSpec
+    from fsdp_kit.hf_run import HFRunSpec, trainer_worker
     run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt))
     work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
                 compare=lambda: compare_worker(CompareSpec(model="small")),
                 qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5)),
                 cp_eval=lambda: cp_eval_worker(CPSpec(cp=2, rotate="alltoall")),
-                checkpoint=lambda: (run(6), run(3, CheckpointSpec(ckpt_folder)), run(6, CheckpointSpec(ckpt_folder, resume=True))))
+                checkpoint=lambda: (run(6), run(3, CheckpointSpec(ckpt_folder)), run(6, CheckpointSpec(ckpt_folder, resume=True))),
+                hf_trainer=lambda: trainer_worker(HFRunSpec("trainer", steps=4, out=f"{ckpt_folder}/hf_trainer")))  # last: it opens accelerate's CPU gate
     out = {}
     for i, name in enumerate(_SHARED, first):
         if dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout reaches the terminal
@@ -95,6 +97,14 @@ def _steps(nproc: int):
                 f"6-step run: {same}")
         return dict(straight=straight.losses, first=first.losses, resumed=second.losses, bit_identical=same), None, line
 
+    def hf_trainer():
+        r = ran("hf_trainer")
+        line = (f"unmodified Trainer on transformers_fsdp_config.json (accelerate's FSDP branch opened on CPU): FSDP2 on {r.world_size} ranks, "
+                f"{r.fsdp_units} units, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> from_pretrained diff "
+                f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff {r.resume['max_diff']:.1e}; the kit's recipe on the same "
+                f"file, loss diff {r.parity['max_loss_diff']:.1e}")
+        return asdict(r), None, line
+
     def plan():
         from fsdp_kit.plan import PlanSpec
         from fsdp_kit.plan_validate import validate, plot_validation
@@ -107,7 +117,7 @@ def _steps(nproc: int):
         return dict(validation=r, llama_2_70b_qlora=asdict(big)), plot_validation(r), line
 
     steps = [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora),
-            ("cp_eval", cp_eval), ("checkpoint", checkpoint), ("plan", plan)]
+            ("cp_eval", cp_eval), ("checkpoint", checkpoint), ("hf_trainer", hf_trainer), ("plan", plan)]
     return steps, shared
 
 

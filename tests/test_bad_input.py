@@ -6,6 +6,7 @@ from tests.badinput import Case, check_case
 pytestmark = pytest.mark.timeout(60)
 EP = "127.0.0.1:29400"
 TRAIN = ["train", "--steps", "4"]
+HF = ["hf", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json"]
 
 
 def rows():
@@ -98,6 +99,10 @@ def rows():
           Case("slurm-no-nodes", ["slurm", "--gpus-per-node", "8"], 2, "the following arguments are required: --nodes"),
           Case("hf-missing-file", ["hf", "--fsdp-config", "{tmp}/none.json"], 2, "none.json"),
           Case("hf-no-file", ["hf"], 2, "the following arguments are required: --fsdp-config"),
+          Case("hf-run-unknown", [*HF, "--run", "dpo"], 2, "--run='dpo' is not allowed: one of trainer, sft, qlora, native"),
+          Case("hf-run-sft-json", [*HF, "--run", "sft"], 2, "is not allowed: a .yaml or .yml file for sft"),
+          Case("hf-run-trainer-1-step", [*HF, "--run", "trainer", "--steps", "1"], 2, "--steps=1 is not allowed: 2 or more for trainer"),
+          Case("hf-run-and-check", [*HF, "--run", "trainer", "--check"], 2, "--check and --run: pick one"),
           Case("ckpt-missing-folder", ["ckpt", "{tmp}/none"], 2, "an existing checkpoint folder"),
           Case("ckpt-a-file", ["ckpt", "{tmp}/f"], 2, "an existing checkpoint folder", files={"f": "x"}),
           Case("no-command", [], 2, "the following arguments are required: command"),

@@ -39,6 +39,8 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     cp = report["cp_eval"]["data"]
     assert cp["cp_size"] == 2 and abs(cp["eval_loss"] - cp["eval_loss_reference"]) < 1e-5 and cp["predictions_match_reference"]
     assert report["checkpoint"]["data"]["bit_identical"] is True
+    hf = report["hf_trainer"]["data"]  # an unmodified Trainer through accelerate's FSDP branch, opened on CPU
+    assert hf["sharded"] and hf["param_type"] == "DTensor" and hf["load_check"]["max_weight_diff"] == 0 and hf["parity"]["max_loss_diff"] < 1e-5
 
 
 def test_no_subcommand_is_a_usage_error(cli):

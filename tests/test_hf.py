@@ -1,5 +1,8 @@
-"""The Trainer / Accelerate path: both spellings of a config and back; the silent CPU fallback to DDP is reported."""
-import json, subprocess, sys
+"""The Trainer / Accelerate path: both spellings of a config and back; the silent CPU fallback to DDP is reported, and the switch
+that opens accelerate's FSDP branch on CPU makes the same calls shard; the four Hugging Face workflows run on 2 CPU ranks (one
+launch each), shard with FSDP2 on every rank, and their output loads where users load it."""
+import json, math, subprocess, sys
+from pathlib import Path
 import pytest
 import yaml
 from fsdp_kit.config import FSDPConfig, load_fsdp_config, from_accelerate
@@ -64,6 +67,9 @@ def test_cli_check_reports_the_cpu_fallback(cli, tmp_path):
     assert not check["accelerate"]["sharded"]
     assert "did NOT shard the model" in check["trainer"]["verdict"] and "did NOT shard the model" in res.stdout
     assert check["kit"]["sharded"] and check["kit"]["local_parameters"] * 2 == check["kit"]["parameters"]
+    for key in ("accelerate_cpu_fsdp", "trainer_cpu_fsdp"):  # the same calls with enable_cpu_fsdp: FSDP2, half the parameters per rank
+        assert check[key]["sharded"] and check[key]["local_parameters"] * 2 == check[key]["parameters"]
+        assert check[key]["distributed_type"] == "DistributedType.FSDP" and check[key]["processes_seen"] == 2
 
 
 def test_cli_hf_bad_config(cli, tmp_path):
@@ -71,3 +77,79 @@ def test_cli_hf_bad_config(cli, tmp_path):
     bad.write_text(json.dumps({"version": 2, "reshard_after_forward": 3}))
     res = cli("hf", "--fsdp-config", bad)
     assert res.returncode == 2 and "reshard_after_forward=3 is not allowed" in res.stderr and "Traceback" not in res.stderr
+
+
+# --- the four workflows, run for real on 2 CPU ranks: one launch each, shared by the tests below ---
+FSDP_CONFIGS = ROOT / "examples" / "fsdp_configs"
+RUNS = dict(trainer=("transformers_fsdp_config.json", 10), sft=("accelerate_fsdp_lora.yaml", 4),
+            qlora=("accelerate_fsdp_qlora.yaml", 4), native=("transformers_fsdp_config.json", 4))
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    "fsdp-kit hf --run WORKFLOW, once per workflow for the whole module: (result JSON, stdout, seconds)."
+    import time
+    from tests.conftest import run_cli
+    done = {}
+    def run(workflow):
+        if workflow not in done:
+            folder, (name, steps) = tmp_path_factory.mktemp(workflow), RUNS[workflow]
+            start = time.time()
+            res = run_cli("hf", "--fsdp-config", FSDP_CONFIGS / name, "--run", workflow, "--nproc", 2, "--steps", steps,
+                          "--out", folder / "out", "--json", folder / "result.json", timeout=400)
+            assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+            done[workflow] = json.loads((folder / "result.json").read_text()), res.stdout, time.time() - start
+        return done[workflow]
+    return run
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("workflow", list(RUNS))
+def test_workflow_shards_on_every_rank_and_its_output_loads(hf_run, workflow):
+    r, stdout, _ = hf_run(workflow)
+    assert r["workflow"] == workflow and r["world_size"] == 2 and r["sharded"] is True and r["param_type"] == "DTensor"
+    assert len(r["per_rank"]) == 2 and all(p["sharded"] and p["local_parameters"] * 2 == p["parameters"] for p in r["per_rank"])
+    assert r["fsdp_units"] == len(r["units"]) >= 4  # decoder layers, embeddings, the tail and the root
+    assert set(r["mixed_precision_policy"]) == {"param_dtype", "reduce_dtype", "output_dtype"}
+    assert len(r["losses"]) == RUNS[workflow][1] and all(math.isfinite(l) for l in r["losses"])
+    assert Path(r["saved"]).is_dir() and "FSDP2 on every rank" in stdout
+    if workflow in ("trainer", "native"):
+        assert r["loaded_with"] == "AutoModelForCausalLM.from_pretrained" and r["load_check"]["max_weight_diff"] == 0
+    else:
+        assert r["loaded_with"] == "PeftModel.from_pretrained" and r["load_check"]["max_adapter_diff"] == 0
+        assert "adapter_model.safetensors" in r["load_check"]["files"] and r["load_check"]["adapter_tensors"] > 0
+        assert any("accelerate to-fsdp2" in n for n in r["notes"])  # the example YAML files are FSDP1 files
+    if workflow != "native": assert r["distributed_type"] == "DistributedType.FSDP"  # accelerate's branch, opened by the switch
+
+
+@pytest.mark.timeout(450)
+def test_trainer_resumes_a_sharded_checkpoint_and_matches_the_kit(hf_run):
+    r, _, _ = hf_run("trainer")
+    assert r["activation_checkpointing"] is True and r["mixed_precision_policy"] == dict(param_dtype=None, reduce_dtype=None, output_dtype=None)
+    resume = r["resume"]
+    assert resume["state_dict_type"] == "SHARDED_STATE_DICT" and any(f.endswith(".distcp") for f in resume["files"])
+    assert resume["resumed"] == r["losses"][5:] and resume["max_diff"] == 0
+    parity = r["parity"]  # fp32: the kit's recipe on the same file, model, rows and optimizer
+    assert len(parity["losses"]) == 10 and parity["max_loss_diff"] < 1e-5 and parity["max_param_diff"] < 1e-5
+    bf16 = parity["bf16"]  # bf16: both reduce in bf16; accelerate also casts the outputs (and autocasts), the kit does not
+    assert bf16["trainer_policy"] == dict(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype="bfloat16")
+    assert bf16["kit_policy"] == dict(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype=None) and bf16["max_loss_diff"] < 0.05
+    layers = lambda units: sorted(u["module"].replace("._checkpoint_wrapped_module", "") for u in units if "layers" in u["module"])
+    assert set(layers(r["units"])) == set(layers(parity["units"])) == {"model.layers.0", "model.layers.1"}  # the policy's units agree
+
+
+@pytest.mark.timeout(450)
+def test_qlora_shards_the_packed_4bit_base_in_its_storage_dtype(hf_run):
+    r, _, _ = hf_run("qlora")
+    assert r["mixed_precision_policy"]["param_dtype"] == "bfloat16"
+    assert any("Linear4bit" in n and "bfloat16" in n for n in r["notes"])
+    sft, _, _ = hf_run("sft")
+    assert r["per_rank"][0]["parameters"] < sft["per_rank"][0]["parameters"]  # 4-bit weights, packed
+
+
+@pytest.mark.timeout(450)
+def test_native_path_needs_no_accelerate_and_shows_its_plan(hf_run):
+    r, _, _ = hf_run("native")
+    assert r["distributed_type"] == "DistributedType.MULTI_CPU"  # the Trainer leaves a model transformers sharded alone
+    assert any(n.startswith("fsdp_plan:") and "model.layers.*" in n for n in r["notes"])
+    assert {u["module"] for u in r["units"]} >= {"model.layers.0", "model.layers.1", "lm_head", ""}
