@@ -59,3 +59,9 @@ def _fsdp_settings(cfg):
                         param_dtype=str(group.mp_policy.param_dtype), reduce_dtype=str(group.mp_policy.reduce_dtype),
                         reshard_to=None if post is None else post.mesh.size(-1)))
     return out
+
+
+def qlora_each(specs):
+    "qlora_worker for each spec in turn on this process group: rank 0's results (torchrun only: peft and bitsandbytes are imported)."
+    from fsdp_kit.qlora import qlora_worker
+    return [qlora_worker(s) for s in specs]

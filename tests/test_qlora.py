@@ -163,14 +163,13 @@ def test_cli_qlora_bfloat16_trains_matches_saves_and_saves_memory(cli, tmp_path)
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
 
 
-@pytest.mark.parametrize("storage, mixed_precision", [("uint8", None), ("float32", "fp32")])
-def test_cli_qlora_other_storages(cli, tmp_path, storage, mixed_precision):
-    extra = ["--mixed-precision", mixed_precision] if mixed_precision else []
-    out = cli("qlora", "--nproc", 2, "--quant-storage", storage, *extra, "--steps", 2, "--json", tmp_path / "out.json", timeout=280)
-    assert out.returncode == 0, out.stderr
-    r = json.loads((tmp_path / "out.json").read_text())
-    assert r["param_dtype"] is None and r["config"]["mixed_precision"] == "no"  # uint8: none; fp32 is the old spelling of no
-    assert mixed_precision is None or "old spelling of --mixed-precision no" in out.stderr
-    assert r["sharded_vs_unsharded_loss_diff"] < 1e-4
-    assert all(s["dtype"] == storage and s["stored"] == s["predicted"] for s in r["storage_shapes"].values())
-    assert r["adapter"]["every_rank_share_saved"] and r["adapter"]["reload_loss_diff"] < 1e-4 and r["adapter"]["path"] is None
+def test_other_storages_in_one_launch():
+    "uint8 storage without mixed precision, and float32 storage with no mixed precision (fp32 compute): both pack, shard, match one process and save their adapter."
+    from fsdp_kit.launch import launch
+    from tests.helpers import qlora_each
+    specs = [QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2)]
+    for spec, r in zip(specs, launch(qlora_each, specs, nprocs=2, launcher="torchrun", timeout=200)):
+        assert r.param_dtype is None  # uint8: no mixed precision; fp32 is accelerate's "no"
+        assert r.sharded_vs_unsharded_loss_diff < 1e-4
+        assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r.storage_shapes.values())
+        assert r.adapter["every_rank_share_saved"] and r.adapter["reload_loss_diff"] < 1e-4 and r.adapter["path"] is None
