@@ -36,7 +36,7 @@ def environ(env:dict):
     finally: os.environ.clear(); os.environ.update(saved)
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_")  # torchrun's: read inside a worker, they would make TrainingArguments join the worker's process group
+              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # torchrun's (and every TORCHELASTIC_*): read inside a worker, they would make TrainingArguments join the worker's process group
 
 def clean_environ() -> dict:
     "This process's environment without accelerate's and FSDP's own variables, nor torchrun's: a fresh shell's."
