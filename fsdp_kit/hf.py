@@ -7,7 +7,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/hf.html.md"""
 # %% auto #0
 __all__ = ['MIXED_PRECISION_FLAGS', 'SPELLINGS', 'TRANSFORMERS', 'ACCELERATE', 'PLUGIN', 'CPU_FSDP_LINE', 'training_arguments',
            'accelerate_config', 'accelerate_yaml', 'from_training_arguments', 'fsdp_report', 'require_fsdp2',
-           'enable_cpu_fsdp', 'plugin_kwargs', 'hf_worker']
+           'enable_cpu_fsdp', 'plugin_kwargs', 'TokenRows', 'hf_worker']
 
 # %% ../nbs/09_hf.ipynb #cd5036dd
 from dataclasses import fields
@@ -164,13 +164,15 @@ def plugin_kwargs(cfg:FSDPConfig) -> dict:
     return kw
 
 # %% ../nbs/09_hf.ipynb #fb5a22cd
-class _Tokens:
-    "A map-style dataset of synthetic sequences for the Trainer."
-    def __init__(self, vocab_size:int, rows:int=16, seq_len:int=32): self.vocab_size, self.rows, self.seq_len = vocab_size, rows, seq_len
+class TokenRows:
+    "A map-style dataset for the Trainer: row k of the kit's synthetic data, laid out so that its sequential sampler feeds rank r the rows `rank_rows` gives it."
+    def __init__(self, vocab_size:int, rows:int, seq_len:int, world_size:int, batch:int, seed:int=0, offset:int=0):
+        self.vocab_size, self.rows, self.seq_len, self.global_rows, self.seed, self.offset = vocab_size, rows, seq_len, world_size * batch, seed, offset
     def __len__(self): return self.rows
-    def __getitem__(self, i):
+    def __getitem__(self, k):
         from fsdp_kit.models import synthetic_tokens
-        t = synthetic_tokens(self.vocab_size, 1, self.seq_len, step=i)[0]
+        step, row = divmod(k + self.offset, self.global_rows)
+        t = synthetic_tokens(self.vocab_size, self.global_rows, self.seq_len, step, self.seed)[row]
         return dict(input_ids=t, labels=t)
 
 # %% ../nbs/09_hf.ipynb #d93e42b2
@@ -195,7 +197,7 @@ def _with_trainer(cfg:FSDPConfig, model, out_dir:str) -> dict:
     args = TrainingArguments(output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, report_to=[], save_strategy="no",
                              disable_tqdm=True, logging_strategy="no", use_cpu=not torch.cuda.is_available(),
                              ddp_find_unused_parameters=False, **training_arguments(cfg))
-    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(model.config.vocab_size))
+    trainer = Trainer(model=model, args=args, train_dataset=TokenRows(model.config.vocab_size, 16, 32, 1, 1))
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict would be printed by every rank
     loss = trainer.train().training_loss
     return fsdp_report(trainer.model_wrapped, "Trainer") | dict(distributed_type=str(trainer.accelerator.distributed_type),

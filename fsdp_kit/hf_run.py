@@ -6,15 +6,15 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 
 # %% auto #0
 __all__ = ['WORKFLOWS', 'DEFAULT_CONFIGS', 'SFT_RUN_LIMIT', 'HFRunSpec', 'HFRunResult', 'unit_table', 'fsdp_facts',
-           'confirm_fsdp2', 'TokenRows', 'base_checkpoint', 'trainer_arguments', 'trainer_losses', 'full_state_dict',
-           'kit_parity', 'trainer_worker', 'word_corpus', 'word_tokenizer', 'sft_command', 'run_sft', 'native_worker',
-           'run_workflow']
+           'confirm_fsdp2', 'base_checkpoint', 'trainer_arguments', 'trainer_losses', 'full_state_dict', 'kit_parity',
+           'trainer_worker', 'word_corpus', 'word_tokenizer', 'sft_command', 'run_sft', 'native_worker', 'run_workflow']
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c001
 import json, os, subprocess, sys, time, warnings
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from .errors import KitError, bad_value, require_whole, require_positive, require_seed, require_model
+from .hf import TokenRows
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c002
 WORKFLOWS = ("trainer", "sft", "qlora", "native")
@@ -126,17 +126,6 @@ def confirm_fsdp2(model, where:str) -> dict:
     return facts | dict(per_rank=ranks)
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c005
-class TokenRows:
-    "Row k of the kit's synthetic data, laid out so that the Trainer's sequential sampler feeds rank r the rows `rank_rows` gives it."
-    def __init__(self, vocab_size:int, rows:int, seq_len:int, world_size:int, batch:int, seed:int=0, offset:int=0):
-        self.vocab_size, self.rows, self.seq_len, self.global_rows, self.seed, self.offset = vocab_size, rows, seq_len, world_size * batch, seed, offset
-    def __len__(self): return self.rows
-    def __getitem__(self, k):
-        from fsdp_kit.models import synthetic_tokens
-        step, row = divmod(k + self.offset, self.global_rows)
-        t = synthetic_tokens(self.vocab_size, self.global_rows, self.seq_len, step, self.seed)[row]
-        return dict(input_ids=t, labels=t)
-
 def base_checkpoint(spec:HFRunSpec, folder:str) -> str:
     "The preset's weights saved with `save_pretrained` by rank 0 into `folder`/base (the 'pretrained' model every workflow starts from)."
     from fsdp_kit.models import model_config, build_model
