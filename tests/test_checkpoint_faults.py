@@ -208,7 +208,7 @@ def vanish_worker(ck:str) -> dict:
 @pytest.mark.timeout(120)
 def test_checkpoint_vanishing_while_loading_falls_back(tmp_path):
     from fsdp_kit.launch import launch
-    r = launch(vanish_worker, str(tmp_path / "ck"), nprocs=2, launcher="torchrun", timeout=60)
+    r = launch(vanish_worker, str(tmp_path / "ck"), nprocs=2, timeout=60)
     assert r["first_step"] == 2, r
     assert any(n.startswith("step-000004 vanished while loading: could not be read (rank ") and n.endswith("; resumed from step-000002")
                for n in r["notes"]), r["notes"]
@@ -251,7 +251,7 @@ def test_disk_full_save_ends_cleanly(tmp_path):
     ck.mkdir()
     mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(ck)], capture_output=True).returncode == 0
     try:
-        r = launch(disk_full_worker, str(ck), not mounted, nprocs=2, launcher="torchrun", timeout=60)
+        r = launch(disk_full_worker, str(ck), not mounted, nprocs=2, timeout=60)
         assert len(set(r["errors"])) == 1 and r["errors"][0], r  # the same one-line error on every rank
         message = r["errors"][0]
         assert message.startswith(f"no space left on {'tmpfs at ' + str(ck) if mounted else ''}") and "for checkpoint step-000004 in ckpt=" in message

@@ -1,5 +1,7 @@
 """Nothing outlives its launcher: SIGKILL, SIGTERM or SIGINT of `fsdp-kit train` stops every worker, nothing writes to the
-checkpoint folder afterwards, and --resume then finishes bit-identically to an uninterrupted run. Silent waits are bounded."""
+checkpoint folder afterwards, each leaves a complete checkpoint, and --resume after SIGKILL finishes bit-identically to an
+uninterrupted run (resuming is the same code however the run ended; test_checkpoint resumes after SIGKILL mid-save too).
+Silent waits are bounded."""
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
 import psutil, pytest
@@ -53,12 +55,14 @@ def test_killing_the_launcher_stops_every_worker_and_resume_is_bit_identical(tmp
     for how in ("SIGTERM", "SIGINT"):
         err = (tmp_path / f"{how}.err").read_text()
         assert f"interrupted ({how}): the workers were stopped" in err and "Traceback" not in err, err[-2000:]
-    # each run resumes from its last checkpoint and trains 4 more steps; the schedule is constant, so the first
-    # steps of one uninterrupted run are what every resumed run must reproduce
+    # every run left a complete latest checkpoint; the SIGKILLed one (no handler ran) resumes and trains 4 more steps; the
+    # schedule is constant, so the first steps of one uninterrupted run are what the resumed run must reproduce
+    from fsdp_kit.checkpoint import verify
     last = {how: int(os.readlink(tmp_path / how / "latest").removeprefix("step-")) for how in seen}
-    ref = _start([*RUN, "--steps", max(last.values()) + 4, "--ckpt", tmp_path / "ref", "--json", tmp_path / "ref.json"], tmp_path, "ref")
+    assert all(verify(tmp_path / how / "latest") == [] for how in seen)
+    ref = _start([*RUN, "--steps", last["SIGKILL"] + 4, "--ckpt", tmp_path / "ref", "--json", tmp_path / "ref.json"], tmp_path, "ref")
     resumed = {how: _start([*RUN, "--steps", last[how] + 4, "--ckpt", tmp_path / how, "--resume", "--json", tmp_path / f"{how}.json"],
-                           tmp_path, f"{how}-resume") for how in seen}
+                           tmp_path, f"{how}-resume") for how in ["SIGKILL"]}
     assert ref.wait(240) == 0, (tmp_path / "ref.err").read_text()[-3000:]
     reference = json.loads((tmp_path / "ref.json").read_text())["losses"]
     for how, proc in resumed.items():

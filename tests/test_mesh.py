@@ -48,12 +48,7 @@ def test_cli_mesh_hsdp_json(cli):
     data = json.loads(out.stdout)
     assert data["grid"] == [[0, 1], [2, 3]] and data["axis_names"] == ["dp_replicate", "dp_shard"]
     assert data["groups"]["dp_shard"] == [[0, 1], [2, 3]] and data["world_size"] == 4
-
-
-def test_cli_mesh_cp_names_flattened_group(cli):
-    out = cli("mesh", "--nproc", 4, "--dp-shard", 2, "--cp", 2, "--json")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["groups"]["dp_shard_cp"] == [[0, 1, 2, 3]]
+    # the flattened dp_shard_cp group of a CP layout: test_layouts_on_4_processes_in_one_launch, the same worker forked
 
 
 def test_cli_mesh_refuses_bad_sizes_without_traceback(tmp_path):

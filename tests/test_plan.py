@@ -1,8 +1,6 @@
-"""The planner: exact parameter counts from the meta device, predictions beside real runs (torchrun), the stored full matrix,
-GPU plans for large models without real memory, refusals, and the CLI.
-
-Runs use launcher="torchrun": a QLoRA setting imports peft and bitsandbytes in the worker processes only.
-"""
+"""The planner: exact parameter counts from the meta device, predictions beside real runs (forked workers: a QLoRA setting
+imports peft and bitsandbytes in them, never in this process), the stored full matrix, GPU plans for large models without real
+memory, refusals, and the CLI."""
 import json, resource
 import pytest
 from fsdp_kit.errors import KitError
@@ -30,7 +28,7 @@ def test_unknown_model_refused():
 def test_predictions_beside_real_runs():
     "Three settings on 2 ranks in one launch: totals within 5%, collective bytes exact."
     specs = [PlanSpec("small", 2, reshard_after_forward=False), PlanSpec("tiny", 2, activation_checkpointing=True), PlanSpec("tiny", 2, method="lora")]
-    result = validate(specs, launcher="torchrun", timeout=120)
+    result = validate(specs, launcher="notebook", timeout=120)
     assert [r["config"]["label"] for r in result["runs"]] == [s.label() for s in specs]
     for r in result["runs"]:
         assert abs(r["predicted_bytes"] - r["measured_bytes"]) <= 0.05 * r["measured_bytes"], r
@@ -98,15 +96,15 @@ def test_published_rows_explained():
 
 
 def test_cli(cli, tmp_path):
+    from tests.badinput import Case, run_case, refused
     out = tmp_path / "models.json"
-    r = cli("plan", "--list-models", "--json", out, timeout=120)
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_case(Case("list-models", ["plan", "--list-models", "--json", out], 0, ""), tmp_path)  # in this process
+    assert code == 0, err
     models = {m["name"]: m["parameters"] for m in json.loads(out.read_text())["models"]}
     assert models["llama-2-7b"] == 6_738_415_616 and len(models) >= 8
-    out = tmp_path / "plan.json"
+    out = tmp_path / "plan.json"  # the installed command, in a process of its own
     r = cli("plan", "--model", "llama-3-8b", "--gpus", "4", "--gpu-mem-gb", "24", "--method", "lora", "--grad-ckpt", "--json", out, timeout=120)
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
     assert p == json.loads(json.dumps(vars(plan_gpu("llama-3-8b", gpus=4, gpu_mem_gb=24, method="lora", grad_ckpt=True))))
-    r = cli("plan", "--model", "llama-9", timeout=120)
-    assert r.returncode == 2 and "llama-2-7b" in r.stderr and "Traceback" not in r.stderr
+    refused(["plan", "--model", "llama-9"], "llama-2-7b", tmp_path)

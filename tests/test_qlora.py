@@ -168,7 +168,7 @@ def test_other_storages_in_one_launch():
     from fsdp_kit.launch import launch
     from tests.helpers import qlora_each
     specs = [QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2)]
-    for spec, r in zip(specs, launch(qlora_each, specs, nprocs=2, launcher="torchrun", timeout=200)):
+    for spec, r in zip(specs, launch(qlora_each, specs, nprocs=2, timeout=200)):
         assert r.param_dtype is None  # uint8: no mixed precision; fp32 is accelerate's "no"
         assert r.sharded_vs_unsharded_loss_diff < 1e-4
         assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r.storage_shapes.values())

@@ -39,8 +39,8 @@ def _watched(args, tmp, name, deadline):
 
 @pytest.fixture(scope="module")
 def hang(tmp_path_factory):
-    "A run whose rank 1 hangs after step 2, with --timeout 30: started first, checked after the crash, so the two waits overlap."
-    return _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "hang", "--fault-rank", 1, "--fault-step", 2, "--timeout", 30],
+    "A run whose rank 1 hangs after step 2, with --timeout 15: started first, checked after the crash, so the two waits overlap."
+    return _watched([*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "hang", "--fault-rank", 1, "--fault-step", 2, "--timeout", 15],
                     tmp_path_factory.mktemp("hang"), "hang", 150)
 
 
@@ -87,4 +87,4 @@ def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang
     code, err, seconds, alive = hang()
     assert code == 1 and seconds < 120 and alive == [], (seconds, err[-3000:])
     assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err, err[-3000:]
-    assert "(no progress for 30 s). Rank 1 was in inject_fault" in err, err[-3000:]
+    assert "(no progress for 15 s). Rank 1 was in inject_fault" in err, err[-3000:]

@@ -73,7 +73,7 @@ def test_sharded_parameter_bytes_are_total_over_world_size(world):
 def test_cli_runs_an_example_config_unchanged(cli, tmp_path):
     "The compare command on an accelerate YAML as it is (all three example files are run by `fsdp-kit train` in tests/test_fsdp_config_runs.py)."
     name = "accelerate_fsdp_lora.yaml"
-    out = cli("compare", "--nproc", 2, "--model", "small", "--fsdp-config", ROOT / "examples" / "fsdp_configs" / name, "--json", tmp_path / "o.json")
+    out = cli("compare", "--nproc", 2, "--model", "tiny", "--fsdp-config", ROOT / "examples" / "fsdp_configs" / name, "--json", tmp_path / "o.json")
     assert out.returncode == 0, out.stderr
     data = json.loads((tmp_path / "o.json").read_text())
     assert len(data["runs"]) == 1 and data["runs"][0]["peak_bytes"]["total"] > 0
