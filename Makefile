@@ -13,11 +13,11 @@ nbdev-test:        ## nbdev's own runner over every notebook (cells flagged note
 	nbdev-test --n-workers 1 --timing --cell-timeout 300 --file-re '^(0[1-5]|10[ab]_|benchmarks|index)'  # the cheap ones in one process
 	@for nb in nbs/0[6-9]*.ipynb nbs/10_*.ipynb nbs/11*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # the heavy ones (cp, checkpoint, plan*, hf, launch, scale), a fresh process each
 
-pytest:            ## the test suite: real multi-process runs and bad-input cases
-	python -m pytest -q --durations=15 tests --ignore=tests/test_sync.py
+pytest:            ## the test suite: real multi-process runs and bad-input cases (pytest-xdist: two files at a time, each file in one process)
+	python -m pytest -q -n 2 --dist loadfile --durations=15 tests --ignore=tests/test_sync.py  # two test files at a time: their launches wait as much as they compute
 
 nbval:             ## run every notebook again and compare the outputs marked NBVAL_CHECK_OUTPUT
-	python -m pytest -q --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider nbs
+	python -m pytest -q -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider nbs  # two notebooks at a time, each in its own kernel
 
 tour:
 	fsdp-kit tour --out tour

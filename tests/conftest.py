@@ -2,11 +2,17 @@ import os, sys, tempfile
 from pathlib import Path
 import pytest
 
-# every temporary folder of this session (ours, torch's, torchrun's, the workers') under one fresh root, so that
-# tests/test_zz_leftovers.py can check that nothing the kit made was left behind
-SESSION_TMP = Path(tempfile.mkdtemp(prefix="fsdp_kit_tests_"))
+# every temporary folder of this session (ours, torch's, torchrun's, the workers') under one fresh root, a folder per pytest
+# process (the xdist workers of `make pytest` inherit the root from the process that started them), so that the end of the
+# session can check that nothing the kit made was left behind
+TESTS_TMP = Path(os.environ.get("FSDP_KIT_TESTS_TMP") or tempfile.mkdtemp(prefix="fsdp_kit_tests_"))
+os.environ["FSDP_KIT_TESTS_TMP"] = str(TESTS_TMP)
+SESSION_TMP = TESTS_TMP / os.environ.get("PYTEST_XDIST_WORKER", "main")
+SESSION_TMP.mkdir(exist_ok=True)
 os.environ["TMPDIR"] = str(SESSION_TMP)
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+assert tempfile.gettempdir() == str(SESSION_TMP)
+LEFTOVERS = ("fsdp_kit_run_*", "torchelastic_*")  # a launch's run folder, torchrun's log folder
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "configs"
@@ -30,3 +36,12 @@ def _forkable():
     yield
     from fsdp_kit.launch import fork_traps
     assert fork_traps() == [], "this test imported peft or bitsandbytes into the test process; do that in a subprocess"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    "Once every test has run (in the process that started the xdist workers, after they are all done): fail the session if any launch left its folder behind."
+    if os.environ.get("PYTEST_XDIST_WORKER"): return
+    left = sorted(str(p.relative_to(TESTS_TMP)) for pattern in LEFTOVERS for p in TESTS_TMP.glob(f"*/{pattern}"))
+    if left:
+        print(f"\nFAILED: launches left their folders behind in {TESTS_TMP}: {left}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -81,7 +81,7 @@ def test_a_missing_node_fails_within_the_rendezvous_timeout_naming_it(cli):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "node 0: waiting for node(s) 1 of 2 at 127.0.0.1:" in out.stderr
     assert "node(s) 1 of 2 never joined the rendezvous" in out.stderr and "within 12 s" in out.stderr
-    assert 12 <= took < 60
+    assert 12 <= took < 120  # bounded by --rdzv-timeout, far from torchrun's 600 s default (startup is slower on a busy machine)
 
 
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
