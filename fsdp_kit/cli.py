@@ -4,6 +4,7 @@
     fsdp-kit mesh --nproc 4 --dp-replicate 2 --dp-shard 2 --json
     fsdp-kit train --nproc 2 --model tiny --steps 10 --check-parity --json out.json
     fsdp-kit train --nproc 2 --steps 20 --ckpt ckpt --save-every 5 --resume --json out.json
+    fsdp-kit train --nproc 4 --dp-replicate 2 --dp-shard 2 --check-parity   # HSDP: 2 replicas, each sharded over 2 ranks
     fsdp-kit train --nnodes 2 --node-rank 0 --nproc 2 --rdzv-endpoint node0:29400 --steps 20   # and --node-rank 1 on node1
     fsdp-kit train --nproc 2 --steps 20 --ckpt ckpt --save-every 2 --max-restarts 1 --inject-fault crash --fault-rank 1 --fault-step 5
     fsdp-kit slurm --nodes 4 --gpus-per-node 8 --time 01:00:00 -- train --model small --steps 100 > job.sh
@@ -97,7 +98,7 @@ def _cmd_train(a):
             _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
-    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
+    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
                      check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt).check(a.nnodes * a.nproc)
     # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
     check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8)
@@ -113,6 +114,8 @@ def _cmd_train(a):
     text = f"{s['nodes']} node(s) x {s['ranks_per_node']} = " if s["nodes"] > 1 else ""
     for r in s["restarts"]: text += f"restart {r['attempt'] + 1}: attempt {r['attempt']} ended after step {s['attempts'][r['attempt']]['last_step']} (rank {r['rank']} {r['kind']})\n"
     if s["attempt"]: text += f"the last attempt resumed from step {result.first_step}\n"
+    mesh = spec.mesh.resolve(result.world_size)
+    if mesh.dp_replicate > 1: text += f"HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards (parameters sharded over {mesh.dp_shard} ranks, gradients all-reduced across replicas)\n"
     text += f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
     if result.losses: text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
@@ -128,7 +131,7 @@ def _cmd_train(a):
         d = result.adapter
         text += (f"\nLoRA adapter: {d['tensors']} tensors, every rank's rows saved: {d['every_rank_share_saved']}, "
                  f"reloaded with peft: loss diff {d['reload_loss_diff']:.1e}" + (f", in {d['path']}" if d["path"] else ""))
-    emit(result, a.json, text)
+    emit(asdict(result) | dict(mesh=asdict(mesh)), a.json, text)  # the mesh sizes it ran on, -1 filled in
 
 
 def _override(flag: str, value, field: str, was, source: str):
@@ -361,6 +364,12 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _mesh_flags(s):
+    "The data-parallel mesh sizes, spelled as `MeshSpec` / `RunSpec` name them."
+    s.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP: each replica shards over --dp-shard ranks)")
+    s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills the rest")
+
+
 def parser() -> argparse.ArgumentParser:
     "The `fsdp-kit` argument parser."
     p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.")
@@ -377,14 +386,14 @@ def parser() -> argparse.ArgumentParser:
 
     add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
     s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
-    s.add_argument("--dp-replicate", type=int, default=1, help="replicas (HSDP)")
-    s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills the rest")
+    _mesh_flags(s)
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the root)")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    _mesh_flags(s)
     s.add_argument("--fsdp-config", metavar="FILE", help="the FSDP config to run: a transformers fsdp_config .json or an accelerate .yaml (default: a unit per decoder layer, fp32)")
     s.add_argument("--mixed-precision", default=None, help="no, bf16 or fp16: the dtype FSDP computes in (overrides the config's mixed_precision)")
     s.add_argument("--reduce-dtype", default=None, help="fp32, bf16 or fp16: the dtype gradients are reduced in (default: accelerate's, the compute dtype)")

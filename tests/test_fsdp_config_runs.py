@@ -86,6 +86,7 @@ def test_train_runs_each_example_config_and_reports_it(tmp_path):
         r, cfg = json.loads((tmp_path / f"{path.stem}.json").read_text()), load_fsdp_config(path)
         assert {k: v for k, v in r["config"].items() if k != "notes"} == {k: v for k, v in asdict(cfg).items() if k != "notes"}
         assert r["units"][-1]["module"] == "" and len(r["units"]) == 3 and r["losses"][-1] < r["losses"][0]
+        assert r["mesh"] == dict(dp_replicate=1, dp_shard=2, cp=1)  # the mesh it ran on, -1 filled in
         assert f"{len(r['units'])} FSDP unit(s) by {cfg.auto_wrap_policy}" in out
         if r["max_param_diff"] is not None: assert r["max_param_diff"] <= 1e-4
 

@@ -10,6 +10,19 @@ from tests.badinput import refused
 pytestmark = pytest.mark.timeout(240)
 
 
+def test_hsdp_shards_within_a_replica_and_trains_like_one_process(tmp_path):
+    "--dp-replicate 2 --dp-shard 2 on 4 ranks: each rank holds half the parameters (not a quarter), and the run matches one process."
+    from fsdp_kit.launch import launch
+    from tests.helpers import train_each
+    hsdp, fsdp = launch(train_each, [TrainSpec(steps=3, seq_len=32, check_parity=True, dp_replicate=2, dp_shard=2),
+                                     TrainSpec(steps=3, seq_len=32)], nprocs=4, timeout=200)
+    assert hsdp.world_size == 4 and hsdp.max_param_diff <= 1e-5 and hsdp.losses[-1] < hsdp.losses[0]
+    assert max(abs(a - b) for a, b in zip(hsdp.losses, hsdp.reference_losses)) < 1e-5
+    half, quarter = hsdp.peak_bytes["sharded_params"], fsdp.peak_bytes["sharded_params"]
+    assert 1.9 < half / quarter < 2.1, (half, quarter)  # sharded over 2 ranks, not 4 (padding aside)
+    refused(["train", "--nproc", 4, "--dp-replicate", 3, "--dp-shard", 2], "--dp-replicate=3, --dp-shard=2", tmp_path)
+
+
 def test_other_architectures_train_like_one_process():
     "Qwen2 (GQA) and Mistral built from their config.json files, one launch: losses fall and match one process (the tiny Llama's parity is the training lesson's, nbs/01_train.ipynb)."
     from fsdp_kit.launch import launch
