@@ -141,7 +141,7 @@ def plan_text(p:GPUPlan) -> str:
                  f"(cpu_ram_efficient_loading) or {p.host_load_bytes['every_process_loads'] / GB:.1f} GB (every process loads)")
     c = p.communication
     lines.append(f"communication per GPU per step: all-gather {c.get('all_gather', {}).get('bytes', 0) / GB:.2f} GB in {c.get('all_gather', {}).get('count', 0)} calls, "
-                 f"reduce-scatter {c.get('reduce_scatter', {}).get('bytes', 0) / GB:.2f} GB in {c.get('reduce_scatter', {}).get('count', 0)}"
+                 f"reduce-scatter {c.get('reduce_scatter', {}).get('bytes', 0) / GB:.2f} GB in {c.get('reduce_scatter', {}).get('count', 0)} calls"
                  + (f", host-device {c['host_device']['bytes'] / GB:.2f} GB" if "host_device" in c else "")
                  + (f", context parallel {c['context_parallel']['bytes'] / GB:.2f} GB" if c["context_parallel"]["bytes"] else ""))
     return "\n".join(lines)
