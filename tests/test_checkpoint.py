@@ -122,8 +122,9 @@ def test_damaged_checkpoint_is_skipped_then_refused(cli, runs, tmp_path):
     r = json.loads(out.read_text())
     assert r["first_step"] == 15 and r["losses"] == runs["straight"]["losses"][15:]
     for folder in ck.glob("step-*"): (folder / "trainer_state.pt").write_bytes(b"x")
-    refused([*TRAIN, "--steps", 20, "--ckpt", ck, "--resume"], "no complete checkpoint in", tmp_path)
-    refused([*TRAIN, "--steps", 20, "--ckpt", ck, "--resume"], "trainer_state.pt has 1 bytes", tmp_path)
+    code, _, err = run_case(Case("damaged-everywhere", [*TRAIN, "--steps", 20, "--ckpt", ck, "--resume"], 2, ""), tmp_path)
+    assert code == 2 and "Traceback" not in err
+    assert "no complete checkpoint in" in err and "trainer_state.pt has 1 bytes" in err
 
 
 def test_lora_adapter_saved_whole_and_reloads(cli, tmp_path):
