@@ -70,6 +70,27 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0)) if "TORCHELASTIC_RUN_ID" in os.environ else 0
 
 
+def check_before_launch(fits: dict) -> dict:
+    """Refuse, before launching, a model that cannot build (`check_model`: a preset needs no transformers import) and, for a config.json,
+    whose check has imported transformers already, a step that would not fit this machine (`check_fits`); return `fits`, which every worker
+    checks again (`fits_then`): for a preset, that is where the step's memory is first counted."""
+    from fsdp_kit.models import PRESETS, check_model
+    check_model(fits["model"])
+    if fits["model"] not in PRESETS:
+        from fsdp_kit.plan import check_fits
+        check_fits(**fits)
+    return fits
+
+
+def fits_then(fits: dict, fn, *args):
+    """What each worker of a training command runs: refuse a step that would not fit this machine's memory (`plan.check_fits(**fits)`), then
+    run `fn(*args)`. The check needs torch and transformers: the workers have imported them anyway, the launching process need not
+    (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing."""
+    from fsdp_kit.plan import check_fits
+    check_fits(**fits)
+    return fn(*args)
+
+
 def _cmd_env(a):
     from fsdp_kit.launch import environment
     env = environment()
@@ -87,7 +108,6 @@ def _cmd_mesh(a):
 def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
-    from fsdp_kit.plan import check_fits
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype)
@@ -100,14 +120,14 @@ def _cmd_train(a):
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
                      check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt).check(a.nnodes * a.nproc)
-    # a model that builds, and a step that fits this machine (a preset at its defaults: no transformers import)
-    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, a.nnodes, method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8)
+    fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
+                                    method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
         if a.resume:
             folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
             for note in notes: print(f"  {note}", file=sys.stderr)
-        result = launch(scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
+        result = launch(fits_then, fits, scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
                         node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts,
                         rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
     s = result.scale
@@ -211,14 +231,12 @@ def _cmd_compare(a):
     from fsdp_kit.config import load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
     from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
-    from fsdp_kit.plan import check_fits
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
     spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
                        reshard=[to_reshard("reshard", r.strip()) for r in a.reshard.split(",")],
                        min_num_params=a.min_num_params, fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
                        gradient_checkpointing=a.gradient_checkpointing)
     check_spec(spec, a.nproc)  # refuse bad configs before launching
-    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc)  # and a step that would not fit this machine
     notes = []
     if fsdp_config:
         print(f"{a.fsdp_config}: " + "; ".join(f"{k}={v!r}" for k, v in vars(fsdp_config).items() if k not in ("notes", "source")), file=sys.stderr)
@@ -226,7 +244,7 @@ def _cmd_compare(a):
         from fsdp_kit.wrap import lab_notes
         notes = fsdp_config.notes + lab_notes(fsdp_config, torch.cuda.is_available())  # the config's own notes stay as read
         for note in notes: print(f"  {note}", file=sys.stderr)
-    runs = launch(compare_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), compare_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -248,7 +266,6 @@ def _cmd_docs(a):
 
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.plan import check_fits
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     cfg = fsdp_config(a) if a.fsdp_config else None
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), load_in_8bit=a.load_in_8bit,
@@ -257,8 +274,8 @@ def _cmd_qlora(a):
     if cfg is not None:
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
               f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
-    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc, method="qlora", lora_r=spec.lora_r)  # builds, and a step fits this machine
-    r = launch(qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
+    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
             + f"\nfirst step sharded vs one process: |diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
@@ -280,13 +297,11 @@ def _precision(value, option="--mixed-precision"):
 
 def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.plan import check_fits
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    check_fits(spec.model, spec.batch, spec.seq_len, a.nproc)  # builds, and a step fits this machine
-    r = launch(cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
             f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")

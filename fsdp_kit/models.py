@@ -48,10 +48,10 @@ def _config_error(model, d:dict, e:Exception, what:str, blame:tuple=()) -> KitEr
 def model_config(model:str # a preset name, a config.json path, or a folder with one
                 ):
     "The transformers config for `model`, checked to be a causal LM transformers can build; a config.json is validated and tried (`try_config`)."
-    from transformers import AutoConfig, AutoModelForCausalLM
     is_path = str(model).endswith(".json") or "/" in str(model) or Path(model).exists()
     if not is_path and model not in PRESETS: raise bad_value("model", model, f"a preset ({', '.join(PRESETS)}) or a path to a config.json")
     d = dict(PRESETS[model]) if not is_path else read_config_json(Path(model))
+    from transformers import AutoConfig, AutoModelForCausalLM  # after the cheap refusals: importing it takes seconds
     try: config = AutoConfig.for_model(d.pop("model_type"), **d)
     except Exception as e: raise _config_error(model, d, e, "transformers' config validation") from None
     if type(config) not in AutoModelForCausalLM._model_mapping:

@@ -35,7 +35,6 @@ def rows():
           Case("train-keep-0", [*TRAIN, "--ckpt", "{tmp}/ck", "--keep", "0"], 2, "--keep=0"),
           Case("train-ckpt-is-a-file", [*TRAIN, "--ckpt", "{tmp}/f"], 2, "--ckpt=", files={"f": "x"}),
           Case("train-batch-huge", [*TRAIN, "--batch", "100000000"], 2, "--batch=100000000"),
-          Case("train-seq-len-huge", [*TRAIN, "--seq-len", "100000000"], 2, "--seq-len"),
           Case("train-model-unknown", [*TRAIN, "--model", "huge"], 2, "--model='huge'"),
           Case("train-model-missing-file", [*TRAIN, "--model", "{tmp}/none/config.json"], 2, "--model="),
           Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz")]
