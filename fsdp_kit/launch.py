@@ -115,6 +115,11 @@ def run_worker(fn, # the function each rank runs
     in_process = os.environ.get("FSDP_KIT_IN_PROCESS")
     if not in_process:
         die_with_parent()
+        import multiprocessing
+        if multiprocessing.parent_process() is not None:  # forked: it inherited the launching process's signal handlers
+            # Ctrl-C (Kernel > Interrupt signals the whole process group) and the SIGINT or SIGTERM the launcher then sends end it at once,
+            # even inside a collective, without a traceback per rank: the launching process says what happened, in one line
+            signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
         tempfile.tempdir = os.environ.get("FSDP_KIT_CALLER_TMPDIR") or None  # the caller pointed its own at the run folder
         # an empty file that only a rank which exits without an error or a result leaves empty; a SIGTERM fills it with the stacks
         faulthandler.register(signal.SIGTERM, open(Path(run_dir)/f"terminated-{rank_tag()}", "w"), all_threads=True, chain=True)
@@ -304,7 +309,10 @@ def free_port() -> int:
 @contextmanager
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    import importlib
+    importlib.import_module("torch.distributed.elastic.agent.server.api")  # its logger gets a level of its own when first imported: import it first
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn",
+                                              "torch.distributed.elastic.agent.server.api")]  # "Received 2 death signal" on Ctrl-C
     levels = [l.level for l in loggers]
     for l in loggers: l.setLevel(logging.CRITICAL)
     try: yield
@@ -335,7 +343,9 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     before = {p.pid for p in multiprocessing.active_children()}
     with _quiet_launch_logs(), redirect_stdout(_DropBanner(sys.stdout)):
         try: notebook_launcher(run_worker, (fn, args, backend, timeout, str(run_dir)), num_processes=nprocs, use_port=str(free_port()))
-        except Exception as e: return f"{type(e).__name__}: {str(e)[:500]}"
+        except Exception as e:
+            if type(e).__name__ == "SignalException": raise KeyboardInterrupt(signal.Signals(e.sigval).name) from None  # Kernel > Interrupt
+            return f"{type(e).__name__}: {str(e)[:500]}"
         finally:
             tempfile.tempdir = saved; os.environ.pop("FSDP_KIT_CALLER_TMPDIR", None)
             for p in multiprocessing.active_children():  # a failed or interrupted launch (Ctrl-C, a test's timeout) leaves no worker behind
@@ -491,6 +501,9 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
         result = collect(run_dir, _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes))
         for r in restarts(run_dir): print(f"torchrun restarted the workers after attempt {r['attempt']}: {r['message']}", file=sys.stderr)
         return result
+    except KeyboardInterrupt as e:  # Ctrl-C, or Kernel > Interrupt, which signals the workers too: one line, not every rank's traceback
+        raise KeyboardInterrupt(f"{getattr(fn, '__name__', 'the function')} on {nprocs} process(es) was interrupted "
+                                f"({e.args[0] if e.args else 'SIGINT'}); every worker was stopped") from None
     finally: shutil.rmtree(run_dir, ignore_errors=True)
 
 def check_specs(args:tuple, world_size:int):

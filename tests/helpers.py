@@ -65,3 +65,14 @@ def qlora_each(specs):
     "qlora_worker for each spec in turn on this process group: rank 0's results (torchrun only: peft and bitsandbytes are imported)."
     from fsdp_kit.qlora import qlora_worker
     return [qlora_worker(s) for s in specs]
+
+
+def all_reduce_forever(started: str):
+    "Every rank all-reduces in a loop until it is stopped; rank 0 writes the file `started` once the loop runs."
+    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0: open(started, "w").close()
+    while True:
+        dist.all_reduce(t)
+        time.sleep(0.01)

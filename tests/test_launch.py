@@ -4,6 +4,7 @@ import psutil, pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment
 from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -167,3 +168,34 @@ def test_an_interrupted_wait_kills_the_forked_workers():
     finally:
         signal.alarm(0); signal.signal(signal.SIGALRM, old)
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(180)
+def test_kernel_interrupt_during_a_launch_says_so_in_one_line(tmp_path):
+    "Kernel > Interrupt signals the kernel's whole process group, forked workers included: the kernel reports it in one line, no rank's traceback, and nothing is left running."
+    from jupyter_client.manager import start_new_kernel
+    started = tmp_path / "started"
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT))
+    try:
+        cell = f"from fsdp_kit.launch import launch\nfrom tests.helpers import all_reduce_forever\nlaunch(all_reduce_forever, {str(started)!r}, nprocs=2)"
+        msg_id, deadline = kc.execute(cell), time.monotonic() + 120
+        while not started.exists():
+            assert time.monotonic() < deadline, "the workers never started their loop"
+            time.sleep(0.2)
+        km.interrupt_kernel()  # what JupyterLab's Kernel > Interrupt does: SIGINT to the kernel's process group
+        out = []
+        while True:
+            m = kc.get_iopub_msg(timeout=60)
+            if m["parent_header"].get("msg_id") != msg_id: continue
+            if m["msg_type"] == "stream": out.append(m["content"]["text"])
+            elif m["msg_type"] == "error": out.append("\n".join(m["content"]["traceback"]))
+            elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle": break
+        text = re.sub(r"\x1b\[[0-9;]*m", "", "".join(out))
+        assert text.rstrip().endswith("KeyboardInterrupt: all_reduce_forever on 2 process(es) was interrupted (SIGINT); every worker was stopped"), text[-3000:]
+        assert "WorkerError" not in text and "SignalException" not in text and "death signal" not in text, text[-3000:]
+        assert len(text.splitlines()) < 20, text  # the cell's line and the kit's, not a traceback per rank
+        time.sleep(1)
+        assert psutil.Process(km.provisioner.process.pid).children(recursive=True) == []
+        assert kc.execute_interactive("print(6 * 7)", timeout=60)["content"]["status"] == "ok"  # the kernel goes on
+    finally:
+        km.shutdown_kernel(now=True)
