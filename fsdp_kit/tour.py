@@ -2,7 +2,8 @@
 
 Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
 `nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single `torchrun` launch
-(`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch.
+(`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch. Rank 0 prints each
+shared step's one-line result as that step ends, so the terminal shows progress while the launch runs.
 """
 import json, time
 from dataclasses import asdict
@@ -11,8 +12,50 @@ from pathlib import Path
 _SHARED = ("train", "compare", "qlora", "cp_eval", "checkpoint", "hf_trainer")  # the steps `labs_worker` runs
 
 
+def _train_line(r) -> str:
+    return (f"tiny Llama ({r.n_params:,} params) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
+            f"max parameter difference vs one process {r.max_param_diff:.1e}")
+
+
+def _compare_line(runs) -> str:
+    peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
+    return (f"small Llama on {runs[0].world_size} ranks, peak MiB per rank: per-layer {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} (reshard) / "
+            f"{peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (keep), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
+            f"all-gathers per step per-layer {runs[0].collectives['all_gather']['count']}, per-Linear "
+            f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
+
+
+def _qlora_line(r) -> str:
+    mib = lambda key: max(r.peak_bytes[key]) / 2**20
+    return (f"LoRA on a 4-bit tiny Llama (bfloat16 storage) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
+            f"first step vs one process {r.sharded_vs_unsharded_loss_diff:.1e}, peak MiB per rank 4-bit {mib('qlora'):.2f} vs bf16 base "
+            f"{mib('bf16_lora'):.2f}, adapter reload diff {r.adapter['reload_loss_diff']:.1e}")
+
+
+def _cp_eval_line(r) -> str:
+    return (f"context-parallel eval, cp={r.cp_size} ({r.rotate_method}), {r.tokens} valid tokens: eval_loss {r.eval_loss:.6f} vs one "
+            f"process without CP {r.eval_loss_reference:.6f} (|diff| {r.loss_diff:.1e}); gathered predictions equal: {r.predictions_match_reference}")
+
+
+def _checkpoint_line(runs) -> str:
+    straight, first, second = runs
+    return (f"sharded checkpoint at step 3, resumed to step 6 from step {second.first_step}: losses bit-identical to one "
+            f"6-step run: {first.losses + second.losses == straight.losses}")
+
+
+def _hf_trainer_line(r) -> str:
+    return (f"unmodified Trainer on transformers_fsdp_config.json (accelerate's FSDP branch opened on CPU): FSDP2 on {r.world_size} ranks, "
+            f"{r.fsdp_units} units, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> from_pretrained diff "
+            f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff {r.resume['max_diff']:.1e}; the kit's recipe on the same "
+            f"file, loss diff {r.parity['max_loss_diff']:.1e}")
+
+
+SUMMARY = dict(train=_train_line, compare=_compare_line, qlora=_qlora_line, cp_eval=_cp_eval_line, checkpoint=_checkpoint_line,
+               hf_trainer=_hf_trainer_line)  # the one-line result of each shared step
+
+
 def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
-    "Run the shared steps in this process group, in order; {step: (result, seconds)}. Rank 0 prints each step as it starts."
+    "Run the shared steps in this process group, in order; {step: (result, seconds)}. Rank 0 prints each step as it starts and its result as it ends."
     import torch.distributed as dist
     from fsdp_kit.train import TrainSpec, train_worker
     from fsdp_kit.wrap import CompareSpec, compare_worker
@@ -32,6 +75,7 @@ def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
         if dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout reaches the terminal
         start = time.time()
         out[name] = (work[name](), time.time() - start)
+        if dist.get_rank() == 0: print(f"      {SUMMARY[name](out[name][0])}", flush=True)
     return out
 
 
@@ -61,49 +105,30 @@ def _steps(nproc: int):
 
     def train():
         r = ran("train")
-        line = (f"tiny Llama ({r.n_params:,} params) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
-                f"max parameter difference vs one process {r.max_param_diff:.1e}")
-        return asdict(r), plot_losses(r), line
+        return asdict(r), plot_losses(r), _train_line(r)
 
     def compare():
         from fsdp_kit.wrap import plot_compare
         runs = ran("compare")
-        peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
-        line = (f"small Llama on {nproc} ranks, peak MiB per rank: per-layer {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} (reshard) / "
-                f"{peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (keep), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
-                f"all-gathers per step per-layer {runs[0].collectives['all_gather']['count']}, per-Linear "
-                f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
-        return dict(runs=[asdict(r) for r in runs]), plot_compare(runs), line
+        return dict(runs=[asdict(r) for r in runs]), plot_compare(runs), _compare_line(runs)
 
     def qlora():
         from fsdp_kit.qlora import plot_qlora_losses
         r = ran("qlora")
-        mib = lambda key: max(r.peak_bytes[key]) / 2**20
-        line = (f"LoRA on a 4-bit tiny Llama (bfloat16 storage) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
-                f"first step vs one process {r.sharded_vs_unsharded_loss_diff:.1e}, peak MiB per rank 4-bit {mib('qlora'):.2f} vs bf16 base "
-                f"{mib('bf16_lora'):.2f}, adapter reload diff {r.adapter['reload_loss_diff']:.1e}")
-        return asdict(r), plot_qlora_losses(r), line
+        return asdict(r), plot_qlora_losses(r), _qlora_line(r)
 
     def cp_eval():
         r = ran("cp_eval")
-        line = (f"context-parallel eval, cp={r.cp_size} ({r.rotate_method}), {r.tokens} valid tokens: eval_loss {r.eval_loss:.6f} vs one "
-                f"process without CP {r.eval_loss_reference:.6f} (|diff| {r.loss_diff:.1e}); gathered predictions equal: {r.predictions_match_reference}")
-        return asdict(r), None, line
+        return asdict(r), None, _cp_eval_line(r)
 
     def checkpoint():
-        straight, first, second = ran("checkpoint")
+        straight, first, second = runs = ran("checkpoint")
         same = first.losses + second.losses == straight.losses
-        line = (f"sharded checkpoint at step 3, resumed to step 6 from step {second.first_step}: losses bit-identical to one "
-                f"6-step run: {same}")
-        return dict(straight=straight.losses, first=first.losses, resumed=second.losses, bit_identical=same), None, line
+        return dict(straight=straight.losses, first=first.losses, resumed=second.losses, bit_identical=same), None, _checkpoint_line(runs)
 
     def hf_trainer():
         r = ran("hf_trainer")
-        line = (f"unmodified Trainer on transformers_fsdp_config.json (accelerate's FSDP branch opened on CPU): FSDP2 on {r.world_size} ranks, "
-                f"{r.fsdp_units} units, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> from_pretrained diff "
-                f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff {r.resume['max_diff']:.1e}; the kit's recipe on the same "
-                f"file, loss diff {r.parity['max_loss_diff']:.1e}")
-        return asdict(r), None, line
+        return asdict(r), None, _hf_trainer_line(r)
 
     def plan():
         from fsdp_kit.plan import PlanSpec
@@ -140,7 +165,7 @@ def tour(out: str = "tour", nproc: int = 2) -> dict:
         seconds = shared[name][1] if name in shared else time.time() - start  # a shared step: its own time inside the launch
         report[name] = dict(data=data, seconds=round(seconds, 2), figure=f"{name}.png" if fig else None)
         lines.append(f"- **{name}** ({seconds:.1f} s): {line}" + (f" ![{name}]({name}.png)" if fig else ""))
-        print(f"      {line}", flush=True)
+        if name not in _SHARED: print(f"      {line}", flush=True)  # a shared step's line was printed as it ended, by its worker
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}/summary.md, report.json and {sum(1 for r in report.values() if r['figure'])} figures")

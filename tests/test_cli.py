@@ -41,6 +41,13 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     assert report["checkpoint"]["data"]["bit_identical"] is True
     hf = report["hf_trainer"]["data"]  # an unmodified Trainer through accelerate's FSDP branch, opened on CPU
     assert hf["sharded"] and hf["param_type"] == "DTensor" and hf["load_check"]["max_weight_diff"] == 0 and hf["parity"]["max_loss_diff"] < 1e-5
+    # the steps that share one launch each print their result as they end, not all at once after the launch
+    lines = out.stderr.splitlines()
+    for i, (name, start) in enumerate([("train", "tiny Llama"), ("compare", "small Llama"), ("qlora", "LoRA on a 4-bit"),
+                                       ("cp_eval", "context-parallel eval"), ("checkpoint", "sharded checkpoint"), ("hf_trainer", "unmodified Trainer")], 3):
+        after = lines[lines.index(f"[{i}/9] {name} ..."):]
+        result = next(k for k, l in enumerate(after) if l.startswith("      "))
+        assert after[result].startswith(f"      {start}") and not any(l.startswith(f"[{i + 1}/9]") for l in after[:result]), after[:result + 1]
 
 
 def test_no_subcommand_is_a_usage_error(cli):
