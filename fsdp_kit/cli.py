@@ -72,22 +72,22 @@ def _rank() -> int:
 
 def check_before_launch(fits: dict) -> dict:
     """Refuse, before launching, a model that cannot build (`check_model`: a preset needs no transformers import) and, for a config.json,
-    whose check has imported transformers already, a step that would not fit this machine (`check_fits`); return `fits`, which every worker
-    checks again (`fits_then`): for a preset, that is where the step's memory is first counted."""
+    whose check has imported transformers already, a step that would not fit this machine (`check_fits(**fits)`). Return what is left for
+    the workers to check (`fits_then`): `fits` for a preset, None for a config.json."""
     from fsdp_kit.models import PRESETS, check_model
     check_model(fits["model"])
-    if fits["model"] not in PRESETS:
-        from fsdp_kit.plan import check_fits
-        check_fits(**fits)
-    return fits
+    if fits["model"] in PRESETS: return fits
+    from fsdp_kit.plan import check_fits
+    check_fits(**fits)
 
 
 def fits_then(fits: dict, fn, *args):
-    """What each worker of a training command runs: refuse a step that would not fit this machine's memory (`plan.check_fits(**fits)`), then
-    run `fn(*args)`. The check needs torch and transformers: the workers have imported them anyway, the launching process need not
-    (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing."""
-    from fsdp_kit.plan import check_fits
-    check_fits(**fits)
+    """What each worker of a training command runs: refuse a step that would not fit this machine's memory (`plan.check_fits(**fits)`, unless
+    `fits` is None: checked before launching), then run `fn(*args)`. The check needs torch and transformers: the workers have imported them
+    anyway, the launching process need not (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing."""
+    if fits is not None:
+        from fsdp_kit.plan import check_fits
+        check_fits(**fits)
     return fn(*args)
 
 

@@ -9,7 +9,6 @@ import json, time
 from dataclasses import asdict
 from pathlib import Path
 
-_SHARED = ("train", "compare", "qlora", "cp_eval", "checkpoint", "hf_trainer")  # the steps `labs_worker` runs
 
 
 def _train_line(r) -> str:
@@ -52,6 +51,7 @@ def _hf_trainer_line(r) -> str:
 
 SUMMARY = dict(train=_train_line, compare=_compare_line, qlora=_qlora_line, cp_eval=_cp_eval_line, checkpoint=_checkpoint_line,
                hf_trainer=_hf_trainer_line)  # the one-line result of each shared step
+_SHARED = tuple(SUMMARY)  # the steps `labs_worker` runs, in this order
 
 
 def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
