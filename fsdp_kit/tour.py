@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 
-
 def _train_line(r) -> str:
     return (f"tiny Llama ({r.n_params:,} params) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
             f"max parameter difference vs one process {r.max_param_diff:.1e}")
