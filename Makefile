@@ -16,8 +16,10 @@ nbdev-test:        ## nbdev's own runner over every notebook (cells flagged note
 pytest:            ## the test suite: real multi-process runs and bad-input cases (pytest-xdist: two files at a time, each file in one process)
 	python -m pytest -q -n 2 --dist loadfile --durations=15 tests --ignore=tests/test_sync.py  # two test files at a time: their launches wait as much as they compute
 
-nbval:             ## run every notebook again and compare the outputs marked NBVAL_CHECK_OUTPUT
-	python -m pytest -q -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider nbs  # two notebooks at a time, each in its own kernel
+nbval:             ## run every notebook again, from a copy outside the checkout (so they may read only what the installed package ships), and compare the outputs marked NBVAL_CHECK_OUTPUT
+	@copy=$$(mktemp -d) && cp -r nbs $$copy/ && cd $$copy && echo "nbval in $$copy/nbs" && \
+	python -m pytest -q -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=300 --timeout=300 -p no:cacheprovider nbs; \
+	rc=$$?; rm -rf $$copy; exit $$rc  # two notebooks at a time, each in its own kernel
 
 tour:
 	fsdp-kit tour --out tour

@@ -1,6 +1,6 @@
 """fsdp_kit benchmarks: the kit against hand-written FSDP2 and bare torchrun, measured side by side.
 
-    python benchmarks/run.py --json benchmarks/results.json
+    python benchmarks/run.py --json examples/benchmarks/results.json
 
 Each comparison alternates its two sides (A, B, B, A, ...) so that machine noise hits both, and reports the median of
 the per-pair ratios with a bootstrap 95% interval. The train step is compared twice: whole `fsdp-kit train` runs against
@@ -270,7 +270,7 @@ def summary(results: dict) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", default="benchmarks/results.json")
+    p.add_argument("--json", default="examples/benchmarks/results.json")
     p.add_argument("--pairs", type=int, default=6, help="alternating pairs of fsdp-kit train and the plain loop (default 6)")
     p.add_argument("--rounds", type=int, default=100, help="rounds of the same-window step comparison (default 100)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the launch comparison (default 3)")

@@ -7,8 +7,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 # %% auto #0
 __all__ = ['POLICIES', 'PRECISION', 'MIXED_PRECISION', 'STATE_DICT_TYPES', 'SHARDING_STRATEGIES', 'SHARDING_BY_NUMBER',
            'NOT_APPLYING', 'NO_OP', 'WHY_UPSTREAM', 'FIELD_KEYS', 'KNOWN_KEYS', 'LAUNCH_NOTES', 'ACCELERATE_OWN',
-           'FSDPConfig', 'to_bool', 'to_reshard', 'to_class_list', 'from_transformers', 'accelerate_top_level',
-           'from_accelerate', 'load_fsdp_config', 'layer_class_names', 'check_for_model']
+           'EXAMPLES', 'FSDPConfig', 'to_bool', 'to_reshard', 'to_class_list', 'from_transformers',
+           'accelerate_top_level', 'from_accelerate', 'load_fsdp_config', 'layer_class_names', 'check_for_model']
 
 # %% ../nbs/03_config.ipynb #878b95bd
 import difflib, json
@@ -316,6 +316,10 @@ def load_fsdp_config(path:str # a transformers fsdp_config .json or an accelerat
     except KitError as e:
         if str(path) in str(e): raise
         raise KitError(f"{path}: {e}") from None
+
+# %% ../nbs/03_config.ipynb #d7ee5dcb
+import importlib.resources
+EXAMPLES = Path(str(importlib.resources.files("fsdp_kit"))) / "examples"  # shipped with the package: configs, the SFT script, stored measurements
 
 # %% ../nbs/03_config.ipynb #1d7fb49d
 def layer_class_names(model) -> list:

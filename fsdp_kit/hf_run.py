@@ -15,18 +15,15 @@ from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from .errors import KitError, bad_value, require_whole, require_positive, require_seed, require_model
 from .hf import TokenRows
+from .config import EXAMPLES
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c002
 WORKFLOWS = ("trainer", "sft", "qlora", "native")
-def _repo() -> Path:
-    "The checkout the package runs from: examples/ lies beside fsdp_kit/."
-    import fsdp_kit
-    return Path(fsdp_kit.__file__).resolve().parent.parent
-DEFAULT_CONFIGS = {  # the file each workflow runs when none is given
-    "trainer": "examples/fsdp_configs/transformers_fsdp_config.json",
-    "sft": "examples/fsdp_configs/accelerate_fsdp_lora.yaml",
-    "qlora": "examples/fsdp_configs/accelerate_fsdp_qlora.yaml",
-    "native": "examples/fsdp_configs/transformers_fsdp_config.json",
+DEFAULT_CONFIGS = {  # the file each workflow runs when none is given, in the package's examples/fsdp_configs
+    "trainer": "transformers_fsdp_config.json",
+    "sft": "accelerate_fsdp_lora.yaml",
+    "qlora": "accelerate_fsdp_qlora.yaml",
+    "native": "transformers_fsdp_config.json",
 }
 
 @dataclass
@@ -44,7 +41,7 @@ class HFRunSpec:
     check_parity:bool=True # trainer: also train with the kit's recipe on the same config and data, and compare
     def config_path(self) -> str:
         "The config file this run reads."
-        return self.fsdp_config or str(_repo() / DEFAULT_CONFIGS[self.workflow])
+        return self.fsdp_config or str(EXAMPLES / "fsdp_configs" / DEFAULT_CONFIGS[self.workflow])
     def check(self):
         "Refuse settings that cannot run, naming the field."
         if self.workflow not in WORKFLOWS: raise bad_value("workflow", self.workflow, f"one of {', '.join(WORKFLOWS)}")
@@ -330,7 +327,7 @@ def _accelerate_file(spec:HFRunSpec, folder:Path, nproc:int) -> tuple:
 def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:str, out:str, port:int) -> list:
     "`accelerate launch --config_file FILE examples/sft_lora.py ...`, as a list of arguments."
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file, *overrides,
-           "--main_process_port", str(port), str(_repo() / "examples" / "sft_lora.py"),
+           "--main_process_port", str(port), str(EXAMPLES / "sft_lora.py"),
            "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out, "--result_json", f"{out}/result.json",
            "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length", str(spec.seq_len),
            "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"]
@@ -350,7 +347,7 @@ def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600) -> HFRunResult:
     config_file, overrides, notes = _accelerate_file(spec, folder, nproc)
     cmd = sft_command(spec, config_file, overrides, base, data, str(folder / spec.workflow), free_port())
     (folder / "tmp").mkdir(exist_ok=True)  # torchrun's log folders stay in the run's folder
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(_repo())] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),  # the script imports this kit
                         "TMPDIR": str(folder / "tmp")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try: log, _ = proc.communicate(timeout=timeout)

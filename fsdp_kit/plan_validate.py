@@ -23,9 +23,7 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
     import torch, torch.distributed as dist
     from fsdp_kit.qlora import load_lora_model, shard_lora_model, batch_rows, model_loss
-    from fsdp_kit.ranks import quiet_libraries
     from fsdp_kit.measure import measure_step
-    quiet_libraries()
     lspec = _lora_spec(spec)
     model = shard_lora_model(load_lora_model(checkpoint, lspec, quantized=spec.method == "qlora"), mesh, "bfloat16")
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -47,7 +45,8 @@ def validate_worker(specs:list) -> list:
     "Measure one training step of each spec on this process group (all of the same world size); rank 0's [(peak_bytes, collectives)]."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    from fsdp_kit.ranks import shared_tempdir
+    from fsdp_kit.ranks import shared_tempdir, quiet_libraries
+    quiet_libraries()  # first: save_pretrained's progress bar, drawn in a forked worker, would reach the kernel's terminal as 19 warnings
     mesh, out, checkpoints = fsdp_mesh(build_mesh()), [], {}
     try:
         for spec in specs:

@@ -63,8 +63,8 @@ def test_nbtimes_clocks_each_notebook(tmp_path):
 
 
 def test_published_results_cover_the_kit():
-    "benchmarks/results.json, which the docs show, has the machine, every ratio, and every notebook's time."
-    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    "examples/benchmarks/results.json, which the docs show, has the machine, every ratio, and every notebook's time."
+    results = json.loads((ROOT / "examples" / "benchmarks" / "results.json").read_text())
     assert {"cpu", "cores", "memory_gib", "torch", "gpu", "date"} <= set(results["machine"])
     for key in ("train", "same_window", "launch", "overhead"):
         assert "error" not in results[key], results[key]

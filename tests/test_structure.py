@@ -81,3 +81,18 @@ def test_pending_imports_are_still_there():
     mods = _modules()
     gone = [pair for pair in PENDING if pair[1] not in {dep for dep, _, _ in _imports(mods[pair[0]])}]
     assert not gone, f"fixed, remove from PENDING: {gone}"
+
+
+def test_the_wheel_ships_every_example_file(tmp_path):
+    "Notebooks and `fsdp-kit hf` read fsdp_kit/examples through the installed package (fsdp_kit.config.EXAMPLES): a wheel carries all of it."
+    import shutil, subprocess, sys, zipfile
+    src = tmp_path / "src"  # built from a copy: pip writes build/ and egg-info/ beside the sources
+    shutil.copytree(PKG, src / "fsdp_kit", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"): shutil.copy(PKG.parent / name, src / name)
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shipped = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist())
+    examples = [str(p.relative_to(src)) for p in sorted((src / "fsdp_kit" / "examples").rglob("*")) if p.is_file()]
+    assert len(examples) > 20 and [f for f in examples if f not in shipped] == []
+    assert "fsdp_kit/examples/fsdp_configs/transformers_fsdp_config.json" in shipped and "fsdp_kit/examples/sft_lora.py" in shipped

@@ -7,7 +7,7 @@ from fsdp_kit.cli import main
 from fsdp_kit.upstream import FIELDS
 from tests.conftest import ROOT
 
-FILES = sorted((ROOT / "tests" / "upstream_configs").iterdir()) + sorted((ROOT / "examples" / "fsdp_configs").iterdir())
+FILES = sorted((ROOT / "examples" / "upstream_configs").iterdir()) + sorted((ROOT / "examples" / "fsdp_configs").iterdir())
 FRESH = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
 TRAINING_ARGUMENTS = """import json, sys, tempfile
 from transformers import TrainingArguments
