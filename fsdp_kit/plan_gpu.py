@@ -129,7 +129,7 @@ def plan_gpu(model:str, # preset or config.json path
 def _describe(p:GPUPlan) -> str:
     "The settings of a plan in a few words."
     s = p.settings
-    return (f"{p.gpus} GPUs, {s['method']}" + (f" r={s['lora_r']}" if s["method"] != "full" else "") + f", batch {s['batch']}, "
+    return (f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}, {s['method']}" + (f" r={s['lora_r']}" if s["method"] != "full" else "") + f", batch {s['batch']}, "
             f"reshard {s['reshard']}, checkpointing {'on' if s['grad_ckpt'] else 'off'}, offload {'on' if s['offload'] else 'off'}")
 
 def plan_text(p:GPUPlan) -> str:
@@ -147,6 +147,16 @@ def plan_text(p:GPUPlan) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/08b_plan_gpu.ipynb #84620501
+def _tie(best:GPUPlan, other:GPUPlan, method:str) -> str:
+    "Why `best` won over `other` at equal bytes per token: the first later criterion of `recommend` that tells them apart."
+    b, o = best.settings, other.settings
+    if b["grad_ckpt"] != o["grad_ckpt"]: return "without checkpointing wins the tie: checkpointing recomputes each layer's forward in backward, about a third more compute per step"
+    if (b["method"] != method) != (o["method"] != method): return f"the method asked for ({method}) wins the tie"
+    if best.gpus != other.gpus: return f"fewer GPUs win the tie ({best.gpus} vs {other.gpus})"
+    if b["batch"] != o["batch"]: return f"the larger batch wins the tie ({b['batch']} vs {o['batch']})"
+    return ("nothing else tells them apart: on 1 GPU nothing is gathered, so this setting changes nothing" if best.gpus == 1 else
+            "nothing else tells them apart; the first one searched is kept")
+
 def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lora_r:int=8, batch:int=1, seq_len:int=2048,
               mixed_precision:str="bf16", cp:int=1) -> dict:
     "Search reshard, checkpointing, offload, QLoRA (for LoRA), batch and GPU count; pick what fits and moves the fewest bytes per token."
@@ -173,13 +183,24 @@ def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lor
     key = lambda t: (t[0].settings["offload"], t[1], t[0].settings["grad_ckpt"], t[0].settings["method"] != method, t[0].gpus, -t[0].settings["batch"])
     fitting.sort(key=key)
     best, cost = fitting[0]
-    why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB",
-           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB moved per training token per GPU (collectives and host-device copies)"]
+    mib = lambda c: f"{c / 2**20:.2f} MiB/token"
+    why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB; among them the kit picks, in this order: no CPU offload if anything "
+           "fits without it, then the fewest bytes moved per training token, then no activation checkpointing, the method asked for, fewer GPUs, a larger batch",
+           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {mib(cost)} moved per GPU (collectives and host-device copies)"]
     for field_, name in (("offload", "CPU offload"), ("reshard", "reshard_after_forward"), ("grad_ckpt", "activation checkpointing")):
         other = [(p, c) for p, c in fitting if p.settings[field_] != best.settings[field_]]
-        why.append(f"{name}={best.settings[field_]}: " + (f"the best setting with {name}={other[0][0].settings[field_]} moves {other[0][1] / 2**20:.2f} MiB/token ({_describe(other[0][0])})"
-                                                          if other else f"nothing fits with {name}={not best.settings[field_]}"))
-    why.append(f"batch {best.settings['batch']} per GPU: communication per step does not grow with the batch, so per token it falls as the batch grows")
+        if not other:
+            why.append(f"{name}={best.settings[field_]}: nothing fits with {name}={not best.settings[field_]}"); continue
+        o, c = other[0]
+        line = f"{name}={best.settings[field_]}: the best setting with {name}={o.settings[field_]} ({_describe(o)}) moves {mib(c)}"
+        if field_ == "offload" and c <= cost: line += ", but offloading copies parameters and gradients between host and GPU every step, so it is used only when nothing else fits"
+        elif abs(c - cost) <= 1e-9 * cost: line += f", the same bytes; {_tie(best, o, method)}"
+        else: line += f", more than {mib(cost)}"
+        why.append(line)
+    b = best.settings["batch"]
+    why.append(f"batch {b} per GPU, the largest searched (the search tries {f'--batch {batch} and its halves' if batch > 1 else '--batch 1 only'}): communication per step does not grow "
+               "with the batch, so a larger --batch that fits would move fewer bytes per token" if b == max(batches) else
+               f"batch {b} per GPU: the largest that fits with these settings; communication per step does not grow with the batch, so per token it falls as the batch grows")
     return dict(fits=True, candidates=len(tried), fitting=len(fitting), plan=asdict(best), explanation=why)
 
 # %% ../nbs/08b_plan_gpu.ipynb #f5a154eb

@@ -83,6 +83,18 @@ def test_recommend_fits_and_explains():
     assert not none["fits"] and "nothing fits" in none["explanation"]
 
 
+def test_recommend_says_which_criterion_decided():
+    "A tie in bytes names the criterion that broke it; a batch at the top of the search is not called the best that fits."
+    lines = recommend("llama-3-8b", gpus=8, gpu_mem_gb=80, method="lora", batch=8, seq_len=2048)["explanation"]
+    ckpt = next(l for l in lines if l.startswith("activation checkpointing=False"))
+    assert "the same bytes; without checkpointing wins the tie" in ckpt
+    reshard = next(l for l in lines if l.startswith("reshard_after_forward="))
+    assert "on 1 GPU nothing is gathered" in reshard and "(2 vs 2)" not in reshard
+    assert lines[-1].startswith("batch 2 per GPU: the largest that fits with these settings")  # batch 8 fits only with checkpointing
+    top = recommend("llama-3-8b", gpus=2, gpu_mem_gb=80, method="full", batch=2, seq_len=4096)["explanation"]
+    assert top[-1].startswith("batch 2 per GPU, the largest searched") and "but offloading copies" in top[2] and "1 GPUs" not in "".join(top)
+
+
 def test_bad_settings_refused():
     for kwargs, field in ((dict(method="sft"), "method"), (dict(gpus=0), "gpus"), (dict(gpus=4, cp=3), "cp"), (dict(mixed_precision="fp8"), "mixed_precision"),
                           (dict(gpu_mem_gb=0), "gpu_mem_gb"), (dict(base_dtype="int8"), "base_dtype")):
