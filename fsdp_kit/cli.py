@@ -137,7 +137,12 @@ def _cmd_train(a):
     mesh = spec.mesh.resolve(result.world_size)
     if mesh.dp_replicate > 1: text += f"HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards (parameters sharded over {mesh.dp_shard} ranks, gradients all-reduced across replicas)\n"
     text += f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
-    if result.losses: text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median, warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
+    if result.losses:
+        from fsdp_kit.measure import busy_note
+        t = result.timing
+        spread = f" of {t['steps']}, min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}" if t else ""
+        text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median{spread}; warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
+        if busy_note([t]): text += "\n" + busy_note([t])
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     c = result.config
     text += (f"\n{len(result.units)} FSDP unit(s) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "

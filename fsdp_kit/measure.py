@@ -6,10 +6,11 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
 # %% auto #0
 __all__ = ['CATEGORIES', 'GATHER_OPS', 'SCATTER_OPS', 'QUIET_WARNINGS', 'StepMeasurement', 'peak_by_category',
-           'quiet_hook_warnings', 'measure_step', 'first_step_tracker', 'plot_timeline', 'plot_categories']
+           'quiet_hook_warnings', 'measure_step', 'step_timing', 'busy_note', 'first_step_tracker', 'plot_timeline',
+           'plot_categories']
 
 # %% ../nbs/04a_measure.ipynb #1771caf5
-import statistics, time, warnings
+import os, statistics, time, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class StepMeasurement:
     step_seconds:float # median wall time of a plain step
     device:str="cpu" # device type
     allocator_peak_bytes:int=None # torch.cuda.max_memory_allocated on CUDA
+    timing:dict=None # the timed steps' spread and the machine's load while they ran (see `step_timing`)
 
 # %% ../nbs/04a_measure.ipynb #3ed7d0bd
 def peak_by_category(tracker) -> dict:
@@ -132,7 +134,20 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
         if cuda: torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return StepMeasurement(peak_by_category(tracker), tracker.timeline, collectives, statistics.median(times),
-                           "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None)
+                           "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None, step_timing(times))
+
+def step_timing(times:list) -> dict:
+    "Median, min and max of step times in seconds, with the 1-minute load average and the core count as the last one ended."
+    return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times), steps=len(times),
+                load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, cores=os.cpu_count())
+
+def busy_note(timings:list) -> str:
+    "A warning when a timing was taken with more runnable threads than cores (load average above the core count); '' otherwise."
+    busy = [t for t in timings if t and t.get("load_average") is not None and t["load_average"] > t["cores"]]
+    if not busy: return ""
+    t = max(busy, key=lambda t: t["load_average"])
+    return (f"note: the machine was busy while steps were timed (load average {t['load_average']:.1f} on {t['cores']} cores): "
+            "step times include waiting for a core and can rank settings the wrong way round; compare them on a quiet machine")
 
 def first_step_tracker(model, optim):
     "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak by category afterwards."

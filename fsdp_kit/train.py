@@ -101,6 +101,7 @@ class TrainResult:
     config:dict=None # the FSDPConfig the run applied, field by field
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
+    timing:dict=None # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
 
 # %% ../nbs/01_train.ipynb #5e9a22d5
 def _reference(spec:TrainSpec, world_size:int):
@@ -123,7 +124,7 @@ def train_worker(spec:TrainSpec,
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
-    from fsdp_kit.measure import first_step_tracker
+    from fsdp_kit.measure import first_step_tracker, step_timing
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
     if spec.lora_r:
@@ -140,11 +141,12 @@ def train_worker(spec:TrainSpec,
     losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step, first_step=tracker)
     if watch is not None: watch.stop()
     losses = mean_over_ranks(losses)
-    seconds = statistics.median(times[1:] or times) if times else float("nan")
+    timed = times[1:] or times  # the first step warms up (allocations, first collectives)
+    seconds = statistics.median(timed) if timed else float("nan")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None)
+                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None)
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
     if spec.lora_r:
         from fsdp_kit.lora import adapter_round_trip

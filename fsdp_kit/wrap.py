@@ -167,6 +167,7 @@ class RunResult:
     step_seconds:float # median time of a plain step
     timeline:list # (phase, bytes) over one step, at most 400 points
     config:dict # the full FSDPConfig
+    timing:dict=None # the timed steps' median, min, max and the machine's load (measure.step_timing)
 
 # %% ../nbs/04_wrap.ipynb #21658179
 def _thin(timeline:list, points:int=400) -> list:
@@ -194,7 +195,7 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh) -> RunResult:
         optim.zero_grad()
     m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
-                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg))
+                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing)
     model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
 
@@ -220,16 +221,22 @@ def check_spec(spec:CompareSpec, world_size:int) -> list:
 
 # %% ../nbs/04_wrap.ipynb #0fdd9b76
 def runs_table(runs:list) -> str:
-    "A plain-text table of a comparison: units, peak memory, collectives and time per config."
-    head = f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}{'reduce-scatters':>16}{'step ms':>9}"
+    "A plain-text table of a comparison: units, peak memory, collectives and step time (median, min-max) per config; a note if the machine was busy."
+    from fsdp_kit.measure import busy_note
+    head = f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}{'reduce-scatters':>16}{'step ms (min-max)':>19}"
     rows = [head]
     for r in runs:
         p, c = r.peak_bytes, r.collectives
         params = p.get("sharded_params", 0) + p.get("unsharded_params", 0) + p.get("all_gather_buffers", 0)
         rows.append(f"{r.policy:<24}{str(r.reshard_after_forward):>8}{len(r.units):>6}{p['total'] / 2**20:>10.2f}{params / 2**20:>11.2f}"
                     f"{c.get('all_gather', {}).get('count', 0):>12}{c.get('all_gather', {}).get('bytes', 0) / 2**20:>8.2f}"
-                    f"{c.get('reduce_scatter', {}).get('count', 0):>16}{r.step_seconds * 1e3:>9.0f}")
-    return "\n".join(rows)
+                    f"{c.get('reduce_scatter', {}).get('count', 0):>16}{_ms(r):>19}")
+    return "\n".join(rows + [busy_note([r.timing for r in runs])]).rstrip("\n")
+
+def _ms(r:RunResult) -> str:
+    "Step time in ms: the median, and the range over the timed steps when there is one."
+    t = r.timing
+    return f"{r.step_seconds * 1e3:.0f}" + (f" ({t['min_s'] * 1e3:.0f}-{t['max_s'] * 1e3:.0f})" if t else "")
 
 # %% ../nbs/04_wrap.ipynb #759d62c2
 SHORT_POLICY = {"TRANSFORMER_BASED_WRAP": "layer", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none", "PER_LINEAR": "linear"}
@@ -251,7 +258,9 @@ def plot_compare(runs:list):
     for i, kind in enumerate(("all_gather", "reduce_scatter")):
         axes[1].bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs], width=0.4, label=kind.replace("_", "-"))
     axes[1].set_xticks(list(x), labels, fontsize=8); axes[1].set(ylabel="collectives per step", title="communication: calls per step"); axes[1].legend()
-    axes[2].bar(list(x), [r.step_seconds * 1e3 for r in runs], color="gray")
-    axes[2].set_xticks(list(x), labels, fontsize=8); axes[2].set(ylabel="ms", title="step time (median)")
+    ms = [r.step_seconds * 1e3 for r in runs]
+    spread = [[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)], [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]] if all(r.timing for r in runs) else None
+    axes[2].bar(list(x), ms, yerr=spread, capsize=3, color="gray")
+    axes[2].set_xticks(list(x), labels, fontsize=8); axes[2].set(ylabel="ms", title="step time (median, min-max)")
     fig.tight_layout()
     return fig

@@ -1,11 +1,11 @@
 """Wrap plans and the measured comparison: units, sharded bytes per rank, collectives, and the compare command."""
-import json, math
+import json, math, os
 import pytest
 from fsdp_kit.config import FSDPConfig, POLICIES
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import launch
 from fsdp_kit.models import build_model, model_config, count_params
-from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec
+from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec, runs_table
 from tests.conftest import EXAMPLES, ROOT
 from tests.badinput import refused
 
@@ -68,6 +68,18 @@ def test_sharded_parameter_bytes_are_total_over_world_size(world):
         assert sharded == _padded_shard_bytes(model, world)
         assert total / world <= sharded < total / world + 4 * world * 64  # only padding on top
         assert run.world_size == world
+        assert run.timing["steps"] == 1 and run.timing["min_s"] == run.timing["max_s"] == run.step_seconds  # one timed step
+    ms = round(runs[0].step_seconds * 1e3)
+    assert runs_table(runs).splitlines()[1].endswith(f"{ms} ({ms}-{ms})")
+
+
+def test_step_times_show_their_spread_and_a_busy_machine_is_named():
+    from fsdp_kit.measure import step_timing, busy_note
+    t = step_timing([0.3, 0.1, 0.2])
+    assert (t["median_s"], t["min_s"], t["max_s"], t["steps"], t["cores"]) == (0.2, 0.1, 0.3, 3, os.cpu_count())
+    assert busy_note([dict(t, load_average=t["cores"] - 0.5), None]) == ""
+    note = busy_note([None, dict(t, load_average=2.5 * t["cores"]), dict(t, load_average=1.5 * t["cores"])])
+    assert note.startswith(f"note: the machine was busy while steps were timed (load average {2.5 * t['cores']:.1f} on {t['cores']} cores)")
 
 
 def test_cli_runs_an_example_config_unchanged(cli, tmp_path):
