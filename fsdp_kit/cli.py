@@ -283,7 +283,7 @@ def _cmd_qlora(a):
     r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
-            + f"\nfirst step sharded vs one process: |diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
+            + f"\nsharded vs one process over {len(r.losses)} steps: max |loss diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
             + f"trained {len(r.changed_parameters)} parameters, all LoRA: {all('lora_' in n for n in r.changed_parameters)}"
             + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}"
             + f"\nadapter: {r.adapter['tensors']} tensors, every rank's share saved: {r.adapter['every_rank_share_saved']}, "

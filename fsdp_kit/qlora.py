@@ -230,8 +230,8 @@ class QLoRAResult:
     shard_shapes:dict # per quantized weight: local shape of its stored tensor on each rank
     quant_state_bytes:dict # per rank: bytes of quantization state held (measured) and predicted
     losses:list # mean loss over ranks, one per step
-    unsharded_first_loss:float # the same 4-bit model in one process, first step
-    sharded_vs_unsharded_loss_diff:float # |sharded - unsharded| on the first step
+    unsharded_losses:list # the same 4-bit model trained in one process on each whole global batch, every step
+    sharded_vs_unsharded_loss_diff:float # max |sharded - unsharded| over every step
     trainable_parameters:list # names of the parameters with requires_grad
     changed_parameters:list # names of the parameters whose values changed in training
     peak_bytes:dict # {"qlora": [per rank], "bf16_lora": [per rank]}: peak bytes of a training step
@@ -325,6 +325,11 @@ def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     from fsdp_kit.train import train_loop
     return mean_over_ranks(train_loop(model, spec, rank, world_size))
 
+def _train_one_process(checkpoint:str, spec:QLoRASpec, world_size:int) -> list:
+    "The reference: the same 4-bit model with LoRA, unsharded, trained in this process on each step's whole global batch; its losses."
+    from fsdp_kit.train import train_loop
+    return [l.item() for l in train_loop(load_lora_model(checkpoint, spec), spec, rows=spec.batch * world_size)]
+
 # %% ../nbs/05_qlora.ipynb #944daa2d
 def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     "Save the adapter gathered from every rank, check it, reload it on rank 0 and compare the held-out loss."
@@ -355,7 +360,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
         model = load_lora_model(checkpoint, spec)
         shapes, state_bytes, before = _storage_shapes(model), _quant_state_bytes(model), _snapshot(model)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        unsharded = model_loss(load_lora_model(checkpoint, spec), batch_rows(spec, model.config.vocab_size, 0, 0, 1)).item() if rank == 0 else None
+        unsharded = _train_one_process(checkpoint, spec, world_size) if rank == 0 else None
         shard_lora_model(model, mesh, spec.param_dtype, spec.fsdp)  # as spec.config says
         local = {n.removeprefix("base_model.model.").replace(".base_layer.weight", ""): list(p.to_local().shape)
                  for n, p in model.named_parameters() if "base_layer.weight" in n}
@@ -373,7 +378,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
     return QLoRAResult(spec.model, world_size, dtype_name(spec.quant_storage), spec.param_dtype,
                        {s: params_per_element(s) for s in ("uint8", "bfloat16", "float32")}, shapes, shard_shapes,
                        dict(held=[s["held"] for s in state_per_rank], predicted=[s["predicted"] for s in state_per_rank]),
-                       losses, unsharded, abs(losses[0] - unsharded) if unsharded is not None else None, trainable, changed,
+                       losses, unsharded, max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable, changed,
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
                        environment()["versions"], asdict(spec.config))
 
@@ -401,11 +406,12 @@ def plot_memory(result:QLoRAResult):
 
 # %% ../nbs/05_qlora.ipynb #a312cd8d
 def plot_qlora_losses(result:QLoRAResult, ax=None):
-    "LoRA loss per step under FSDP2, with the one-process first step."
+    "LoRA loss per step under FSDP2, beside the same model trained in one process."
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(result.losses) + 1), result.losses, "o-", label=f"FSDP2, {result.world_size} ranks, 4-bit base ({result.quant_storage})")
-    ax.plot([1], [result.unsharded_first_loss], "x", markersize=12, label="one process, step 1")
+    ax.plot(range(1, len(result.unsharded_losses) + 1), result.unsharded_losses, "x", markersize=10, label="one process, whole batch")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # whole steps
     ax.set(xlabel="step", ylabel="loss", title=f"LoRA on a 4-bit {result.model} model")
     ax.legend()
     return ax.figure

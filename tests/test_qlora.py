@@ -133,9 +133,10 @@ def test_cli_qlora_bfloat16_trains_matches_saves_and_saves_memory(cli, tmp_path)
     r = json.loads((tmp_path / "out.json").read_text())
     assert r["packing"] == {"uint8": 2, "bfloat16": 4, "float32": 8}
     assert r["world_size"] == 2 and r["quant_storage"] == "bfloat16" and r["param_dtype"] == "bfloat16"
-    # losses fall; the first step equals one process
+    # losses fall; every step equals one process on the whole batch, to bf16 rounding (a tenth of bf16's step near 5.5)
     assert len(r["losses"]) == 10 and r["losses"][-1] < r["losses"][0] - 0.1
-    assert r["sharded_vs_unsharded_loss_diff"] < 1e-4
+    assert len(r["unsharded_losses"]) == 10 and r["sharded_vs_unsharded_loss_diff"] < 3e-3
+    assert r["sharded_vs_unsharded_loss_diff"] == max(abs(a - b) for a, b in zip(r["losses"], r["unsharded_losses"]))
     # only LoRA parameters train: exactly the trainable ones changed, all of them LoRA
     assert len(r["trainable_parameters"]) == 2 * 7 * 2  # 2 layers x 7 linears x (lora_A, lora_B)
     assert sorted(r["changed_parameters"]) == sorted(r["trainable_parameters"])
@@ -164,12 +165,12 @@ def test_cli_qlora_bfloat16_trains_matches_saves_and_saves_memory(cli, tmp_path)
 
 
 def test_other_storages_in_one_launch():
-    "uint8 storage without mixed precision, and float32 storage with no mixed precision (fp32 compute): both pack, shard, match one process and save their adapter."
+    "uint8 storage without mixed precision (bf16 compute), and float32 storage with no mixed precision (fp32 compute): both pack, shard, match one process at every step and save their adapter."
     from fsdp_kit.launch import launch
     from tests.helpers import qlora_each
     specs = [QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2)]
     for spec, r in zip(specs, launch(qlora_each, specs, nprocs=2, timeout=200)):
         assert r.param_dtype is None  # uint8: no mixed precision; fp32 is accelerate's "no"
-        assert r.sharded_vs_unsharded_loss_diff < 1e-4
+        assert len(r.unsharded_losses) == 2 and r.sharded_vs_unsharded_loss_diff < (1e-5 if spec.quant_storage == "float32" else 3e-3)
         assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r.storage_shapes.values())
         assert r.adapter["every_rank_share_saved"] and r.adapter["reload_loss_diff"] < 1e-4 and r.adapter["path"] is None
