@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, asdict, replace, KW_ONLY
 from .errors import bad_value, require_whole, require_positive
 from .config import FSDPConfig, PRECISION, MIXED_PRECISION
 from .spec import RunSpec, accelerate_precision
-from .models import model_config, build_model, synthetic_tokens, rank_rows
+from .models import model_config, build_model, synthetic_tokens, rank_rows, model_label
 from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
 from .lora import save_adapter, check_adapter
 
@@ -392,7 +392,7 @@ def plot_memory(result:QLoRAResult):
     peaks = {f"{label}\nrank {r}": p for key, label in (("bf16_lora", "bf16 base"), ("qlora", f"4-bit ({result.quant_storage})"))
              for r, p in enumerate(result.peak_by_category[key])}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[1.3, 1]))
-    plot_categories(peaks, ax=axes[0], title=f"peak per rank, {result.model}, {result.world_size} ranks (measured)", legend_below=True)
+    plot_categories(peaks, ax=axes[0], title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)", legend_below=True)
     shown = [c for c in CATEGORIES.values() if any(p.get(c, 0) for p in peaks.values())]  # plot_categories' colour order
     bottom = [0.0] * len(peaks)
     for cat in PARAMETER_CATEGORIES:
@@ -412,6 +412,6 @@ def plot_qlora_losses(result:QLoRAResult, ax=None):
     ax.plot(range(1, len(result.losses) + 1), result.losses, "o-", label=f"FSDP2, {result.world_size} ranks, 4-bit base ({result.quant_storage})")
     ax.plot(range(1, len(result.unsharded_losses) + 1), result.unsharded_losses, "x", markersize=10, label="one process, whole batch")
     ax.xaxis.get_major_locator().set_params(integer=True)  # whole steps
-    ax.set(xlabel="step", ylabel="loss", title=f"LoRA on a 4-bit {result.model} model")
+    ax.set(xlabel="step", ylabel="loss", title=f"LoRA on a 4-bit {model_label(result.model)} model")
     ax.legend()
     return ax.figure
