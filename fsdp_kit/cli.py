@@ -142,7 +142,8 @@ def _cmd_train(a):
         t = result.timing
         spread = f" of {t['steps']}, min {t['min_s'] * 1e3:.1f}, max {t['max_s'] * 1e3:.1f}" if t else ""
         text += f"\nstep {result.step_seconds * 1e3:.1f} ms (median{spread}; warm-up excluded), {result.tokens_per_second:,.0f} tokens/s"
-        if busy_note([t]): text += "\n" + busy_note([t])
+        note = busy_note([t])
+        if note: text += "\n" + note
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     c = result.config
     text += (f"\n{len(result.units)} FSDP unit(s) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
