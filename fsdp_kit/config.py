@@ -330,8 +330,8 @@ def layer_class_names(model) -> list:
 # %% ../nbs/03_config.ipynb #12c96957
 def check_for_model(cfg:FSDPConfig, model, gradient_checkpointing:bool=False) -> FSDPConfig:
     "Refuse settings that do not fit `model`, naming the field and what the model offers."
-    already = getattr(model, "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing", False)
-    if cfg.activation_checkpointing and (gradient_checkpointing or already):
+    from .models import model_checkpointing
+    if cfg.activation_checkpointing and (gradient_checkpointing or model_checkpointing(model)):
         raise KitError("activation_checkpointing=True together with gradient checkpointing is refused (as transformers does): "
                        "both recompute the same layers. Keep activation_checkpointing in the FSDP config and turn gradient checkpointing off.")
     if cfg.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":

@@ -85,6 +85,7 @@ class StepMeasurement:
     device:str="cpu" # device type
     allocator_peak_bytes:int=None # torch.cuda.max_memory_allocated on CUDA
     timing:dict=None # the timed steps' spread and the machine's load while they ran (see `step_timing`)
+    flops:int=None # floating-point operations of one step on this rank, recomputation included (torch's FlopCounterMode: matmuls and attention)
 
 # %% ../nbs/04a_measure.ipynb #3ed7d0bd
 def peak_by_category(tracker) -> dict:
@@ -112,7 +113,7 @@ def measure_step(model, # a model sharded with fully_shard
                  step, # step(): forward, backward, optimizer step, zero_grad
                  timed_steps:int=3 # plain steps to time (median)
                 ) -> StepMeasurement:
-    "Measure memory by category, the memory timeline, collectives and time of one training step."
+    "Measure memory by category, the memory timeline, collectives, FLOPs and time of one training step."
     with quiet_hook_warnings(): return _measure_step(model, optim, step, timed_steps)
 
 # %% ../nbs/04a_measure.ipynb #7a274b62
@@ -122,8 +123,9 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
     step()
     tracker = _timeline_tracker(model, optim)
     with tracker: step()
-    counter = _comm_counter()
-    with counter: step()
+    from torch.utils.flop_counter import FlopCounterMode
+    counter, flops = _comm_counter(), FlopCounterMode(display=False)
+    with counter, flops: step()
     counts = {_kind(op.__name__): n for op, n in counter.get_comm_counts().items()}
     collectives = {k: {"count": counts.get(k, 0), "bytes": counter.bytes.get(k, 0)} for k in sorted(set(counts) | set(counter.bytes))}
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
@@ -134,7 +136,8 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
         if cuda: torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return StepMeasurement(peak_by_category(tracker), tracker.timeline, collectives, statistics.median(times),
-                           "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None, step_timing(times))
+                           "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None, step_timing(times),
+                           flops.get_total_flops())
 
 def step_timing(times:list) -> dict:
     "Median, min and max of step times in seconds, with the 1-minute load average and the core count as the last one ended."

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/models.html.md"""
 
 # %% auto #0
 __all__ = ['PRESETS', 'read_config_json', 'model_config', 'try_config', 'model_label', 'check_model', 'build_model',
-           'decoder_layers', 'count_params', 'synthetic_tokens', 'rank_rows']
+           'decoder_layers', 'model_checkpointing', 'count_params', 'synthetic_tokens', 'rank_rows']
 
 # %% ../nbs/01a_models.ipynb #dd2fe9c2
 import json, re
@@ -113,6 +113,11 @@ def decoder_layers(model) -> list:
     "The model's repeated blocks: modules whose class is in `model._no_split_modules`."
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if type(m).__name__ in names]
+
+def model_checkpointing(model) -> bool:
+    "Whether the model's own (transformers') gradient checkpointing is on (`is_activation_checkpointing` since transformers 5)."
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
 
 def count_params(model) -> int:
     "Number of parameters in `model`."

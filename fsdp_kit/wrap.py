@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, asdict, KW_ONLY
 from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES, PRECISION, check_for_model, to_reshard
 from .spec import RunSpec
-from .models import model_config, check_model, build_model, decoder_layers, synthetic_tokens, rank_rows
+from .models import model_config, check_model, build_model, synthetic_tokens, rank_rows
+from .ac import checkpoint_layers, ac_policy
 
 # %% ../nbs/04_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -89,24 +90,17 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
     if not isinstance(r, bool) and shard_size % r:
         raise bad_value("reshard_after_forward", r, f"true, false, or a divisor of the shard group size {shard_size} (e.g. {shard_size // 2 if shard_size > 2 else 'use 4 or more ranks'})")
 
-# %% ../nbs/04_wrap.ipynb #44bb665b
-def _checkpoint_layers(model, cfg:FSDPConfig) -> dict:
-    "Wrap each decoder layer in a non-reentrant CheckpointWrapper; return {id(layer): wrapper}."
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, CheckpointWrapper
-    layers = tuple({type(m) for m in decoder_layers(model)})
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layers))
-    return {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
-
 # %% ../nbs/04_wrap.ipynb #31809596
 def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
-               mesh # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
+               mesh, # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
+               ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: 'full' if cfg.activation_checkpointing, else 'none'
               ):
     "Shard `model` with `fully_shard` as `cfg` says (the kit's only call of `fully_shard`); return it and the units it made."
     from torch.distributed.fsdp import fully_shard
     units, targets = plan_units(model, cfg), wrap_targets(model, cfg)
     _check_reshard(cfg, mesh.size(-1))
-    wrappers = _checkpoint_layers(model, cfg) if cfg.activation_checkpointing else {}
+    wrappers = checkpoint_layers(model, ac_policy(cfg, ac))
     mp, offload = _policies(cfg)
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
     for module in [wrappers.get(id(m), m) for _, m in targets] + [model]: fully_shard(module, **kwargs)  # units first, the root last
@@ -168,6 +162,9 @@ class RunResult:
     timeline:list # (phase, bytes) over one step, at most 400 points
     config:dict # the full FSDPConfig
     timing:dict=None # the timed steps' median, min, max and the machine's load (measure.step_timing)
+    ac:str="none" # the activation checkpointing policy (fsdp_kit.ac)
+    flops:int=None # FLOPs of one step on this rank, recomputation included
+    loss:float=None # the loss of the last step run (every config runs the same steps on the same data)
 
 # %% ../nbs/04_wrap.ipynb #21658179
 def _thin(timeline:list, points:int=400) -> list:
@@ -178,24 +175,28 @@ def _thin(timeline:list, points:int=400) -> list:
     return [list(max(c, key=lambda t: t[1])) for c in chunks if c]
 
 # %% ../nbs/04_wrap.ipynb #8184f581
-def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh) -> RunResult:
-    "Build, shard as `cfg` says, and measure one training step on this rank."
+def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None) -> RunResult:
+    "Build, shard as `cfg` says (activation checkpointing as `ac` says, see `apply_fsdp`), and measure one training step on this rank."
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
-    if spec.gradient_checkpointing: model.gradient_checkpointing_enable()
+    if spec.gradient_checkpointing: (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
     check_for_model(cfg, model, spec.gradient_checkpointing)
-    model, units = apply_fsdp(model, cfg, mesh)
+    policy = ac_policy(cfg, ac)
+    model, units = apply_fsdp(model, cfg, mesh, policy)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
+    last = {}
     def step():
-        model(input_ids=tokens, labels=tokens).loss.backward()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
         optim.step()
         optim.zero_grad()
+        last["loss"] = loss.item()
     m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
-                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing)
+                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, last["loss"])
     model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
 

@@ -7,7 +7,7 @@ PKG = Path(__file__).resolve().parent.parent/"fsdp_kit"
 # bottom up (../shared/DESIGN.md, "Owners"): a module may import its own layer or a lower one, never a higher one
 LAYERS = [
     ("errors", "upstream", "config", "models", "mesh", "spec", "launch", "ranks"),  # foundations (upstream: what accelerate and transformers read), the run spec and the process-group helpers
-    ("measure", "wrap", "lora"),  # instruments, the sharding recipe, adapters
+    ("measure", "ac", "wrap", "lora"),  # instruments, activation checkpointing, the sharding recipe, adapters
     ("train", "qlora", "cp", "checkpoint", "plan", "plan_validate", "plan_gpu", "hf", "hf_run", "doctor", "scale"),  # the labs
     ("cli", "tour", "docs", "__main__"),  # the front
 ]
