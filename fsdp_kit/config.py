@@ -15,6 +15,7 @@ import difflib, json
 from dataclasses import dataclass, field
 from pathlib import Path
 from .errors import KitError, bad_value
+from .models import model_checkpointing
 
 # %% ../nbs/03_config.ipynb #c0da56d2
 POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP", "PER_LINEAR")
@@ -330,7 +331,6 @@ def layer_class_names(model) -> list:
 # %% ../nbs/03_config.ipynb #12c96957
 def check_for_model(cfg:FSDPConfig, model, gradient_checkpointing:bool=False) -> FSDPConfig:
     "Refuse settings that do not fit `model`, naming the field and what the model offers."
-    from .models import model_checkpointing
     if cfg.activation_checkpointing and (gradient_checkpointing or model_checkpointing(model)):
         raise KitError("activation_checkpointing=True together with gradient checkpointing is refused (as transformers does): "
                        "both recompute the same layers. Keep activation_checkpointing in the FSDP config and turn gradient checkpointing off.")

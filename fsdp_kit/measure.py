@@ -85,7 +85,7 @@ class StepMeasurement:
     device:str="cpu" # device type
     allocator_peak_bytes:int=None # torch.cuda.max_memory_allocated on CUDA
     timing:dict=None # the timed steps' spread and the machine's load while they ran (see `step_timing`)
-    flops:int=None # floating-point operations of one step on this rank, recomputation included (torch's FlopCounterMode: matmuls and attention)
+    flops:int=None # floating-point operations of one step on this rank, recomputation included (torch's FlopCounterMode: matmuls, and attention where torch has a formula for the kernel, which the CPU one lacks)
 
 # %% ../nbs/04a_measure.ipynb #3ed7d0bd
 def peak_by_category(tracker) -> dict:
