@@ -174,7 +174,7 @@ def activation_bytes(d:dict) -> dict:
     rope = 2 * d["S"] * d["head_dim"] * b  # cos and sin, (1, S, head_dim), shared by every layer
     fixed = final_norm + T * V * 4 + rope + 8 * T + 8  # + log_softmax (float32), shifted labels (int64), loss scalars
     loss_extra = T * V * b + (T * V * 4 if b != 4 else 0) + 8 * (T + d["B"])  # logits, their float32 copy, padded labels
-    return dict(layer=layer, fixed=fixed, final_norm=final_norm, recompute_extra=3 * T * H * b, loss_extra=loss_extra, checkpointed_layer=T * H * b, mlp_freed=T * I * b,
+    return dict(layer=layer, fixed=fixed, final_norm=final_norm, loss_extra=loss_extra, checkpointed_layer=T * H * b, mlp_freed=T * I * b,
                 mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=2 * T * V * 4)
 
 # %% ../nbs/08_plan.ipynb #235fa219
@@ -216,8 +216,8 @@ def moments(config, spec:PlanSpec) -> list:
         down = _grad_bytes(tensors, lambda t: t.layer == j and ".down_proj." in t.name, grad_b)
         rope = 2 * d["S"] * d["head_dim"] * d["b"] + 8
         if spec.activation_checkpointing:  # recomputed tensors count as temporaries; the final norm's saved tensors stay
-            activations = (j + 1) * layer_act + act["final_norm"] + rope
-            recomputed = act["layer"] - act["mlp_freed"] - (layer_act if d["b"] == 4 else 0) + act["recompute_extra"]
+            activations = (j + 1) * layer_act + 4 * d["T"] + rope  # of the final norm's saved tensors, its rsqrt (T x 4 bytes) is still alive
+            recomputed = act["layer"] - act["mlp_freed"] - (layer_act if d["b"] == 4 else 0)
         else: activations, recomputed = j * layer_act + act["layer"] - act["mlp_freed"] + rope, 0
         activations += sum(post_forward(l) for l in range(j + 1))
         temporaries = carry + done_unsharded_grads + act["grad_hidden"] + down + act["mlp_temps"] + recomputed + (held if W == 1 else 0)
