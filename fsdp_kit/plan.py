@@ -216,7 +216,7 @@ def moments(config, spec:PlanSpec) -> list:
         down = _grad_bytes(tensors, lambda t: t.layer == j and ".down_proj." in t.name, grad_b)
         rope = 2 * d["S"] * d["head_dim"] * d["b"] + 8
         if spec.activation_checkpointing:  # recomputed tensors count as temporaries; the final norm's saved tensors stay
-            activations = (j + 1) * layer_act + 4 * d["T"] + rope  # of the final norm's saved tensors, its rsqrt (T x 4 bytes) is still alive
+            activations = (j + 1) * layer_act + 4 * d["T"] + rope  # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
             recomputed = act["layer"] - act["mlp_freed"] - (layer_act if d["b"] == 4 else 0)
         else: activations, recomputed = j * layer_act + act["layer"] - act["mlp_freed"] + rope, 0
         activations += sum(post_forward(l) for l in range(j + 1))
