@@ -15,6 +15,13 @@ out = {}
 for path in sys.argv[1:]:
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), fsdp=True, fsdp_config=path, use_cpu=True, report_to="none")
     out[path] = [args.fsdp_plugin_args, args.mixed_precision]
+# the other direction: TrainingArguments accept what the kit's training_arguments(cfg) spells, and read back as cfg
+from fsdp_kit.config import FSDPConfig
+from fsdp_kit.hf import training_arguments, from_training_arguments, _same
+cfg = FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=1000, reshard_after_forward=False, mixed_precision="bf16")
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to=[], **training_arguments(cfg))
+out["kit"] = dict(fsdp_config={k: args.fsdp_config[k] for k in ("reshard_after_forward", "min_num_params")}, bf16=args.bf16,
+                  same=_same(from_training_arguments(args), cfg))
 print(json.dumps(out))
 """  # in a process of its own: importing TrainingArguments imports peft and bitsandbytes, which would stop later tests from forking
 
@@ -108,6 +115,10 @@ def test_hf_reports_what_upstream_builds_and_notes_every_difference(path, report
     differing = {name for name in FIELDS if report["config"][name] != report["upstream"][name]}
     assert differing <= noted, (differing - noted, report["notes"])
     if differing: assert expected["fsdp_version"] == 1 and any("runs this file with FSDP1" in n for n in report["notes"])
+
+
+def test_training_arguments_accept_what_the_kit_spells(trainer_args):
+    assert trainer_args["kit"] == dict(fsdp_config=dict(reshard_after_forward=False, min_num_params=1000), bf16=True, same=True)
 
 
 def test_the_helper_keeps_peft_out_of_this_process(reports):
