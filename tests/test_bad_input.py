@@ -34,7 +34,7 @@ def rows():
           Case("train-save-every-negative", [*TRAIN, "--ckpt", "{tmp}/ck", "--save-every", "-1"], 2, "--save-every=-1"),
           Case("train-keep-0", [*TRAIN, "--ckpt", "{tmp}/ck", "--keep", "0"], 2, "--keep=0"),
           Case("train-ckpt-is-a-file", [*TRAIN, "--ckpt", "{tmp}/f"], 2, "--ckpt=", files={"f": "x"}),
-          Case("train-batch-huge", [*TRAIN, "--batch", "100000000"], 2, "--batch=100000000"),
+          Case("train-batch-huge", [*TRAIN, "--batch", "100000000", "--nproc", "1"], 2, "--batch=100000000"),  # refused in the worker: 1 rank launched
           Case("train-model-unknown", [*TRAIN, "--model", "huge"], 2, "--model='huge'"),
           Case("train-model-missing-file", [*TRAIN, "--model", "{tmp}/none/config.json"], 2, "--model="),
           Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz")]
@@ -64,7 +64,7 @@ def rows():
           Case("qlora-steps-0", [*Q, "--steps", "0"], 2, "--steps=0"),
           Case("qlora-lr-nan", [*Q, "--lr", "nan"], 2, "--lr=nan"),
           Case("qlora-seed-neg", [*Q, "--seed", "-1"], 2, "--seed=-1"),
-          Case("qlora-batch-huge", [*Q, "--batch", "100000000"], 2, "--batch=100000000"),
+          Case("qlora-batch-huge", [*Q, "--batch", "100000000", "--nproc", "1"], 2, "--batch=100000000"),
           Case("qlora-model-unknown", [*Q, "--model", "huge"], 2, "--model='huge'")]
     # cp-eval
     CP = ["cp-eval"]

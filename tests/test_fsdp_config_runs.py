@@ -109,7 +109,8 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
     run = lambda *args: subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, text=True)
     cp = run("cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json", "--json", tmp_path / "cp.json")
-    qlora = run("qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json")
+    qlora = run("qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json",
+                "--adapter-dir", tmp_path / "adapter")
     for proc in (cp, qlora):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-3000:]
@@ -119,4 +120,5 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
     q = json.loads((tmp_path / "q.json").read_text())
     assert q["config"]["cpu_offload"] and q["config"]["mixed_precision"] == "bf16" and q["param_dtype"] == "bfloat16"
     assert q["losses"][-1] < q["losses"][0] and q["sharded_vs_unsharded_loss_diff"] < 3e-3
+    assert q["adapter"]["path"] == str(tmp_path / "adapter") and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert "replaces mixed_precision='no' from" in err

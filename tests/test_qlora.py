@@ -1,4 +1,4 @@
-"""QLoRA under FSDP2: packing checked against bitsandbytes itself, the guards, and real runs through the CLI.
+"""QLoRA under FSDP2: packing checked against bitsandbytes itself, the guards, and real runs on 2 ranks.
 
 bitsandbytes and peft are imported only in subprocesses: imported here, they would make every later
 `launch(..., launcher="notebook")` in this pytest process refuse to fork.
@@ -125,12 +125,22 @@ def test_cli_guards_exit_2_without_traceback(tmp_path, args, text):
         assert ("--quant-storage" in err or "quant_storage" in err) and "param_dtype" in err
 
 
-def test_cli_qlora_bfloat16_trains_matches_saves_and_saves_memory(cli, tmp_path):
-    adapter = tmp_path / "adapter"
-    out = cli("qlora", "--nproc", 2, "--model", "tiny", "--quant-storage", "bfloat16", "--steps", 10, "--json", tmp_path / "out.json",
-              "--adapter-dir", adapter, timeout=280)
-    assert out.returncode == 0, out.stderr
-    r = json.loads((tmp_path / "out.json").read_text())
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three storages in one launch: bfloat16 (10 steps, adapter saved to a folder), uint8 and float32 (2 steps each). The command
+    line's `fsdp-kit qlora` (with --adapter-dir) is run by tests/test_fsdp_config_runs.py::test_qlora_and_cp_eval_run_the_users_config."""
+    from dataclasses import asdict
+    from fsdp_kit.launch import launch
+    from tests.helpers import qlora_each
+    adapter = tmp_path_factory.mktemp("qlora") / "adapter"
+    specs = [QLoRASpec(model="tiny", quant_storage="bfloat16", steps=10, adapter_dir=str(adapter)),
+             QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2)]
+    results = launch(qlora_each, specs, nprocs=2, timeout=240)
+    return adapter, [json.loads(json.dumps(asdict(r))) for r in results], specs
+
+
+def test_bfloat16_trains_matches_saves_and_saves_memory(runs):
+    adapter, (r, *_), _ = runs
     assert r["packing"] == {"uint8": 2, "bfloat16": 4, "float32": 8}
     assert r["world_size"] == 2 and r["quant_storage"] == "bfloat16" and r["param_dtype"] == "bfloat16"
     # losses fall; every step equals one process on the whole batch, to bf16 rounding (a tenth of bf16's step near 5.5)
@@ -164,13 +174,11 @@ def test_cli_qlora_bfloat16_trains_matches_saves_and_saves_memory(cli, tmp_path)
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
 
 
-def test_other_storages_in_one_launch():
+def test_other_storages(runs):
     "uint8 storage without mixed precision (bf16 compute), and float32 storage with no mixed precision (fp32 compute): both pack, shard, match one process at every step and save their adapter."
-    from fsdp_kit.launch import launch
-    from tests.helpers import qlora_each
-    specs = [QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2)]
-    for spec, r in zip(specs, launch(qlora_each, specs, nprocs=2, timeout=200)):
-        assert r.param_dtype is None  # uint8: no mixed precision; fp32 is accelerate's "no"
-        assert len(r.unsharded_losses) == 2 and r.sharded_vs_unsharded_loss_diff < (1e-5 if spec.quant_storage == "float32" else 3e-3)
-        assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r.storage_shapes.values())
-        assert r.adapter["every_rank_share_saved"] and r.adapter["reload_loss_diff"] < 1e-4 and r.adapter["path"] is None
+    _, (_, *results), (_, *specs) = runs
+    for spec, r in zip(specs, results):
+        assert r["param_dtype"] is None  # uint8: no mixed precision; fp32 is accelerate's "no"
+        assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < (1e-5 if spec.quant_storage == "float32" else 3e-3)
+        assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r["storage_shapes"].values())
+        assert r["adapter"]["every_rank_share_saved"] and r["adapter"]["reload_loss_diff"] < 1e-4 and r["adapter"]["path"] is None
