@@ -26,7 +26,7 @@ def parse_ac(policy:str) -> tuple:
 
 # %% ../nbs/04c_ac.ipynb #27cb1492
 def saved_ops() -> set:
-    "The ops whose outputs `selective-op` keeps: matrix multiplies and attention, the expensive ones; every other op is recomputed."
+    "The ops whose outputs `selective-op` keeps: matrix multiplies (every second one excepted, see `_op_policy`) and attention, the expensive ones; every other op is recomputed."
     import torch
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -34,11 +34,22 @@ def saved_ops() -> set:
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 def _op_policy(saved:set):
-    "A selective-checkpoint policy: save the outputs of the ops in `saved`, recompute the rest."
+    """A selective-checkpoint policy for one call of one layer, torchtitan's `op` policy: save the outputs of the ops in `saved`, except
+    every second `aten.mm` (counted apart in forward and in the recomputation), and recompute the rest."""
+    import torch
     from torch.utils.checkpoint import CheckpointPolicy
+    mm, seen = torch.ops.aten.mm.default, {False: 0, True: 0}  # matmuls so far, in forward (False) and in the recomputation (True)
     def policy(ctx, op, *args, **kwargs):
+        if op == mm:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0: return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
+
+def _op_contexts(saved:set):
+    "The forward and recomputation contexts of one checkpointed call under `selective-op`, with a fresh policy (its own matmul count)."
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_op_policy(saved))
 
 # %% ../nbs/04c_ac.ipynb #c3a4458d
 def checkpoint_layers(model, # a transformers model, before fully_shard
@@ -51,10 +62,9 @@ def checkpoint_layers(model, # a transformers model, before fully_shard
         raise bad_value("ac", policy, "'none' on a model whose own gradient checkpointing is on (both would recompute the same layers)",
                         "Turn one of them off.")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper, CheckpointWrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
     chosen = {id(m) for i, m in enumerate(decoder_layers(model)) if (i + 1) % k == 0}
     wrap = checkpoint_wrapper
-    if kind == "op": wrap = partial(checkpoint_wrapper, context_fn=partial(create_selective_checkpoint_contexts, _op_policy(saved_ops())))
+    if kind == "op": wrap = partial(checkpoint_wrapper, context_fn=partial(_op_contexts, saved_ops()))
     if getattr(model, "config", None) is not None: model.config.use_cache = False  # as transformers does under gradient checkpointing (below)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: id(m) in chosen)
     return {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}

@@ -352,7 +352,9 @@ def _cmd_plan(a):
         r = plan_gpu.recommend(a.model, **kwargs)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
         return
-    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), base_dtype=a.base_dtype)
+    if a.grad_ckpt and a.ac not in (None, "full"):
+        raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
+    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), base_dtype=a.base_dtype, ac=a.ac)
     emit(p, a.json, plan_gpu.plan_text(p))
 
 
@@ -508,7 +510,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
     s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer")
+    s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
+    s.add_argument("--ac", help="activation checkpointing policy: none, full, selective-layer:K (every K-th layer) or selective-op (keep every other matmul's output and attention's, torchtitan's op policy)")
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
     s.add_argument("--mixed-precision", default="bf16", help="bf16 or no (fp32 compute; fp32 is the old spelling of no, read for this release)")
     s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")

@@ -18,6 +18,7 @@ from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES
 from .spec import RunSpec
 from .models import PRESETS, model_config, build_model, read_config_json
+from .ac import ac_policy, parse_ac
 
 # %% ../nbs/08_plan.ipynb #0752fdfc
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class PlanSpec(RunSpec):
     lora_r:int=8 # LoRA rank (all linear layers of the decoder)
     cpu_offload:bool=False # sharded params, grads and optimizer state in host memory
     base_dtype:str="bf16" # LoRA/QLoRA: dtype the base model is loaded in ("bf16", or "fp32" as peft's example script does for LoRA)
+    ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: "full" if activation_checkpointing, else "none"
     _:KW_ONLY
     batch:int=2 # sequences per rank
     steps:int=1 # steps measured when validating (the planner models one step)
@@ -51,8 +53,17 @@ class PlanSpec(RunSpec):
         if self.base_dtype not in ("bf16", "fp32"): raise bad_value("base_dtype", self.base_dtype, "bf16 or fp32")
         self.refuse_unless("fsdp", None, "a PlanSpec's FSDP settings are its own fields: policy, reshard_after_forward, mixed_precision, activation_checkpointing, cpu_offload")
         self.refuse_unless("dp_replicate", 1, "The planner models one shard group of world_size ranks")
+        self.policy_ac  # a bad or conflicting policy is refused
         super().check(self.world_size)
         return self
+
+    @property
+    def policy_ac(self) -> str:
+        "The activation checkpointing policy this setting runs, as `fsdp_kit.ac.ac_policy` reads `ac` beside the config (a conflict is refused)."
+        policy = ac_policy(FSDPConfig(activation_checkpointing=self.activation_checkpointing), self.ac)
+        if policy not in ("none", "full") and self.method != "full":
+            raise bad_value("ac", self.ac, "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)")
+        return policy
 
     def fsdp_config(self) -> FSDPConfig:
         "The FSDPConfig of a full fine-tune in this setting."
@@ -65,7 +76,8 @@ class PlanSpec(RunSpec):
         policy = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}.get(self.policy, self.policy)
         reshard = {True: "reshard", False: "keep"}.get(self.reshard_after_forward, f"to{self.reshard_after_forward}") if isinstance(self.reshard_after_forward, bool) else f"to{self.reshard_after_forward}"
         parts = [self.model, f"w{self.world_size}", self.method, policy, reshard, "bf16" if self.mixed_precision == "bf16" or self.method != "full" else "fp32"]
-        return " ".join(parts + (["ac"] if self.activation_checkpointing else []))
+        kind, k = parse_ac(self.policy_ac)
+        return " ".join(parts + [{"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind]]).strip()
 
 # %% ../nbs/08_plan.ipynb #c6ad0115
 @dataclass
@@ -174,7 +186,11 @@ def activation_bytes(d:dict) -> dict:
     rope = 2 * d["S"] * d["head_dim"] * b  # cos and sin, (1, S, head_dim), shared by every layer
     fixed = final_norm + T * V * 4 + rope + 8 * T + 8  # + log_softmax (float32), shifted labels (int64), loss scalars
     loss_extra = T * V * b + (T * V * 4 if b != 4 else 0) + 8 * (T + d["B"])  # logits, their float32 copy, padded labels
-    return dict(layer=layer, fixed=fixed, final_norm=final_norm, loss_extra=loss_extra, checkpointed_layer=T * H * b, mlp_freed=T * I * b,
+    # selective-op keeps a layer's input, the outputs of its 1st, 3rd, 5th and 7th matrix multiplies in call order (q, k, v, o, gate, up, down:
+    # torchtitan's op policy recomputes every second one) and attention's outputs (output, logsumexp)
+    matmul_outputs = [d["q"], d["kv"], d["kv"], H, I, I, H]
+    op_layer = T * H * b + T * sum(matmul_outputs[::2]) * b + T * d["q"] * b + d["B"] * d["heads"] * d["S"] * 4
+    return dict(layer=layer, fixed=fixed, final_norm=final_norm, loss_extra=loss_extra, checkpointed_layer=T * H * b, op_layer=op_layer, mlp_freed=T * I * b,
                 mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=2 * T * V * 4)
 
 # %% ../nbs/08_plan.ipynb #235fa219
@@ -197,17 +213,19 @@ def moments(config, spec:PlanSpec) -> list:
                   optimizer_state=2 * _sum(us.values(), "sharded_grads") + 4 * _sum(us.values(), "trainable_tensors"))
     head = dict(unsharded_params=root.unsharded + _sum(others, "unsharded"))
     kept = lambda ls: sum(_sum(layer_units[l], "unsharded") for l in ls) if reshard is False else 0
-    layer_act = act["checkpointed_layer"] if spec.activation_checkpointing else act["layer"]
+    kind, k = parse_ac(spec.policy_ac)
+    checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(L)]  # the layers checkpoint_layers wraps
+    saved = [(act["op_layer"] if kind == "op" else act["checkpointed_layer"]) if c else act["layer"] for c in checkpointed]  # kept through forward, per layer
     buffer = lambda u: u.unsharded if W > 1 else 0
     last = (layer_units[-1] or [root])[-1] if not others else others[-1]
     out = [("loss (end of forward)", dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(last),
-                                          activations=L * layer_act + act["fixed"] + act["loss_extra"] - 8))]
+                                          activations=sum(saved) + act["fixed"] + act["loss_extra"] - 8))]
     out.append(("loss backward", dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(layer_units[-1][-1]) if reshard is not False and layer_units[-1] else 0,
-                                      activations=L * layer_act + act["fixed"] - 8 * d["T"] - 4, temporaries=act["grad_logits"])))
+                                      activations=sum(saved) + act["fixed"] - 8 * d["T"] - 4, temporaries=act["grad_logits"])))
     post_forward = lambda l: _sum(layer_units[l], "unsharded") // reshard if not isinstance(reshard, bool) else 0  # kept for backward, 1/N each
     if not isinstance(reshard, bool):
         out.append(("backward start", dict(states, unsharded_params=root.unsharded, all_gather_buffers=buffer(root), temporaries=_sum(layer_units[-1], "unsharded"),
-                                           activations=L * layer_act + act["fixed"] + 4 + sum(post_forward(l) for l in range(L)))))
+                                           activations=sum(saved) + act["fixed"] + 4 + sum(post_forward(l) for l in range(L)))))
     carry = _grad_bytes(tensors, lambda t: t.layer < 0 and "embed_tokens" not in t.name and unit_of(t, spec.policy) == "root", grad_b)
     held = 0  # reduce-scatter input kept until the next unit's post-backward
     done_sharded_grads, done_unsharded_grads = 0, 0
@@ -215,10 +233,10 @@ def moments(config, spec:PlanSpec) -> list:
         current = layer_units[j]
         down = _grad_bytes(tensors, lambda t: t.layer == j and ".down_proj." in t.name, grad_b)
         rope = 2 * d["S"] * d["head_dim"] * d["b"] + 8
-        if spec.activation_checkpointing:  # recomputed tensors count as temporaries; the final norm's saved tensors stay
-            activations = (j + 1) * layer_act + 4 * d["T"] + rope  # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
-            recomputed = act["layer"] - act["mlp_freed"] - (layer_act if d["b"] == 4 else 0)
-        else: activations, recomputed = j * layer_act + act["layer"] - act["mlp_freed"] + rope, 0
+        if checkpointed[j]:  # recomputed tensors count as temporaries (less what selective-op kept); the final norm's saved tensors stay
+            activations = sum(saved[:j + 1]) + 4 * d["T"] + rope  # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
+            recomputed = act["layer"] - act["mlp_freed"] - (saved[j] - act["checkpointed_layer"]) - (act["checkpointed_layer"] if d["b"] == 4 else 0)
+        else: activations, recomputed = sum(saved[:j]) + act["layer"] - act["mlp_freed"] + rope, 0
         activations += sum(post_forward(l) for l in range(j + 1))
         temporaries = carry + done_unsharded_grads + act["grad_hidden"] + down + act["mlp_temps"] + recomputed + (held if W == 1 else 0)
         out.append((f"layer {j} backward (MLP)", dict(states, activations=activations, temporaries=temporaries,

@@ -30,7 +30,7 @@ class GPUPlan:
     parameters:int # counted on the meta device
     gpus:int # GPUs sharing the parameters (FSDP over all of them; CP ranks included)
     gpu_mem_gb:float # memory of one GPU, GB (10^9 bytes)
-    settings:dict # method, lora_r, batch, seq_len, grad_ckpt, offload, mixed_precision, reshard, cp
+    settings:dict # method, lora_r, batch, seq_len, grad_ckpt, offload, mixed_precision, reshard, cp, base_dtype, ac (the checkpointing policy run)
     per_gpu_peak_bytes:int # tensors at the peak + allocator overhead + CUDA context
     breakdown:dict # category -> bytes at the peak
     peak_moment:str # where in the step the peak falls
@@ -84,14 +84,15 @@ def plan_gpu(model:str, # preset or config.json path
              mixed_precision:str="bf16", # bf16 (param_dtype bf16, reduce fp32, fp32 master weights) or no (fp32; "fp32" is read as no)
              reshard:bool=True, # reshard_after_forward
              cp:int=1, # context-parallel ranks (sequence split), inside `gpus`
-             base_dtype:str="bf16" # LoRA: the dtype the frozen base is loaded in (bf16 or fp32); QLoRA's non-quantized weights too
+             base_dtype:str="bf16", # LoRA: the dtype the frozen base is loaded in (bf16 or fp32); QLoRA's non-quantized weights too
+             ac:str=None # activation checkpointing policy: none, full, selective-layer:K or selective-op (fsdp_kit.ac); None: full if grad_ckpt
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
     _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
     config = plan_config(model)
     if base_dtype not in ("bf16", "fp32"): raise bad_value("base_dtype", base_dtype, "bf16 or fp32")
     mixed_precision = accelerate_precision(mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
-    spec = PlanSpec(model, gpus, "TRANSFORMER_BASED_WRAP", reshard, mixed_precision, grad_ckpt, method, lora_r, offload, base_dtype,
+    spec = PlanSpec(model, gpus, "TRANSFORMER_BASED_WRAP", reshard, mixed_precision, grad_ckpt, method, lora_r, offload, base_dtype, ac,
                     batch=batch, seq_len=seq_len, cp=cp)
     tensors = model_tensors(config, spec)
     ms = moments(config, spec)
@@ -122,7 +123,7 @@ def plan_gpu(model:str, # preset or config.json path
     if method == "qlora": notes.append("quantization state (absmax, code tables) is kept whole on every GPU: it is not a parameter, FSDP does not shard it")
     return GPUPlan(model, sum(math.prod(s) for _, s in meta_shapes(config)[0]), gpus, gpu_mem_gb,
                    dict(method=method, lora_r=lora_r, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                        mixed_precision=mixed_precision, reshard=reshard, cp=cp, base_dtype=base_dtype),
+                        mixed_precision=mixed_precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac),
                    per_gpu, breakdown, name, host, dict(cpu_ram_efficient_loading=load, every_process_loads=procs * load),
                    per_gpu <= gpu_mem_gb * GB, comm, notes)
 
@@ -130,7 +131,7 @@ def _describe(p:GPUPlan) -> str:
     "The settings of a plan in a few words."
     s = p.settings
     return (f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}, {s['method']}" + (f" r={s['lora_r']}" if s["method"] != "full" else "") + f", batch {s['batch']}, "
-            f"reshard {s['reshard']}, checkpointing {'on' if s['grad_ckpt'] else 'off'}, offload {'on' if s['offload'] else 'off'}")
+            f"reshard {s['reshard']}, checkpointing {dict(none='off', full='on').get(s['ac'], s['ac'])}, offload {'on' if s['offload'] else 'off'}")
 
 def plan_text(p:GPUPlan) -> str:
     "A few lines: the per-GPU peak and its breakdown, host memory, fit, communication."
@@ -209,7 +210,7 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
          setting="Llama-2-70B QLoRA r=8 (bf16 storage), 2 GPUs, batch 2, seq 2048, checkpointing, CPU offload",
          kwargs=dict(gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True, offload=True),
          miss="Not explained by the step model. All three CPU-offload rows come out low, by 37% to 57% of each GPU's share of the stored "
-              "4-bit model, while the one row without offload is within 9%. A likely cause is memory held from loading: with "
+              "4-bit model, while the one row without offload is within 10%. A likely cause is memory held from loading: with "
               "cpu_ram_efficient_loading bitsandbytes quantizes each weight on the GPU before it moves to the host, and the caching allocator "
               "keeps those blocks reserved, which nvidia-smi shows. The planner models the training step only."),
     dict(source="https://huggingface.co/docs/peft/accelerate/fsdp", model="llama-2-70b", published_gb=35.6,
@@ -219,6 +220,10 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
          setting="Llama-2-70B LoRA r=8, 8 x H100 80GB, batch 8, seq 2048, checkpointing, bf16; published as 72-80 GB (midpoint); base in float32 "
                  "(the script loads with dtype=quant_storage_dtype or torch.float32)",
          kwargs=dict(gpus=8, gpu_mem_gb=80, method="lora", batch=8, seq_len=2048, grad_ckpt=True, base_dtype="fp32"), miss=""),
+    dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(82.4 * 2**30 / 1e9, 1),
+         setting="Llama-3.1-8B full fine-tune (torchtitan, FSDP2), 8 x H100 96GB, local batch 2, seq 8192, selective op checkpointing, bf16 with fp32 reduce "
+                 "(Table 1, the FSDP row without compile or Float8; seq, the AC option and precision from its llama3_8b.toml); published as 82.4 GiB",
+         kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op"), miss=""),
     dict(source="https://gist.github.com/bigsnarfdude/47684d7afc4941c118ad8c0a2d764ca5", model="llama-3-70b", published_gb=22.0,
          setting="Llama-3-70B QLoRA + CPU offload, 4 x 24 GB, batch 1, seq 3072 (copy of philschmid's fsdp-qlora-distributed-llama3 notebook; "
                  "rank and checkpointing not in the excerpt: r=8 and checkpointing on assumed)",

@@ -38,7 +38,7 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
 def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
-    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh)
+    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac)
     return r.peak_bytes, r.collectives
 
 def validate_worker(specs:list) -> list:
@@ -74,6 +74,7 @@ def validation_matrix(max_world:int=2) -> list:
         specs += [PlanSpec("small", 2, "PER_LINEAR"), PlanSpec("small", 2, reshard_after_forward=2)]
         specs += [PlanSpec(m, 2, mixed_precision="bf16") for m in ("tiny", "small")]
         specs += [PlanSpec(m, 2, activation_checkpointing=True) for m in ("tiny", "small")]
+        specs += [PlanSpec("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec("small", 2, mixed_precision="bf16", ac="selective-op")]
         specs += [PlanSpec(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
     if max_world >= 4:
         specs += [PlanSpec("small", 4), PlanSpec("small", 4, reshard_after_forward=2), PlanSpec("small", 4, mixed_precision="bf16"),
@@ -130,9 +131,9 @@ def validate(specs:list=None, # the settings to run; None: validation_matrix(max
 
 def validation_table(result:dict) -> str:
     "A plain-text table: each setting's measured and predicted peak (MiB), the error, and communication bytes."
-    rows = [f"{'setting':<34}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak (predicted)"]
+    rows = [f"{'setting':<44}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak (predicted)"]
     for r in result["runs"]:
-        rows.append(f"{r['config']['label']:<34}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
+        rows.append(f"{r['config']['label']:<44}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
                     f"{r['measured_comm_bytes']:>21,}{r['predicted_comm_bytes']:>11,}  {r['peak_moment']}")
     rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
     return "\n".join(rows)

@@ -16,6 +16,11 @@ def rows():
           Case("json-under-a-file", [*TRAIN, "--json", "{tmp}/f/out.json"], 2, "--json=", files={"f": "x"}),
           Case("json-folder-env", ["env", "--json", "{tmp}/d"], 2, "a file path (this is a folder)", files={"d": None}),
           Case("json-folder-plan", ["plan", "--model", "tiny", "--json", "{tmp}/d"], 2, "--json=", files={"d": None})]
+    # the planner's checkpointing policy
+    c += [Case("plan-ac-unknown", ["plan", "--model", "tiny", "--ac", "selective"], 2, "--ac='selective' is not allowed: none, full, selective-layer:K"),
+          Case("plan-ac-layer-0", ["plan", "--model", "tiny", "--ac", "selective-layer:0"], 2, "--ac='selective-layer:0' is not allowed"),
+          Case("plan-ac-and-grad-ckpt", ["plan", "--model", "tiny", "--ac", "selective-op", "--grad-ckpt"], 2, "--ac='selective-op' is not allowed with --grad-ckpt"),
+          Case("plan-ac-lora", ["plan", "--model", "tiny", "--ac", "selective-op", "--method", "lora"], 2, "none or full for a LoRA or QLoRA run")]
     # numbers of every launching command
     for cmd in ("train", "qlora", "cp-eval", "compare", "mesh"):
         c += [Case(f"{cmd}-timeout-{v}", [cmd, "--timeout", v], 2, "argument --timeout") for v in ("0", "-5", "nan", "inf", "abc")]

@@ -26,8 +26,9 @@ def test_unknown_model_refused():
 
 
 def test_predictions_beside_real_runs():
-    "Three settings on 2 ranks in one launch: totals within 5%, collective bytes exact."
-    specs = [PlanSpec("small", 2, reshard_after_forward=False), PlanSpec("tiny", 2, activation_checkpointing=True), PlanSpec("tiny", 2, method="lora")]
+    "Five settings on 2 ranks in one launch (each checkpointing policy among them): totals within 5%, collective bytes exact."
+    specs = [PlanSpec("small", 2, reshard_after_forward=False), PlanSpec("tiny", 2, activation_checkpointing=True), PlanSpec("tiny", 2, method="lora"),
+             PlanSpec("tiny", 2, ac="selective-layer:2"), PlanSpec("tiny", 2, mixed_precision="bf16", ac="selective-op")]
     result = validate(specs, launcher="notebook", timeout=120)
     assert [r["config"]["label"] for r in result["runs"]] == [s.label() for s in specs]
     for r in result["runs"]:
@@ -42,6 +43,8 @@ def test_stored_matrix_matches_planner():
     assert len(stored["runs"]) >= 20 and stored["comm_exact"]
     assert {r["config"]["world_size"] for r in stored["runs"]} == {1, 2, 4}
     assert {r["config"]["method"] for r in stored["runs"]} == {"full", "lora", "qlora"}
+    policies = {PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"}).policy_ac for r in stored["runs"]}
+    assert policies == {"none", "full", "selective-layer:2", "selective-op"}  # every kind of activation checkpointing, measured
     for r in stored["runs"]:
         spec = PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"})
         config = plan_config(spec.model)
@@ -97,7 +100,8 @@ def test_recommend_says_which_criterion_decided():
 
 def test_bad_settings_refused():
     for kwargs, field in ((dict(method="sft"), "method"), (dict(gpus=0), "gpus"), (dict(gpus=4, cp=3), "cp"), (dict(mixed_precision="fp8"), "mixed_precision"),
-                          (dict(gpu_mem_gb=0), "gpu_mem_gb"), (dict(base_dtype="int8"), "base_dtype")):
+                          (dict(gpu_mem_gb=0), "gpu_mem_gb"), (dict(base_dtype="int8"), "base_dtype"), (dict(ac="selective"), "ac"),
+                          (dict(ac="selective-op", grad_ckpt=True), "ac"), (dict(ac="selective-layer:2", method="qlora"), "ac")):
         with pytest.raises(KitError, match=field): plan_gpu("llama-2-7b", **kwargs)
 
 
@@ -120,3 +124,13 @@ def test_cli(cli, tmp_path):
     p = json.loads(out.read_text())
     assert p == json.loads(json.dumps(vars(plan_gpu("llama-3-8b", gpus=4, gpu_mem_gb=24, method="lora", grad_ckpt=True))))
     refused(["plan", "--model", "llama-9"], "llama-2-7b", tmp_path)
+
+
+def test_checkpointing_policies_order_the_plan():
+    "On a GPU plan (the 8B shape torchtitan publishes, batch 2 x 8192): activations fall from none through selective-op and every 2nd layer to full, and the plan names its policy."
+    kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192)
+    plans = {ac: plan_gpu("llama-3-8b", ac=ac, **kw) for ac in ("none", "selective-layer:2", "selective-op", "full")}
+    act = {ac: p.breakdown.get("activations", 0) for ac, p in plans.items()}
+    assert act["full"] < act["selective-op"] < act["selective-layer:2"] < act["none"], act
+    assert plans["full"].breakdown == plan_gpu("llama-3-8b", grad_ckpt=True, **kw).breakdown  # --grad-ckpt is the policy full
+    assert [p.settings["ac"] for p in plans.values()] == list(plans)
