@@ -119,7 +119,7 @@ def _cmd_train(a):
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
-                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt).check(a.nnodes * a.nproc)
+                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt, ac=a.ac).check(a.nnodes * a.nproc)
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
@@ -147,7 +147,7 @@ def _cmd_train(a):
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     c = result.config
     text += (f"\n{len(result.units)} FSDP unit(s) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
-             f"mixed_precision={c['mixed_precision']}" + ", activation checkpointing" * c["activation_checkpointing"] + ", CPU offload" * c["cpu_offload"])
+             f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none") + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
     if result.checkpoint:
         c = result.checkpoint
@@ -423,6 +423,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
+    s.add_argument("--ac", default=None, help="activation checkpointing policy: none, full, selective-layer:K or selective-op (default: the config's, full if it sets activation_checkpointing)")
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for this release)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")

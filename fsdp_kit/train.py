@@ -15,6 +15,7 @@ from .errors import bad_value, require_whole, require_positive
 from .spec import RunSpec
 from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
+from .ac import ac_policy
 
 # %% ../nbs/01_train.ipynb #cd8142c2
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class TrainSpec(RunSpec):
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
     lora_r:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
+    ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: the config's ("full" if activation_checkpointing, else "none")
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
@@ -42,6 +44,7 @@ class TrainSpec(RunSpec):
         if self.check_parity and (self.lora_r or (self.ckpt and self.ckpt.resume)):
             raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
+        ac_policy(self.config, self.ac)  # an unknown policy, or another one beside the config's activation_checkpointing, is refused
         return self
 
 # %% ../nbs/01_train.ipynb #399cb3b6
@@ -102,6 +105,7 @@ class TrainResult:
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
     timing:dict=None # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
+    ac:str="none" # the activation checkpointing policy the run applied (fsdp_kit.ac)
 
 # %% ../nbs/01_train.ipynb #5e9a22d5
 def _reference(spec:TrainSpec, world_size:int):
@@ -130,7 +134,7 @@ def train_worker(spec:TrainSpec,
     if spec.lora_r:
         from fsdp_kit.lora import add_lora
         model = add_lora(model, spec.lora_r, spec.seed)
-    model, units = apply_fsdp(model, spec.config, fsdp_mesh(build_mesh(spec.mesh)))  # on the mesh's device: fully_shard moves it there
+    model, units = apply_fsdp(model, spec.config, fsdp_mesh(build_mesh(spec.mesh)), spec.ac)  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver
@@ -146,7 +150,7 @@ def train_worker(spec:TrainSpec,
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None)
+                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config, spec.ac))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
     if spec.lora_r:
         from fsdp_kit.lora import adapter_round_trip

@@ -42,7 +42,10 @@ def rows():
           Case("train-batch-huge", [*TRAIN, "--batch", "100000000", "--nproc", "1"], 2, "--batch=100000000"),  # refused in the worker: 1 rank launched
           Case("train-model-unknown", [*TRAIN, "--model", "huge"], 2, "--model='huge'"),
           Case("train-model-missing-file", [*TRAIN, "--model", "{tmp}/none/config.json"], 2, "--model="),
-          Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz")]
+          Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz"),
+          Case("train-ac-unknown", [*TRAIN, "--ac", "some"], 2, "--ac='some' is not allowed: none, full, selective-layer:K"),
+          Case("train-ac-beside-the-config", [*TRAIN, "--ac", "selective-op", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json"], 2,
+               "--ac='selective-op' is not allowed: 'full' when the FSDP config sets activation_checkpointing=True")]
     # several nodes: the rendezvous settings
     NODES = [*TRAIN, "--nnodes", "2"]
     c += [Case("nodes-no-endpoint", NODES, 2, "--rdzv-endpoint=None"),

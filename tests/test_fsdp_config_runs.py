@@ -28,8 +28,9 @@ def runs():
     settings = dict(default=FSDPConfig(), no_wrap=FSDPConfig(auto_wrap_policy="NO_WRAP"),
                     size=FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000),
                     checkpointing=FSDPConfig(activation_checkpointing=True), offload=FSDPConfig(cpu_offload=True))
-    results = launch(train_each, [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=c) for c in settings.values()], nprocs=2)
-    return dict(zip(settings, results))
+    specs = [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=c) for c in settings.values()]
+    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, ac=ac) for ac in ("selective-layer:2", "selective-op")]  # the other policies (fsdp_kit.ac)
+    return dict(zip([*settings, "layer2", "op"], launch(train_each, specs, nprocs=2)))
 
 
 def test_units_are_what_the_policy_plans(runs):
@@ -47,6 +48,10 @@ def test_memory_moves_as_each_setting_should(runs):
     assert peak["no_wrap"]["total"] > peak["default"]["total"]  # every layer gathered at once
     assert peak["no_wrap"]["unsharded_params"] > peak["default"]["unsharded_params"]
     assert peak["checkpointing"]["activations"] < peak["default"]["activations"] / 2  # only layer inputs kept for backward
+    assert peak["checkpointing"]["activations"] < peak["op"]["activations"] < peak["default"]["activations"]  # selective-op keeps half the matmuls
+    assert peak["checkpointing"]["activations"] < peak["layer2"]["activations"] < peak["default"]["activations"]  # layer 1 of 2 checkpointed
+    assert [runs[n].ac for n in ("default", "checkpointing", "layer2", "op")] == ["none", "full", "selective-layer:2", "selective-op"]
+    assert runs["op"].losses == runs["layer2"].losses == runs["default"].losses  # recomputation changes no number
     # on a CPU-only machine host and device are one memory: CPUOffloadPolicy(pin_memory=False) copies, but moves nothing
     assert runs["offload"].config["cpu_offload"] and peak["offload"]["total"] == peak["default"]["total"]
     for r in runs.values(): assert r.losses[-1] < r.losses[0]
