@@ -7,7 +7,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 # %% auto #0
 __all__ = ['STATE_DICT_TYPES', 'FORMAT', 'LOADING_MODEL', 'CheckpointSpec', 'lock_checkpoint_dir', 'step_name', 'verify',
            'list_checkpoints', 'find_checkpoint', 'save_checkpoint', 'load_checkpoint', 'model_shape', 'check_resume',
-           'Saver', 'load_sharded', 'rss_bytes', 'loading_worker', 'save_loading_model']
+           'Saver', 'to_full', 'load_sharded', 'rss_bytes', 'loading_worker', 'save_loading_model']
 
 # %% ../nbs/07_checkpoint.ipynb #c60647f3
 import errno, hashlib, json, os, shutil, threading, time
@@ -482,6 +482,44 @@ class Saver:
     def adapter_dir(self) -> str:
         "Where the finished run's adapter goes: DIR/adapter."
         return str(Path(self.ckpt.dir)/"adapter")
+
+# %% ../nbs/07_checkpoint.ipynb #e05af2ba
+def to_full(dir, # a checkpoint folder (its newest complete checkpoint is converted), or one sharded checkpoint in it (step-NNNNNN)
+            out # the folder to write: config.json and model.safetensors, what from_pretrained reads (new or empty)
+           ) -> Path:
+    "A sharded (DCP) checkpoint as a transformers folder, in one process without a process group: the weights whole, the optimizer state left behind."
+    import warnings, torch, torch.distributed.checkpoint as dcp
+    folder, out = Path(dir), Path(out)
+    if not folder.is_dir(): raise bad_value("dir", str(folder), "an existing checkpoint folder")
+    if not (folder/"manifest.json").exists():  # a checkpoint folder: its newest complete checkpoint
+        found, notes = find_checkpoint(folder)
+        if found is None: raise bad_value("dir", str(folder), "a sharded checkpoint (step-NNNNNN) or a folder holding a complete one",
+                                          " ".join(n for n in notes if n.startswith("skipped")))
+        folder = found
+    if problems := verify(folder): raise KitError(f"{folder} is damaged, not converted: {'; '.join(problems)}")
+    manifest = json.loads((folder/"manifest.json").read_text())
+    if manifest["state_dict"] != "sharded":
+        raise bad_value("dir", str(folder), "a sharded checkpoint (this one is full already: from_pretrained reads it as it is)")
+    if manifest.get("lora"):
+        raise bad_value("dir", str(folder), "a full fine-tune's checkpoint", f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base model")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())): raise bad_value("out", str(out), "a new or empty folder")
+    reader = dcp.FileSystemReader(str(folder/"dcp"))
+    shapes = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items() if k.startswith("model.")}
+    state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}
+    with warnings.catch_warnings():  # torch says it assumes one process: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)  # each whole tensor filled from every rank's shards
+    model = build_model(model_config(manifest["model"]), device="meta")  # the architecture, no memory
+    expected = set(model.state_dict())
+    if set(state["model"]) != expected:
+        raise KitError(f"{folder} does not hold the weights of model={manifest['model']!r}: missing {sorted(expected - set(state['model']))[:3]}, "
+                       f"unexpected {sorted(set(state['model']) - expected)[:3]}")
+    tmp = out.parent/f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state["model"])
+    if out.exists(): out.rmdir()  # empty, checked above
+    os.replace(tmp, out)  # the folder appears complete, or not at all
+    return out
 
 # %% ../nbs/07_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)

@@ -224,9 +224,16 @@ def _cmd_slurm(a):
 
 
 def _cmd_ckpt(a):
-    from fsdp_kit.checkpoint import list_checkpoints
+    from fsdp_kit.checkpoint import list_checkpoints, to_full
     from pathlib import Path
     if not Path(a.dir).is_dir(): raise KitError(f"ckpt={a.dir!r} is not allowed: an existing checkpoint folder")
+    if a.out:
+        from fsdp_kit.ranks import quiet_libraries
+        quiet_libraries()  # no progress bars from save_pretrained
+        out = to_full(a.dir, a.out)
+        emit(dict(dir=a.dir, to_full=str(out), files=sorted(p.name for p in out.iterdir())), a.json,
+             f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())) + " (AutoModelForCausalLM.from_pretrained reads it)")
+        return
     found = list_checkpoints(a.dir)
     rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} bytes" if c["ok"]
             else "DAMAGED: " + "; ".join(c["problems"])) for c in found]
@@ -461,7 +468,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="with --run: seed for the weights and the data")
     s.add_argument("--out", metavar="DIR", help="with --run: folder for the base model, the saved model or adapter, checkpoints and logs (default: a temporary folder)")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
-    s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train)")
+    s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
+    s.add_argument("--to-full", dest="out", metavar="OUT", help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder from_pretrained reads")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")

@@ -51,6 +51,24 @@ def test_full_checkpoint_loads_with_from_pretrained(runs):
     assert loss < runs["straight"]["losses"][19]  # trained weights: lower than the loss before step 20's update
 
 
+def test_sharded_checkpoint_converts_to_full(runs, tmp_path):
+    "fsdp-kit ckpt DIR --to-full OUT: the sharded run's weights, whole, equal the full run's bit for bit (the two runs trained alike); from_pretrained reads them."
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from tests.badinput import Case, check_case, run_case
+    out = tmp_path / "exported"
+    code, _, err = run_case(Case("to-full", ["ckpt", runs["tmp"] / "sharded", "--to-full", out], 0, ""), tmp_path)
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]  # no optimizer, no manifest
+    exported, full = load_file(out / "model.safetensors"), load_file(runs["tmp"] / "full" / "latest" / "model.safetensors")
+    assert sorted(exported) == sorted(full) and all(torch.equal(exported[k], full[k]) for k in full)
+    assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters()) == runs["straight"]["n_params"]
+    check_case(Case("to-full-again", ["ckpt", runs["tmp"] / "sharded", "--to-full", out], 2, "--to-full="), tmp_path)
+    check_case(Case("to-full-of-a-full", ["ckpt", runs["tmp"] / "full", "--to-full", tmp_path / "x"], 2, "this one is full already"), tmp_path)
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
 def _tree(pid):
     import psutil
     p = psutil.Process(pid)
