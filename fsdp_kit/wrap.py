@@ -23,12 +23,24 @@ def _layer_classes(model, cfg:FSDPConfig) -> set:
     return set(cfg.transformer_layer_cls_to_wrap or getattr(model, "_no_split_modules", None) or [])
 
 # %% ../nbs/04_wrap.ipynb #84cd6220
+def _ties_outside(model):
+    """A test of (name, module): does the module hold a parameter that a module outside it holds too? Tied input and output
+    embeddings do (`embed_tokens` and `lm_head` share one weight). Such a module cannot be a unit of its own: FSDP2 would manage the
+    shared parameter in two units, and torch refuses that at the first forward."""
+    owners = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None: owners.setdefault(id(p), set()).add(name)
+    def ties_outside(name:str, module) -> bool:
+        return any(o != name and not o.startswith(name + ".") for p in module.parameters() for o in owners[id(p)])
+    return ties_outside
+
 def _size_targets(model, min_num_params:int) -> list:
-    "SIZE_BASED_WRAP: bottom-up, wrap a module whose not-yet-wrapped parameters exceed `min_num_params`."
+    "SIZE_BASED_WRAP: bottom-up, wrap a module whose not-yet-wrapped parameters exceed `min_num_params` (one tied to a module outside it stays in the root)."
     import torch.nn as nn
-    claimed, targets, largest = set(), [], 0
+    claimed, targets, largest, tied = set(), [], 0, _ties_outside(model)
     for name, module in reversed(list(model.named_modules())):
-        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)): continue
+        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)) or tied(name, module): continue
         free = [p for p in module.parameters() if id(p) not in claimed]
         held = sum(p.numel() for p in free)
         largest = max(largest, held)
@@ -42,7 +54,7 @@ def _size_targets(model, min_num_params:int) -> list:
 
 # %% ../nbs/04_wrap.ipynb #4e54fa7d
 def wrap_targets(model, cfg:FSDPConfig) -> list:
-    "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded."
+    "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded, and so is a module tied to one outside it."
     import torch.nn as nn
     check_for_model(cfg, model)
     policy = cfg.auto_wrap_policy
@@ -50,7 +62,8 @@ def wrap_targets(model, cfg:FSDPConfig) -> list:
     if policy == "SIZE_BASED_WRAP": return _size_targets(model, cfg.min_num_params)
     if policy == "PER_LINEAR": match = lambda m: isinstance(m, nn.Linear)
     else: classes = _layer_classes(model, cfg); match = lambda m: type(m).__name__ in classes
-    return [(n, m) for n, m in reversed(list(model.named_modules())) if m is not model and match(m)]
+    tied = _ties_outside(model)
+    return [(n, m) for n, m in reversed(list(model.named_modules())) if m is not model and match(m) and not tied(n, m)]
 
 # %% ../nbs/04_wrap.ipynb #176c4dd5
 @dataclass

@@ -30,6 +30,18 @@ def test_every_parameter_is_in_exactly_one_unit(policy, min_num_params):
     assert len({u.module for u in units}) == len(units) and units[-1].module == ""
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tied_embeddings_stay_in_one_unit(policy):
+    "A module sharing a parameter with a module outside it (tied embed_tokens / lm_head) is never a unit of its own: the root holds the shared weight."
+    tied = build_model(model_config(EXAMPLES / "qwen2-tied" / "config.json"), device="meta")
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    units = plan_units(tied, FSDPConfig(auto_wrap_policy=policy, min_num_params=1000))
+    assert not {"lm_head", "model.embed_tokens", "model"} & {u.module for u in units}
+    assert sum(u.parameters for u in units) == count_params(tied) and units[-1].parameters >= tied.lm_head.weight.numel()
+    untied = plan_units(build_model(model_config(EXAMPLES / "qwen2-tiny" / "config.json"), device="meta"), FSDPConfig(auto_wrap_policy=policy, min_num_params=1000))
+    assert ("lm_head" in {u.module for u in untied}) == (policy in ("PER_LINEAR", "SIZE_BASED_WRAP"))  # the policies that would split the tie
+
+
 def test_units_include_every_block_accelerate_would_wrap():
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
