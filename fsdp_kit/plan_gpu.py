@@ -224,6 +224,14 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
          setting="Llama-3.1-8B full fine-tune (torchtitan, FSDP2), 8 x H100 96GB, local batch 2, seq 8192, selective op checkpointing, bf16 with fp32 reduce "
                  "(Table 1, the FSDP row without compile or Float8; seq, the AC option and precision from its llama3_8b.toml); published as 82.4 GiB",
          kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op"), miss=""),
+    dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(67.0 * 2**30 / 1e9, 1),
+         setting="the same on 128 x H100 96GB (Table 3, the FSDP row); published as 67.0 GiB",
+         kwargs=dict(gpus=128, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op"), miss=""),
+    *[dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(gib * 2**30 / 1e9, 1),
+           setting=f"Llama-3.1-8B (torchtitan), 8 x H100 96GB, FSDP {8 // cp} x CP {cp}, local batch 1, seq {seq}, full checkpointing (Table 2; "
+                   f"its torch.compile and Float8 are not modelled: the plan is the eager bf16 step's); published as {gib} GiB",
+           kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=1, seq_len=seq, cp=cp, ac="full"), miss="")
+      for cp, seq, gib in ((1, 32768, 83.9), (2, 65536, 84.2), (4, 131072, 84.0), (8, 262144, 84.5))],
     dict(source="https://gist.github.com/bigsnarfdude/47684d7afc4941c118ad8c0a2d764ca5", model="llama-3-70b", published_gb=22.0,
          setting="Llama-3-70B QLoRA + CPU offload, 4 x 24 GB, batch 1, seq 3072 (copy of philschmid's fsdp-qlora-distributed-llama3 notebook; "
                  "rank and checkpointing not in the excerpt: r=8 and checkpointing on assumed)",
