@@ -60,7 +60,7 @@ class PlanSpec(RunSpec):
     @property
     def policy_ac(self) -> str:
         "The activation checkpointing policy this setting runs, as `fsdp_kit.ac.ac_policy` reads `ac` beside the config (a conflict is refused)."
-        policy = ac_policy(FSDPConfig(activation_checkpointing=self.activation_checkpointing), self.ac)
+        policy = ac_policy(self.config, self.ac)
         if policy not in ("none", "full") and self.method != "full":
             raise bad_value("ac", self.ac, "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)")
         return policy

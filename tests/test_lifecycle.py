@@ -42,9 +42,9 @@ def _kill_mid_training(proc, folder: Path, how: str, deadline=120, before=lambda
     killed = time.monotonic()
     while _alive(seen) and time.monotonic() - killed < 10: time.sleep(0.1)
     gone_after, alive = time.monotonic() - killed, _alive(seen)
-    before = _snapshot(folder)
+    files = _snapshot(folder)
     time.sleep(3)
-    return dict(workers=len(seen), gone_after=gone_after, alive=alive, writes=before != _snapshot(folder), code=proc.wait(30))
+    return dict(workers=len(seen), gone_after=gone_after, alive=alive, writes=files != _snapshot(folder), code=proc.wait(30))
 
 
 def test_killing_the_launcher_stops_every_worker_and_a_second_run_is_refused_meanwhile(tmp_path):
