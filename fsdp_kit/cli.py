@@ -354,15 +354,33 @@ def _cmd_plan(a):
         emit(result, a.json, plan_validate.validation_table(result))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
-    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, mixed_precision=_precision(a.mixed_precision), cp=a.cp)
+    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, cp=a.cp) | _plan_precision(a)
     if a.recommend:
-        r = plan_gpu.recommend(a.model, **kwargs)
+        r = plan_gpu.recommend(a.model, **kwargs, lora_targets=a.lora_targets)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
         return
     if a.grad_ckpt and a.ac not in (None, "full"):
         raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
-    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), base_dtype=a.base_dtype, ac=a.ac)
+    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), ac=a.ac,
+                          lora_targets=a.lora_targets, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
+                          offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile)
     emit(p, a.json, plan_gpu.plan_text(p))
+
+
+def _plan_precision(a) -> dict:
+    "plan_gpu's mixed_precision and base_dtype: from --precision (one word for both), else from --mixed-precision and --base-dtype; contradictions are refused."
+    from fsdp_kit.plan_gpu import PRECISIONS
+    mixed = _precision(a.mixed_precision)
+    if a.precision is None: return dict(mixed_precision=mixed or "bf16", base_dtype=a.base_dtype)
+    if a.precision not in PRECISIONS: raise KitError(f"--precision={a.precision!r} is not allowed: one of {', '.join(PRECISIONS)}.")
+    new = PRECISIONS[a.precision]
+    if mixed is not None and mixed != new["mixed_precision"]:
+        raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means mixed_precision={new['mixed_precision']}: pass one of them")
+    if a.method != "full" and a.precision != "mixed-bf16":
+        raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 (mixed-bf16); the frozen base's dtype is --base-dtype")
+    if a.method == "full" and a.base_dtype is not None:
+        raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} already says the weights' dtype")
+    return dict(base_dtype=a.base_dtype) | new
 
 
 def _cmd_tour(a):
@@ -522,10 +540,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
     s.add_argument("--ac", help="activation checkpointing policy: none, full, selective-layer:K (every K-th layer) or selective-op (keep every other matmul's output and attention's, torchtitan's op policy)")
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
-    s.add_argument("--mixed-precision", default="bf16", help="bf16 or no (fp32 compute; fp32 is the old spelling of no, read for this release)")
+    s.add_argument("--precision", help="fp32, mixed-bf16 (fp32 weights, bf16 compute: the default) or pure-bf16 (weights, gradients and optimizer state in bf16)")
+    s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
     s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
-    s.add_argument("--base-dtype", default="bf16", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 or fp32")
+    s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
+    s.add_argument("--lora-targets", default="all-linear", help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj)")
+    s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
+    s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded gradient is freed once used (no optimizer-step peak)")
+    s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied back when backward needs it")
+    s.add_argument("--fp8-all-gather", action="store_true", help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a bf16 full fine-tune")
+    s.add_argument("--compile", action="store_true", help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
     s.add_argument("--recommend", action="store_true", help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report")
@@ -538,7 +563,8 @@ def parser() -> argparse.ArgumentParser:
 
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
 OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
-                "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run"}
+                "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run",
+                "ce_chunks": "chunked-ce"}
 
 
 def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:

@@ -30,6 +30,15 @@ def _timeline_tracker(model, optim):
         def __init__(self, *a):
             super().__init__(*a)
             self.timeline = []
+        def _instrument_optimizer(self):  # one optimizer per parameter (fsdp_kit.ac.OptimizerInBackward): track each one's state
+            many = getattr(self._optm, "optimizers", None)
+            if many is None: return super()._instrument_optimizer()
+            whole, handles = self._optm, []
+            for opt in many.values():
+                self._optm = opt
+                super()._instrument_optimizer()
+                handles += self._optimizer_hook_handles
+            self._optm, self._optimizer_hook_handles = whole, tuple(handles)
         def _update_peak_stats(self, peak_state):
             super()._update_peak_stats(peak_state)
             total = sum(s.get("Total", 0) for s in self._curr_mem_snap.values())

@@ -17,19 +17,20 @@ from .plan import PlanSpec, plan_config, predict_peak, predict_comm
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
     from fsdp_kit.qlora import QLoRASpec
-    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora_r)
+    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora_r, lora_targets=spec.lora_targets)
 
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
     import torch, torch.distributed as dist
-    from fsdp_kit.qlora import load_lora_model, shard_lora_model, batch_rows, model_loss
+    from fsdp_kit.qlora import load_lora_model, shard_lora_model, batch_rows
+    from fsdp_kit.ac import causal_lm_loss
     from fsdp_kit.measure import measure_step
     lspec = _lora_spec(spec)
     model = shard_lora_model(load_lora_model(checkpoint, lspec, quantized=spec.method == "qlora"), mesh, "bfloat16")
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tokens = batch_rows(lspec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
     def step():
-        model_loss(model, tokens, grad=True).backward()
+        causal_lm_loss(model, tokens, spec.ce_chunks).backward()
         optim.step(); optim.zero_grad()
     m = measure_step(model, optim, step, timed_steps=1)
     model = optim = None; gc.collect()  # drop this setting's model and optimizer before the next one
@@ -38,7 +39,9 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
 def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
-    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac)
+    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac,
+                   dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=spec.ce_chunks, optimizer_in_backward=spec.optimizer_in_backward,
+                   activations_offloaded=spec.offload_activations)
     return r.peak_bytes, r.collectives
 
 def validate_worker(specs:list) -> list:
@@ -68,7 +71,7 @@ def validation_matrix(max_world:int=2) -> list:
     "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each feature."
     T, F = True, False
     specs = [PlanSpec("tiny", 1), PlanSpec("tiny", 1, method="lora"), PlanSpec("small", 1), PlanSpec("small", 1, "NO_WRAP"),
-             PlanSpec("small", 1, mixed_precision="bf16")]
+             PlanSpec("small", 1, mixed_precision="bf16"), PlanSpec("small", 1, optimizer_in_backward=True)]
     if max_world >= 2:
         specs += [PlanSpec(m, 2, p, r) for m in ("tiny", "small") for p, r in (("TRANSFORMER_BASED_WRAP", T), ("TRANSFORMER_BASED_WRAP", F), ("NO_WRAP", T))]
         specs += [PlanSpec("small", 2, "PER_LINEAR"), PlanSpec("small", 2, reshard_after_forward=2)]
@@ -76,6 +79,12 @@ def validation_matrix(max_world:int=2) -> list:
         specs += [PlanSpec(m, 2, activation_checkpointing=True) for m in ("tiny", "small")]
         specs += [PlanSpec("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec("small", 2, mixed_precision="bf16", ac="selective-op")]
         specs += [PlanSpec(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
+        specs += [PlanSpec("small", 2, method="lora", lora_targets="q_proj,v_proj"), PlanSpec("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
+        specs += [PlanSpec("small", 2, base_dtype="bf16"), PlanSpec("small", 2, optimizer_in_backward=True), PlanSpec("small", 2, ac="full", optimizer_in_backward=True)]
+        long = dict(seq_len=256)  # 2 x 256 tokens per rank: the loss and the activations, not the weights, set the peak
+        specs += [PlanSpec("small", 2, mixed_precision="bf16", ce_chunks=8, **long), PlanSpec("small", 2, method="lora", ce_chunks=8, **long),
+                  PlanSpec("small", 2, offload_activations=True, **long), PlanSpec("small", 2, mixed_precision="bf16", ac="full", offload_activations=True, **long),
+                  PlanSpec("small", 2, base_dtype="bf16", ce_chunks=8, optimizer_in_backward=True, offload_activations=True, **long)]
     if max_world >= 4:
         specs += [PlanSpec("small", 4), PlanSpec("small", 4, reshard_after_forward=2), PlanSpec("small", 4, mixed_precision="bf16"),
                   PlanSpec("small", 4, activation_checkpointing=True), PlanSpec("tiny", 4, method="qlora")]
@@ -131,9 +140,9 @@ def validate(specs:list=None, # the settings to run; None: validation_matrix(max
 
 def validation_table(result:dict) -> str:
     "A plain-text table: each setting's measured and predicted peak (MiB), the error, and communication bytes."
-    rows = [f"{'setting':<44}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak (predicted)"]
+    rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak (predicted)"]
     for r in result["runs"]:
-        rows.append(f"{r['config']['label']:<44}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
+        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
                     f"{r['measured_comm_bytes']:>21,}{r['predicted_comm_bytes']:>11,}  {r['peak_moment']}")
     rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
     return "\n".join(rows)

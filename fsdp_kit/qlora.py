@@ -18,7 +18,7 @@ from .config import FSDPConfig, PRECISION, MIXED_PRECISION
 from .spec import RunSpec, accelerate_precision
 from .models import model_config, build_model, synthetic_tokens, rank_rows, model_label
 from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
-from .lora import save_adapter, check_adapter
+from .lora import save_adapter, check_adapter, lora_config, lora_targets
 
 # %% ../nbs/05_qlora.ipynb #10feb0e8
 STORAGE_BYTES = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each storage dtype
@@ -148,6 +148,7 @@ class QLoRASpec(RunSpec):
     lr:float=1e-2 # AdamW learning rate of the LoRA weights
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
     lora_r:int=8 # LoRA rank (lora_alpha = 2 * r)
+    lora_targets:str="all-linear" # the Linears LoRA adapts: all-linear or names joined by commas (fsdp_kit.lora.lora_targets)
     adapter_dir:str=None # where to save the adapter; None: a temporary folder, removed after the reload check
 
     @property
@@ -172,6 +173,7 @@ class QLoRASpec(RunSpec):
         super().check(world_size)
         self.refuse_unless("cp", 1, "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
         for name in ("lora_r",): require_whole(name, getattr(self, name), 1)
+        lora_targets(self.lora_targets)
         require_whole("warmup", self.warmup, 0), require_positive("lr", self.lr)
         return self
 
@@ -199,13 +201,12 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
                    ):
-    "The checkpoint's model with LoRA on every linear layer, in train mode."
+    "The checkpoint's model with LoRA on `spec.lora_targets` (every linear layer by default), in train mode."
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     model = load_base(checkpoint, spec, quantized)
     torch.manual_seed(spec.seed)  # the same LoRA init on every rank and in the reference
-    lora = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, target_modules="all-linear", lora_dropout=0.0)
-    return get_peft_model(model, lora).train()
+    return get_peft_model(model, lora_config(spec.lora_r, spec.lora_targets)).train()
 
 # %% ../nbs/05_qlora.ipynb #70d8447e
 def shard_lora_model(model, # from load_lora_model

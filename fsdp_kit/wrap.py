@@ -10,12 +10,13 @@ __all__ = ['SHORT_POLICY', 'wrap_targets', 'Unit', 'plan_units', 'apply_fsdp', '
 
 # %% ../nbs/04_wrap.ipynb #1396aeee
 import gc
+from contextlib import nullcontext
 from dataclasses import dataclass, field, asdict, KW_ONLY
 from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES, PRECISION, check_for_model, to_reshard
 from .spec import RunSpec
 from .models import model_config, check_model, build_model, synthetic_tokens, rank_rows
-from .ac import checkpoint_layers, ac_policy
+from .ac import checkpoint_layers, ac_policy, causal_lm_loss, OptimizerInBackward, offload_activations
 
 # %% ../nbs/04_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -188,21 +189,27 @@ def _thin(timeline:list, points:int=400) -> list:
     return [list(max(c, key=lambda t: t[1])) for c in chunks if c]
 
 # %% ../nbs/04_wrap.ipynb #8184f581
-def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None) -> RunResult:
+def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
+               dtype:str=None, # the dtype the model is kept and trained in (None: float32; "bfloat16" with no mixed precision is pure bf16: no fp32 master weights)
+               ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
+               optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
+               activations_offloaded:bool=False # what autograd saves kept in host memory until backward (fsdp_kit.ac.offload_activations)
+              ) -> RunResult:
     "Build, shard as `cfg` says (activation checkpointing as `ac` says, see `apply_fsdp`), and measure one training step on this rank."
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
+    if dtype: model = model.to(getattr(torch, dtype))
     if spec.gradient_checkpointing: (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
     check_for_model(cfg, model, spec.gradient_checkpointing)
     policy = ac_policy(cfg, ac)
     model, units = apply_fsdp(model, cfg, mesh, policy)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim = OptimizerInBackward(model, lr=1e-3) if optimizer_in_backward else torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
     last = {}
     def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
+        with offload_activations() if activations_offloaded else nullcontext(): loss = causal_lm_loss(model, tokens, ce_chunks)
         loss.backward()
         optim.step()
         optim.zero_grad()

@@ -21,6 +21,18 @@ def rows():
           Case("plan-ac-layer-0", ["plan", "--model", "tiny", "--ac", "selective-layer:0"], 2, "--ac='selective-layer:0' is not allowed"),
           Case("plan-ac-and-grad-ckpt", ["plan", "--model", "tiny", "--ac", "selective-op", "--grad-ckpt"], 2, "--ac='selective-op' is not allowed with --grad-ckpt"),
           Case("plan-ac-lora", ["plan", "--model", "tiny", "--ac", "selective-op", "--method", "lora"], 2, "none or full for a LoRA or QLoRA run")]
+    # the planner's other terms: contradictions and settings it does not model
+    P8 = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--gpu-mem-gb", "96", "--batch", "2", "--seq-len", "8192"]
+    c += [Case("plan-chunked-ce-no-logits", [*P8, "--chunked-ce", "99999"], 2, "--chunked-ce=99999 is not allowed: at most the 16384 tokens"),
+          Case("plan-chunked-ce-0-tokens", [*P8, "--chunked-ce", "-1"], 2, "--chunked-ce="),
+          Case("plan-fp8-fp32", [*P8, "--fp8-all-gather", "--precision", "fp32"], 2, "--fp8-all-gather=True is not allowed: False on an fp32"),
+          Case("plan-fp8-lora", [*P8, "--fp8-all-gather", "--method", "lora"], 2, "--fp8-all-gather=True is not allowed"),
+          Case("plan-precision-unknown", [*P8, "--precision", "fp16"], 2, "--precision='fp16' is not allowed: one of fp32, mixed-bf16, pure-bf16"),
+          Case("plan-precision-contradicts", [*P8, "--precision", "pure-bf16", "--mixed-precision", "bf16"], 2, "is not allowed with --precision='pure-bf16'"),
+          Case("plan-precision-lora", [*P8, "--precision", "pure-bf16", "--method", "qlora"], 2, "LoRA and QLoRA compute in bf16"),
+          Case("plan-lora-targets", [*P8, "--method", "lora", "--lora-targets", "q_proj,lm_head"], 2, "--lora-targets='q_proj,lm_head' is not allowed: all-linear"),
+          Case("plan-offload-activations-lora", [*P8, "--method", "lora", "--offload-activations"], 2, "--offload-activations=True is not allowed"),
+          Case("plan-opt-in-bwd-qlora", [*P8, "--method", "qlora", "--optimizer-in-backward"], 2, "--optimizer-in-backward=True is not allowed")]
     # numbers of every launching command
     for cmd in ("train", "qlora", "cp-eval", "compare", "mesh"):
         c += [Case(f"{cmd}-timeout-{v}", [cmd, "--timeout", v], 2, "argument --timeout") for v in ("0", "-5", "nan", "inf", "abc")]
