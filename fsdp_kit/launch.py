@@ -544,7 +544,9 @@ def sweep_run_dirs():
     for d in Path(tempfile.gettempdir()).glob("fsdp_kit_run_*"):
         try: pid = int((d/"launcher.pid").read_text())
         except (OSError, ValueError): pid = None
-        if pid is None and time.time() - d.stat().st_mtime < 3600: continue  # being set up right now, or not ours to judge yet
+        try: age = time.time() - d.stat().st_mtime
+        except OSError: continue  # gone meanwhile: its own launch ended and removed it (launches run side by side)
+        if pid is None and age < 3600: continue  # being set up right now, or not ours to judge yet
         if pid is None or not _alive(pid): shutil.rmtree(d, ignore_errors=True)
 
 def _alive(pid:int) -> bool:

@@ -199,3 +199,13 @@ def test_kernel_interrupt_during_a_launch_says_so_in_one_line(tmp_path):
         assert kc.execute_interactive("print(6 * 7)", timeout=60)["content"]["status"] == "ok"  # the kernel goes on
     finally:
         km.shutdown_kernel(now=True)
+
+
+def test_sweep_tolerates_a_run_folder_removed_meanwhile(tmp_path, monkeypatch):
+    "Launches run side by side (nbval runs two notebooks at once): a folder listed by the sweep may be removed by its own launch before it is looked at."
+    import tempfile
+    from fsdp_kit import launch as launch_module
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(launch_module.Path, "glob", lambda self, pattern: iter([tmp_path / "fsdp_kit_run_gone"]))  # listed, then gone
+    launch_module.sweep_run_dirs()  # FileNotFoundError from stat() before
+    assert not (tmp_path / "fsdp_kit_run_gone").exists()
