@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
 # %% auto #0
 __all__ = ['AC_POLICIES', 'parse_ac', 'saved_ops', 'checkpoint_layers', 'ac_policy', 'causal_lm_loss', 'OptimizerInBackward',
-           'offload_activations']
+           'activations_on_host']
 
 # %% ../nbs/04c_ac.ipynb #bd4eb51d
 from functools import partial
@@ -128,7 +128,7 @@ class OptimizerInBackward:
     def zero_grad(self, set_to_none:bool=True): pass
 
 # %% ../nbs/04c_ac.ipynb #66fdb1f5
-def offload_activations():
+def activations_on_host():
     """A context in which autograd keeps what it saves for backward in host memory and copies each tensor back when backward needs it.
     Leaf tensors (parameters, buffers, token ids) and views of them stay where they are. On a GPU the copies are real device-host copies;
     on a CPU-only machine, where host and device are the same memory, a saved tensor is kept as a NumPy array (outside torch's allocator,

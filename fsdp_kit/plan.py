@@ -38,7 +38,7 @@ class PlanSpec(RunSpec):
     lora_targets:str="all-linear" # the Linears LoRA adapts: all-linear, or names joined by commas (fsdp_kit.lora.lora_targets)
     ce_chunks:int=0 # the loss computed in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward, each gradient freed once used (fsdp_kit.ac.OptimizerInBackward)
-    offload_activations:bool=False # what autograd saves for backward kept in host memory, copied back when needed (fsdp_kit.ac.offload_activations)
+    offload_activations:bool=False # what autograd saves for backward kept in host memory, copied back when needed (fsdp_kit.ac.activations_on_host)
     fp8_all_gather:bool=False # decoder Linear weights all-gathered (and used) in float8, as torchao's Float8 training with enable_fsdp_float8_all_gather; a GPU plan only
     _:KW_ONLY
     batch:int=2 # sequences per rank

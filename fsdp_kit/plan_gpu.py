@@ -226,10 +226,10 @@ def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lor
                 for reshard in (False, True):
                     for ac in (RECOMPUTE if m == "full" else ("none", "full")):
                         for offload in (False, True):
-                            for extra in (EXTRAS if m == "full" else EXTRAS[:2]):
+                            for extra in (EXTRAS if m == "full" else EXTRAS[:2]):  # the first that fits (or the last): a saver is used only when needed
                                 p = plan_gpu(model, g, gpu_mem_gb, m, lora_r, b, seq_len, False, offload, mixed_precision, reshard, cp,
                                              base_dtype, ac, lora_targets, _terms=False, **extra)
-                                if p.fits or extra is (EXTRAS if m == "full" else EXTRAS[:2])[-1]: break  # the first that fits: a saver is used only when needed
+                                if p.fits: break
                             tried.append((p, p.communication["total_bytes"] / (b * seq_len // cp)))
     fitting = [(p, c) for p, c in tried if p.fits]
     if not fitting:
@@ -344,7 +344,7 @@ def published_table() -> list:
     (allocated plus the allocator overhead, within `per_gpu_reserved_bytes`), or, for nvidia-smi and unstated figures, `per_gpu_peak_bytes`; GB (10^9 bytes) and relative error."""
     rows = []
     for entry in PUBLISHED:
-        p = plan_gpu(entry["model"], **entry["kwargs"])
+        p = plan_gpu(entry["model"], **entry["kwargs"], _terms=False)  # the peaks only: no saver's share is shown here
         reports = entry.get("reports", "nvidia-smi")
         predicted = {"allocated": p.per_gpu_allocated_bytes, "reserved": int(p.per_gpu_allocated_bytes * (1 + ALLOCATOR_OVERHEAD))}.get(reports, p.per_gpu_peak_bytes) / GB
         rows.append(dict(source=entry["source"], setting=entry["setting"], reports=reports, published_gb=entry["published_gb"], predicted_gb=predicted,

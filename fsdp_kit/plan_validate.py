@@ -41,7 +41,7 @@ def _measure_full(spec:PlanSpec, mesh):
     from fsdp_kit.wrap import CompareSpec, run_config
     r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac,
                    dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=spec.ce_chunks, optimizer_in_backward=spec.optimizer_in_backward,
-                   activations_offloaded=spec.offload_activations)
+                   offload_activations=spec.offload_activations)
     return r.peak_bytes, r.collectives
 
 def validate_worker(specs:list) -> list:

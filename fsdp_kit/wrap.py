@@ -16,7 +16,7 @@ from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES, PRECISION, check_for_model, to_reshard
 from .spec import RunSpec
 from .models import model_config, check_model, build_model, synthetic_tokens, rank_rows
-from .ac import checkpoint_layers, ac_policy, causal_lm_loss, OptimizerInBackward, offload_activations
+from .ac import checkpoint_layers, ac_policy, causal_lm_loss, OptimizerInBackward, activations_on_host
 
 # %% ../nbs/04_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -193,7 +193,7 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
                dtype:str=None, # the dtype the model is kept and trained in (None: float32; "bfloat16" with no mixed precision is pure bf16: no fp32 master weights)
                ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
                optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
-               activations_offloaded:bool=False # what autograd saves kept in host memory until backward (fsdp_kit.ac.offload_activations)
+               offload_activations:bool=False # what autograd saves kept in host memory until backward (fsdp_kit.ac.activations_on_host)
               ) -> RunResult:
     "Build, shard as `cfg` says (activation checkpointing as `ac` says, see `apply_fsdp`), and measure one training step on this rank."
     import torch, torch.distributed as dist
@@ -209,7 +209,7 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
     last = {}
     def step():
-        with offload_activations() if activations_offloaded else nullcontext(): loss = causal_lm_loss(model, tokens, ce_chunks)
+        with activations_on_host() if offload_activations else nullcontext(): loss = causal_lm_loss(model, tokens, ce_chunks)
         loss.backward()
         optim.step()
         optim.zero_grad()

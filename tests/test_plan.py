@@ -186,7 +186,7 @@ def test_chunked_loss_optimizer_in_backward_and_offload_change_no_number():
     "On one process: the chunked loss equals the model's own, AdamW in backward updates as AdamW does, offloaded activations give the same gradients."
     import torch
     from fsdp_kit.models import build_model, model_config, synthetic_tokens
-    from fsdp_kit.ac import causal_lm_loss, OptimizerInBackward, offload_activations
+    from fsdp_kit.ac import causal_lm_loss, OptimizerInBackward, activations_on_host
     tokens = synthetic_tokens(model_config("tiny").vocab_size, 2, 32, 0, 0)
     a, b = build_model(model_config("tiny"), 0), build_model(model_config("tiny"), 0)
     whole, chunked = causal_lm_loss(a, tokens), causal_lm_loss(b, tokens, ce_chunks=5)
@@ -194,7 +194,7 @@ def test_chunked_loss_optimizer_in_backward_and_offload_change_no_number():
     opt, fused = torch.optim.AdamW(a.parameters(), lr=1e-2), OptimizerInBackward(b, lr=1e-2)
     for _ in range(3):
         causal_lm_loss(a, tokens).backward(); opt.step(); opt.zero_grad()
-        with offload_activations(): loss = causal_lm_loss(b, tokens)
+        with activations_on_host(): loss = causal_lm_loss(b, tokens)
         loss.backward(); fused.step(); fused.zero_grad()
     assert all(p.grad is None for p in b.parameters())  # each gradient freed once its parameter stepped
     assert max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters())) < 1e-5
