@@ -363,7 +363,8 @@ def _cmd_plan(a):
         raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
     p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), ac=a.ac,
                           lora_targets=a.lora_targets, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
-                          offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile)
+                          offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
+                          edge_units=not a.edges_in_root)
     emit(p, a.json, plan_gpu.plan_text(p))
 
 
@@ -436,7 +437,7 @@ def parser() -> argparse.ArgumentParser:
     s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
     _mesh_flags(s)
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the root)")
+    s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and the root)")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
@@ -551,6 +552,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied back when backward needs it")
     s.add_argument("--fp8-all-gather", action="store_true", help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a bf16 full fine-tune")
     s.add_argument("--compile", action="store_true", help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
+    s.add_argument("--edges-in-root", action="store_true", help="plan the older unit layout: embeddings, final norm and lm_head left in the root (FSDP1; FSDP2 code that wraps only the layers) instead of units of their own as accelerate's FSDP2 path makes them")
     s.add_argument("--recommend", action="store_true", help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report")

@@ -322,13 +322,12 @@ def _axis_groups(mesh) -> dict:
 def _forward(model, input_ids, position_ids, cp_group, rotate:str):
     "Logits of this rank's slice, with the evaluation forward's peak memory (by category) and wall time."
     import torch
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from fsdp_kit.measure import peak_by_category, quiet_hook_warnings
+    from fsdp_kit.measure import peak_by_category, quiet_hook_warnings, unit_tracker
     device = next(model.parameters()).device
     kwargs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False, cp_group=cp_group, cp_rotate=rotate)
     with torch.no_grad(), quiet_hook_warnings():
         model(**kwargs)  # warm-up
-        tracker = FSDPMemTracker(model)
+        tracker = unit_tracker()(model)  # torch's tracker, aware of the tail unit of two modules
         with tracker: model(**kwargs)
         start = time.perf_counter()
         logits = model(**kwargs).logits

@@ -6,8 +6,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan.html.md"""
 
 # %% auto #0
 __all__ = ['MODEL_PRESETS', 'GiB', 'SIZE_KEYS', 'PlanSpec', 'Param', 'layer_index', 'meta_shapes', 'model_tensors', 'unit_of',
-           'Unit', 'units', 'dims', 'activation_bytes', 'moments', 'buffer_bytes', 'predict_peak', 'comm_per_unit',
-           'predict_comm', 'plan_config', 'count_parameters', 'list_models', 'host_memory', 'step_memory', 'check_fits']
+           'tied_embeddings', 'Unit', 'units', 'dims', 'activation_bytes', 'moments', 'buffer_bytes', 'predict_peak',
+           'comm_per_unit', 'predict_comm', 'plan_config', 'count_parameters', 'list_models', 'host_memory',
+           'step_memory', 'check_fits']
 
 # %% ../nbs/08_plan.ipynb #f38f063a
 import math, os
@@ -40,6 +41,7 @@ class PlanSpec(RunSpec):
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward, each gradient freed once used (fsdp_kit.ac.OptimizerInBackward)
     offload_activations:bool=False # what autograd saves for backward kept in host memory, copied back when needed (fsdp_kit.ac.activations_on_host)
     fp8_all_gather:bool=False # decoder Linear weights all-gathered (and used) in float8, as torchao's Float8 training with enable_fsdp_float8_all_gather; a GPU plan only
+    edge_units:bool=True # the embeddings and a [final norm, lm_head] tail in units of their own, as apply_fsdp, accelerate's FSDP2 path and transformers' fsdp_plan make them; False: they stay in the root (FSDP1, and FSDP2 code that wraps only the layers)
     _:KW_ONLY
     batch:int=2 # sequences per rank
     steps:int=1 # steps measured when validating (the planner models one step)
@@ -115,7 +117,7 @@ class PlanSpec(RunSpec):
         kind, k = parse_ac(self.policy_ac)
         targets = "" if self.lora_targets == "all-linear" else "lora:" + "".join(n[0] for n in lora_targets(self.lora_targets))
         extras = [f"ce/{self.ce_chunks}" * bool(self.ce_chunks), "opt-in-bwd" * self.optimizer_in_backward,
-                  "act-offload" * self.offload_activations, "fp8-ag" * self.fp8_all_gather]
+                  "act-offload" * self.offload_activations, "fp8-ag" * self.fp8_all_gather, "root-edges" * (not self.edge_units)]
         return " ".join(p for p in parts + [{"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind], targets] + extras if p)
 
 # %% ../nbs/08_plan.ipynb #c6ad0115
@@ -169,13 +171,20 @@ def model_tensors(config, spec:PlanSpec) -> list:
     return out
 
 # %% ../nbs/08_plan.ipynb #322322fb
-def unit_of(t:Param, policy:str) -> str:
-    "The FSDP unit holding `t`: 'root', 'layers.N', or a Linear's name under PER_LINEAR."
-    if policy == "NO_WRAP": return "root"
+def unit_of(t:Param, policy:str, tied:bool=False, edge_units:bool=True) -> str:
+    """The FSDP unit holding `t`, as `apply_fsdp` makes them: 'layers.N' (or a Linear's name under PER_LINEAR), 'embed' (the input embeddings),
+    'tail' (the final norm and lm_head, and the embeddings when `tied`), or 'root' (what is left: every layer under NO_WRAP; without
+    `edge_units`, the embeddings, the final norm and lm_head too)."""
+    edge = None if t.layer >= 0 else "root" if not edge_units else "embed" if "embed_tokens" in t.name and not tied else "tail"
     if policy == "PER_LINEAR":
         module = t.name.rsplit(".", 1)[0]
-        return module.rsplit(".", 1)[0] if "lora_" in t.name else (module if module.split(".")[-1] in LINEARS + ("lm_head",) else "root")
-    return f"layers.{t.layer}" if t.layer >= 0 else "root"
+        if "lora_" in t.name: return module.rsplit(".", 1)[0]
+        if module.split(".")[-1] in LINEARS or module == "lm_head": return module
+    return edge or ("root" if policy in ("NO_WRAP", "PER_LINEAR") else f"layers.{t.layer}")
+
+def tied_embeddings(tensors:list) -> bool:
+    "Do the input and output embeddings share one weight (no separate lm_head parameter on the meta model)?"
+    return not any(t.name.startswith("lm_head.") for t in tensors)
 
 @dataclass
 class Unit:
@@ -190,13 +199,14 @@ class Unit:
     largest_shard:int # bytes of its largest trainable parameter shard
 
 def units(tensors:list, spec:PlanSpec) -> dict:
-    "Unit name -> Unit for `spec` (forward order, the root first)."
+    "Unit name -> Unit for `spec`: the root, the embeddings, the tail, then the policy's units in forward order (an absent one holds nothing)."
     W, grad_b, master = spec.world_size, spec.compute_bytes, spec.master_bytes
-    key = (id(tensors), spec.policy, W, grad_b, master)
+    key = (id(tensors), spec.policy, W, grad_b, master, spec.edge_units)
     if key in _UNITS and _UNITS[key][0] is tensors: return _UNITS[key][1]
     groups = {}
-    for t in tensors: groups.setdefault(unit_of(t, spec.policy), []).append(t)
-    order = ["root"] + [n for n in groups if n != "root"]
+    tied = tied_embeddings(tensors)
+    for t in tensors: groups.setdefault(unit_of(t, spec.policy, tied, spec.edge_units), []).append(t)
+    order = ["root", "embed", "tail"] + [n for n in groups if n not in ("root", "embed", "tail")]
     out = {}
     for name in order:
         ts = groups.get(name, [])
@@ -265,22 +275,24 @@ def moments(config, spec:PlanSpec) -> list:
     "The candidate peaks of one training step on one rank, each (name, {category: bytes})."
     tensors, d = model_tensors(config, spec), dims(config, spec)
     us, act, W, L = units(tensors, spec), activation_bytes(d), spec.world_size, d["L"]
-    root, reshard = us["root"], spec.reshard_after_forward
+    root, embed, tail, reshard, tied = us["root"], us["embed"], us["tail"], spec.reshard_after_forward, tied_embeddings(tensors)
     if not isinstance(reshard, bool) and reshard >= W: reshard = True  # resharding to the whole group is plain resharding
     layer_units = [[u for n, u in us.items() if n != "root" and n.startswith(f"model.layers.{l}.") or n == f"layers.{l}"] for l in range(L)]
-    others = [u for n, u in us.items() if n != "root" and not n.startswith("model.layers.") and not n.startswith("layers.")]  # lm_head under PER_LINEAR
+    others = [u for n, u in us.items() if n not in ("root", "embed", "tail") and not n.startswith("model.layers.") and not n.startswith("layers.")]  # lm_head under PER_LINEAR
     grad_b = d["b"]
     states = dict(sharded_params=_sum(us.values(), "sharded"), buffers=buffer_bytes(config) // (2 if spec.pure_bf16 else 1),  # pure bf16 casts the buffers too
                   optimizer_state=2 * _sum(us.values(), "sharded_grads") + 4 * _sum(us.values(), "trainable_tensors"))
-    head = dict(unsharded_params=root.unsharded + _sum(others, "unsharded"))
+    embed_kept = embed.unsharded if reshard is False else 0  # the embeddings reshard as configured; the root and the tail keep their weights
+    head = dict(unsharded_params=root.unsharded + tail.unsharded + embed_kept + _sum(others, "unsharded"))
     kept = lambda ls: sum(_sum(layer_units[l], "unsharded") for l in ls) if reshard is False else 0
     kind, k = parse_ac(spec.policy_ac)
     checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(L)]  # the layers checkpoint_layers wraps
     whole = lambda l: act["first_layer"] if l == 0 else act["layer"]  # what layer l keeps without checkpointing
     saved = [(act["op_layer"] if kind == "op" else act["checkpointed_layer"]) if c else whole(l) for l, c in enumerate(checkpointed)]  # kept through forward, per layer
     buffer = lambda u: u.unsharded if W > 1 else 0
-    last = (layer_units[-1] or [root])[-1] if not others else others[-1]
-    carry = _grad_bytes(tensors, lambda t: t.layer < 0 and "embed_tokens" not in t.name and unit_of(t, spec.policy) == "root", grad_b)  # lm_head's and the final norm's
+    # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the tail, or (edges in the root) the last layer
+    last = others[-1] if others else tail if tail.unsharded else (layer_units[-1] or [root])[-1]
+    carry = _grad_bytes(tensors, lambda t: t.layer < 0 and "embed_tokens" not in t.name and unit_of(t, spec.policy, tied, spec.edge_units) in ("tail", "root"), grad_b)  # lm_head's and the final norm's
     lm_head_grad = _grad_bytes(tensors, lambda t: t.name.startswith("lm_head"), grad_b) if d["chunks"] > 1 else 0  # accumulated over the chunks done
     log_softmax = 0 if d["chunks"] else d["T"] * d["V"] * 4  # kept for backward unless chunked (then recomputed, a temporary)
     def host(moment:dict, copied_back:int) -> dict:  # offloaded activations: the device keeps rope's float32 cos and sin and what backward copied back
@@ -289,16 +301,30 @@ def moments(config, spec:PlanSpec) -> list:
     end = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(last),
                activations=sum(saved) + act["fixed"] + act["loss_extra"] - (0 if d["chunks"] else 8))
     out = [("loss (end of forward)", end if not spec.offload_activations else end | dict(activations=act["rope_fp32"] + act["loss_extra"] + log_softmax))]
-    after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(layer_units[-1][-1]) if reshard is not False and layer_units[-1] else 0)
-    out.append(("loss backward", host(dict(after_head, activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
+    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the last layer; a root holding lm_head
+    # gets its pre-backward at the loss itself (the model's output), so with the edges in the root the prefetch is alive through the loss's backward
+    # it prefetches the unit whose forward ended before the tail's: the last layer, or under NO_WRAP the embeddings
+    prefetched = (layer_units[-1] or ([embed] if embed.unsharded and spec.edge_units else []))[-1:]
+    after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(prefetched[0]) if reshard is not False and prefetched else 0)
+    out.append(("loss backward", host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"], activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
                                             temporaries=act["grad_logits"] + lm_head_grad), log_softmax)))
     out.append(("final norm backward", host(dict(after_head, activations=sum(saved) + act["norm_input"], temporaries=act["norm_backward"] + carry), d["T"] * d["H"] * 4)))
+    if tail.reduce and not tied:  # the tail's post-backward: its weights freed, its gradients still whole while their reduce-scatter input is built
+        out.append(("tail post-backward", host(dict(after_head, unsharded_params=head["unsharded_params"] - tail.unsharded + kept(range(L)),
+                                                     activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4, temporaries=act["norm_backward"] + carry,
+                                                     unsharded_grads=carry, reduce_scatter_buffers=tail.reduce if W > 1 else 0), 0)))
     post_forward = lambda l: _sum(layer_units[l], "unsharded") // reshard if not isinstance(reshard, bool) else 0  # kept for backward, 1/N each
+    embed_copy = embed.unsharded // reshard if not isinstance(reshard, bool) else 0  # the embeddings' 1/N copy, kept for their backward
     if not isinstance(reshard, bool):
-        out.append(("backward start", dict(states, unsharded_params=root.unsharded, all_gather_buffers=buffer(root), temporaries=_sum(layer_units[-1], "unsharded"),
-                                           activations=sum(saved) + act["fixed"] + 4 + sum(post_forward(l) for l in range(L)))))
-    held = 0  # reduce-scatter input kept until the next unit's post-backward
-    done_sharded_grads, done_unsharded_grads = 0, 0
+        out.append(("backward start", dict(states, unsharded_params=root.unsharded + tail.unsharded, all_gather_buffers=buffer(last), temporaries=_sum(layer_units[-1], "unsharded"),
+                                           activations=sum(saved) + act["fixed"] + 4 + sum(post_forward(l) for l in range(L)) + embed_copy)))
+    # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its weights freed before the layers';
+    # tied, the tail holds the embeddings too and waits for their backward, at the very end
+    tail_open = tail if tied else Unit("", 0, 0, 0, 0, 0, 0, 0)
+    held = 0 if tied else tail.reduce  # reduce-scatter input kept until the next unit's post-backward
+    embed_gather = embed.unsharded if reshard is not False else 0  # the embeddings gathered again for their backward
+    done_sharded_grads, done_unsharded_grads = 0 if tied or spec.optimizer_in_backward else tail.sharded_grads, 0
+    carry_open = carry if tied or not spec.edge_units else 0  # kept until the unit holding lm_head reduces: the tail's post-backward, or the root's at the end
     layer_grads, down_grads = [0] * L, [0] * L  # unsharded gradient bytes per layer, and of its down_proj
     for t in tensors:
         if t.trainable and t.layer >= 0:
@@ -311,15 +337,20 @@ def moments(config, spec:PlanSpec) -> list:
             activations = sum(saved[:j + 1]) + 4 * d["T"] + rope  # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
             recomputed = whole(j) - act["mlp_freed"] - (saved[j] - act["checkpointed_layer"]) - (act["checkpointed_layer"] if d["b"] == 4 else 0)
         else: activations, recomputed = sum(saved[:j]) + whole(j) - act["mlp_freed"] + rope, 0
-        activations += sum(post_forward(l) for l in range(j + 1))
-        temporaries = carry + done_unsharded_grads + act["grad_hidden"] + down + act["mlp_temps"] + recomputed + (held if W == 1 and not spec.optimizer_in_backward else 0)
+        activations += sum(post_forward(l) for l in range(j + 1)) + embed_copy
+        temporaries = carry_open + done_unsharded_grads + act["grad_hidden"] + down + act["mlp_temps"] + recomputed + (held if W == 1 and not spec.optimizer_in_backward else 0)
         copied_back = act["checkpointed_layer"] if checkpointed[j] else 2 * d["T"] * d["I"] * d["b"]  # offloaded: the layer's input, or SiLU's and up_proj's outputs
         out.append((f"layer {j} backward (MLP)", host(dict(states, activations=activations, temporaries=temporaries,
                     reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads,
-                    unsharded_params=root.unsharded + _sum(current, "unsharded") + kept(range(j)),
-                    all_gather_buffers=_sum(layer_units[j - 1], "unsharded") if W > 1 and j > 0 else 0), copied_back)))
+                    unsharded_params=root.unsharded + tail_open.unsharded + embed_kept + _sum(current, "unsharded") + kept(range(j)),
+                    all_gather_buffers=buffer(Unit("", 0, _sum(layer_units[j - 1], "unsharded") if j > 0 else embed_gather, 0, 0, 0, 0, 0))), copied_back)))
         if current: held, done_sharded_grads = _sum(current, "reduce"), done_sharded_grads + (0 if spec.optimizer_in_backward else _sum(current, "sharded_grads"))  # stepped and freed in backward
         else: done_unsharded_grads += layer_grads[j]
+    # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient (vocab x hidden) computed
+    embed_grad = _grad_bytes(tensors, lambda t: "embed_tokens" in t.name, grad_b)
+    out.append(("embeddings backward", dict(states, activations=8 * d["T"], temporaries=embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads + (held if W == 1 else 0),
+                reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads, all_gather_buffers=buffer(Unit("", 0, embed_gather, 0, 0, 0, 0, 0)),
+                unsharded_params=root.unsharded + tail_open.unsharded + embed.unsharded)))
     largest = max(u.largest_shard for u in us.values())
     if not spec.optimizer_in_backward: out.append(("optimizer step", dict(states, sharded_grads=_sum(us.values(), "sharded_grads"), temporaries=2 * largest)))
     return [(name, m | dict(total=sum(m.values()))) for name, m in out]
@@ -338,7 +369,8 @@ def comm_per_unit(config, spec:PlanSpec) -> list:
     if spec.world_size == 1: return []
     out = []
     for u in units(model_tensors(config, spec), spec).values():
-        gathers = (1 + (spec.reshard_after_forward is not False)) if u.unsharded else 0  # apply_fsdp reshards every unit, the root too
+        keeps = u.name == "tail" or (u.name == "root" and spec.edge_units) or spec.reshard_after_forward is False  # apply_fsdp's root and tail keep their weights
+        gathers = (1 if keeps else 2) if u.unsharded else 0
         out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded, reduce_scatters=int(u.reduce > 0), reduce_scatter_bytes=u.reduce))
     return out
 

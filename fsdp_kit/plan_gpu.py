@@ -35,7 +35,7 @@ class GPUPlan:
     parameters:int # counted on the meta device
     gpus:int # GPUs sharing the parameters (FSDP over all of them; CP ranks included)
     gpu_mem_gb:float # memory of one GPU, GB (10^9 bytes)
-    settings:dict # method, lora_r, lora_targets, batch, seq_len, grad_ckpt, offload, mixed_precision, precision, reshard, cp, base_dtype, ac (the checkpointing policy run), compile
+    settings:dict # method, lora_r, lora_targets, batch, seq_len, grad_ckpt, offload, mixed_precision, precision, reshard, cp, base_dtype, ac (the checkpointing policy run), compile, edge_units
     per_gpu_peak_bytes:int # tensors at the peak + allocator overhead + CUDA context (what nvidia-smi shows)
     per_gpu_allocated_bytes:int # tensors at the peak (torch.cuda.max_memory_allocated)
     per_gpu_reserved_bytes:list # [low, high]: what the caching allocator holds at the peak (torch.cuda.max_memory_reserved), without the CUDA context
@@ -100,6 +100,7 @@ def plan_gpu(model:str, # preset or config.json path
              fp8_all_gather:bool=False, # decoder Linear weights all-gathered in float8 (torchao Float8 with enable_fsdp_float8_all_gather); needs bf16
              ce_chunks:int=0, # chunked cross-entropy: the loss in this many chunks of tokens, logits never whole (torchtune's CEWithChunkedOutputLoss uses 8); 0: whole logits
              compile:bool=False, # torch.compile: accepted, not modelled (the plan is the eager step's, and says so)
+             edge_units:bool=True, # embeddings and [norm, lm_head] in units of their own (apply_fsdp, accelerate's FSDP2 path); False: in the root (FSDP1, layer-only FSDP2 code)
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
@@ -109,7 +110,7 @@ def plan_gpu(model:str, # preset or config.json path
     mixed_precision = accelerate_precision(mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     spec = PlanSpec(model, gpus, reshard_after_forward=reshard, mixed_precision=mixed_precision, activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r,
                     cpu_offload=offload, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward,
-                    offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, cp=cp).check()
+                    offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units, batch=batch, seq_len=seq_len, cp=cp).check()
     tensors = model_tensors(config, spec)
     ms = moments(config, spec)
     states = {k: ms[-1][1].get(k, 0) for k in ("sharded_params", "sharded_grads", "optimizer_state")}
@@ -148,7 +149,7 @@ def plan_gpu(model:str, # preset or config.json path
     reserved = [int(allocated * (1 + f)) for f in RESERVED_RANGE]
     args = dict(model=model, gpus=gpus, gpu_mem_gb=gpu_mem_gb, method=method, lora_r=lora_r, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
                 mixed_precision=mixed_precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks,
-                optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations, fp8_all_gather=fp8_all_gather)
+                optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units)
     off = dict(ac=dict(ac="none", grad_ckpt=False) if spec.policy_ac != "none" else None, offload=dict(offload=False) if offload else None,
                ce_chunks=dict(ce_chunks=0) if ce_chunks else None, optimizer_in_backward=dict(optimizer_in_backward=False) if optimizer_in_backward else None,
                offload_activations=dict(offload_activations=False) if offload_activations else None, fp8_all_gather=dict(fp8_all_gather=False) if fp8_all_gather else None,
@@ -157,7 +158,8 @@ def plan_gpu(model:str, # preset or config.json path
     return GPUPlan(model, sum(math.prod(s) for _, s in meta_shapes(config)[0]), gpus, gpu_mem_gb,
                    dict(method=method, lora_r=lora_r, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
                         fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                        mixed_precision=mixed_precision, precision=spec.precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=compile),
+                        mixed_precision=mixed_precision, precision=spec.precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=compile,
+                        edge_units=edge_units),
                    per_gpu, allocated, reserved, breakdown, name, host, dict(cpu_ram_efficient_loading=load, every_process_loads=procs * load),
                    per_gpu <= gpu_mem_gb * GB, comm, notes, terms)
 
@@ -173,7 +175,8 @@ def _describe(p:GPUPlan) -> str:
             + (f", {s['precision']}" if s["method"] == "full" and s["precision"] != "mixed-bf16" else "") + f", batch {s['batch']}, "
             f"reshard {s['reshard']}, checkpointing {dict(none='off', full='on').get(s['ac'], s['ac'])}, offload {'on' if s['offload'] else 'off'}"
             + f", chunked CE ({s['ce_chunks']})" * bool(s["ce_chunks"]) + ", optimizer in backward" * s["optimizer_in_backward"]
-            + ", activations offloaded" * s["offload_activations"] + ", fp8 all-gather" * s["fp8_all_gather"])
+            + ", activations offloaded" * s["offload_activations"] + ", fp8 all-gather" * s["fp8_all_gather"]
+            + ", embeddings and head in the root" * (not s.get("edge_units", True)))
 
 def plan_text(p:GPUPlan) -> str:
     "A few lines: the per-GPU peak and its breakdown, host memory, fit, communication."
@@ -273,7 +276,9 @@ _LOGITS_MISS = ("Low by more as the batch grows (5% and 0% at batch 1, 11-20% at
                 "checked against the script: the transformers of March 2024 (4.38) upcast the whole logits to float32 in the model's forward, which "
                 "today's (modelled here) does not; batch x 2048 x 32000 x 4 bytes is {gb} GB here, and with it (plus the 10% overhead) the row is {adjusted}%.")
 
-PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give
+PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give. Every one of them kept the embeddings, the final
+    # norm and the output head in the root unit (`edge_units=False`): FSDP1 (PEFT's and philschmid's accelerate runs, axolotl's, Answer.AI's train.py), torchtune's
+    # recipe without custom_sharded_layers, and torchtitan's parallelize_llama of the time (layers, then `fully_shard(model)`; it carves them out since)
     dict(source="https://huggingface.co/docs/peft/accelerate/fsdp", model="llama-2-70b", published_gb=19.6,
          setting="Llama-2-70B QLoRA r=8 (bf16 storage), 2 GPUs, batch 2, seq 2048, checkpointing, CPU offload",
          kwargs=dict(gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True, offload=True),
@@ -344,7 +349,7 @@ def published_table() -> list:
     (allocated plus the allocator overhead, within `per_gpu_reserved_bytes`), or, for nvidia-smi and unstated figures, `per_gpu_peak_bytes`; GB (10^9 bytes) and relative error."""
     rows = []
     for entry in PUBLISHED:
-        p = plan_gpu(entry["model"], **entry["kwargs"], _terms=False)  # the peaks only: no saver's share is shown here
+        p = plan_gpu(entry["model"], **entry["kwargs"], edge_units=False, _terms=False)  # the peaks only; each source kept its embeddings and head in the root
         reports = entry.get("reports", "nvidia-smi")
         predicted = {"allocated": p.per_gpu_allocated_bytes, "reserved": int(p.per_gpu_allocated_bytes * (1 + ALLOCATOR_OVERHEAD))}.get(reports, p.per_gpu_peak_bytes) / GB
         rows.append(dict(source=entry["source"], setting=entry["setting"], reports=reports, published_gb=entry["published_gb"], predicted_gb=predicted,

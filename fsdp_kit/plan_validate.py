@@ -41,7 +41,7 @@ def _measure_full(spec:PlanSpec, mesh):
     from fsdp_kit.wrap import CompareSpec, run_config
     r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac,
                    dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=spec.ce_chunks, optimizer_in_backward=spec.optimizer_in_backward,
-                   offload_activations=spec.offload_activations)
+                   offload_activations=spec.offload_activations, edge_units=spec.edge_units)
     return r.peak_bytes, r.collectives
 
 def validate_worker(specs:list) -> list:
@@ -81,6 +81,7 @@ def validation_matrix(max_world:int=2) -> list:
         specs += [PlanSpec(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
         specs += [PlanSpec("small", 2, method="lora", lora_targets="q_proj,v_proj"), PlanSpec("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
         specs += [PlanSpec("small", 2, base_dtype="bf16"), PlanSpec("small", 2, optimizer_in_backward=True), PlanSpec("small", 2, ac="full", optimizer_in_backward=True)]
+        specs += [PlanSpec("small", 2, edge_units=False), PlanSpec("small", 2, mixed_precision="bf16", ac="full", edge_units=False)]  # FSDP1's layout: edges in the root
         long = dict(seq_len=256)  # 2 x 256 tokens per rank: the loss and the activations, not the weights, set the peak
         specs += [PlanSpec("small", 2, mixed_precision="bf16", ce_chunks=8, **long), PlanSpec("small", 2, method="lora", ce_chunks=8, **long),
                   PlanSpec("small", 2, offload_activations=True, **long), PlanSpec("small", 2, mixed_precision="bf16", ac="full", offload_activations=True, **long),

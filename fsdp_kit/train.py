@@ -1,4 +1,4 @@
-"""Shard a model as an FSDP config says (by default `fully_shard` each decoder layer, then the root); train on synthetic data on a real process group; check the result against one process trained on the same data.
+"""Shard a model as an FSDP config says (by default `fully_shard` each decoder layer, then the embeddings, the [norm, `lm_head`] tail and the root, as accelerate does); train on synthetic data on a real process group; check the result against one process trained on the same data.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 

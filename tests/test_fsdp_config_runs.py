@@ -37,10 +37,13 @@ def test_units_are_what_the_policy_plans(runs):
     meta = build_model(model_config("tiny"), device="meta")
     for name, r in runs.items():
         assert r.units == [asdict(u) for u in plan_units(meta, FSDPConfig(**{k: v for k, v in r.config.items() if k not in ("notes", "source")}))]
-    assert [u["module"] for u in runs["default"].units] == ["model.layers.1", "model.layers.0", ""]
-    assert [u["module"] for u in runs["no_wrap"].units] == [""]
+    edges = ["model.embed_tokens", "model.norm+lm_head", ""]  # accelerate's carve-out: the embeddings, the tail (final norm, lm_head), the root
+    assert [u["module"] for u in runs["default"].units] == ["model.layers.1", "model.layers.0"] + edges
+    assert [u["module"] for u in runs["no_wrap"].units] == edges and runs["no_wrap"].units[-1]["parameters"] > 0  # the root holds the layers
+    assert [u["reshard_after_forward"] for u in runs["default"].units] == [True, True, True, False, False]
     size = [u["module"] for u in runs["size"].units]
-    assert len(size) > 3 and "model.embed_tokens" in size and all(u["parameters"] > 10_000 for u in runs["size"].units[:-1])
+    assert len(size) > 3 and size[-3:] == ["model.embed_tokens", "model.norm", ""] and "lm_head" in size  # lm_head is large enough for a unit of its own
+    assert all(u["parameters"] > 10_000 for u in runs["size"].units[:-3])
 
 
 def test_memory_moves_as_each_setting_should(runs):
@@ -90,7 +93,7 @@ def test_train_runs_each_example_config_and_reports_it(tmp_path):
         assert proc.returncode == 0, err[-3000:]
         r, cfg = json.loads((tmp_path / f"{path.stem}.json").read_text()), load_fsdp_config(path)
         assert {k: v for k, v in r["config"].items() if k != "notes"} == {k: v for k, v in asdict(cfg).items() if k != "notes"}
-        assert r["units"][-1]["module"] == "" and len(r["units"]) == 3 and r["losses"][-1] < r["losses"][0]
+        assert r["units"][-1]["module"] == "" and len(r["units"]) == 5 and r["losses"][-1] < r["losses"][0]  # 2 layers, embeddings, tail, root
         assert r["mesh"] == dict(dp_replicate=1, dp_shard=2, cp=1)  # the mesh it ran on, -1 filled in
         assert f"{len(r['units'])} FSDP unit(s) by {cfg.auto_wrap_policy}" in out
         assert r["timing"]["steps"] == 2 and re.search(r"step [\d.]+ ms \(median of 2, min [\d.]+, max [\d.]+; warm-up excluded\)", out), out
@@ -121,7 +124,7 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
         assert proc.returncode == 0, err[-3000:]
     r = json.loads((tmp_path / "cp.json").read_text())
     assert r["config"]["activation_checkpointing"] and r["config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
-    assert len(r["units"]) == 3 and r["loss_diff"] < 1e-5
+    assert len(r["units"]) == 5 and r["loss_diff"] < 1e-5
     q = json.loads((tmp_path / "q.json").read_text())
     assert q["config"]["cpu_offload"] and q["config"]["mixed_precision"] == "bf16" and q["param_dtype"] == "bfloat16"
     assert q["losses"][-1] < q["losses"][0] and q["sharded_vs_unsharded_loss_diff"] < 3e-3

@@ -102,8 +102,10 @@ def test_trainer_resumes_a_sharded_checkpoint_and_matches_the_kit(hf_run):
     bf16 = parity["bf16"]  # bf16: both reduce in bf16; accelerate also casts the outputs (and autocasts), the kit does not
     assert bf16["trainer_policy"] == dict(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype="bfloat16")
     assert bf16["kit_policy"] == dict(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype=None) and bf16["max_loss_diff"] < 0.05
-    layers = lambda units: sorted(u["module"].replace("._checkpoint_wrapped_module", "") for u in units if "layers" in u["module"])
-    assert set(layers(r["units"])) == set(layers(parity["units"])) == {"model.layers.0", "model.layers.1"}  # the policy's units agree
+    from fsdp_kit.hf_run import param_groups
+    ours, theirs = param_groups(parity["units"]), param_groups(r["units"])  # the same units: the same weights gathered and freed together
+    assert ours == theirs and [g["modules"] for g in ours] == [["lm_head", "model.norm"], ["model.embed_tokens"], ["model.layers.0"], ["model.layers.1"]]
+    assert [g["reshard_after_forward"] for g in ours] == [False, True, True, True]
 
 
 @pytest.mark.timeout(450)

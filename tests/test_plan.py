@@ -62,7 +62,7 @@ def test_units_follow_the_wrap_plan():
     config = plan_config("small")
     spec = PlanSpec("small", 4)
     us = units(model_tensors(config, spec), spec)
-    assert list(us)[0] == "root" and len(us) == 1 + config.num_hidden_layers
+    assert list(us)[:3] == ["root", "embed", "tail"] and len(us) == 3 + config.num_hidden_layers and us["root"].unsharded == 0  # apply_fsdp's units
     assert sum(u.sharded for u in us.values()) * 4 == sum(t.padded_numel(4) * 4 for t in model_tensors(config, spec))
 
 
@@ -163,7 +163,8 @@ def test_plan_json_fields_and_terms(tmp_path):
     assert p["settings"]["ce_chunks"] == 8 and set(p["terms"]) == {"ac", "ce_chunks", "optimizer_in_backward"}
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192, ac="selective-op", ce_chunks=8, optimizer_in_backward=True)
     assert p["terms"]["ce_chunks"] == plan_gpu("llama-3-8b", **kw | dict(ce_chunks=0)).per_gpu_allocated_bytes - p["per_gpu_allocated_bytes"] > 0
-    assert p["terms"]["optimizer_in_backward"] == 0  # its peak falls in the last layer's backward, before any gradient is reduced: nothing to free yet
+    # its peak falls in the last layer's backward, where the only reduced gradients are the tail's (lm_head's, 1/8 of 128256 x 4096 in fp32): stepped and freed at once
+    assert 0.99 * 128256 * 4096 / 8 * 4 < p["terms"]["optimizer_in_backward"] < 1.01 * 128256 * 4096 / 8 * 4
     lean = plan_gpu("llama-3-8b", **kw, offload_activations=True)  # with activations offloaded the peak moves to where reduced gradients pile up
     assert lean.terms["optimizer_in_backward"] > 0 and lean.terms["offload_activations"] > 0
 

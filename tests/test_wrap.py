@@ -16,8 +16,9 @@ pytestmark = pytest.mark.timeout(300)
 def test_transformer_wrap_picks_decoder_blocks(arch, block):
     model = build_model(model_config(EXAMPLES / arch / "config.json"), device="meta")
     units = plan_units(model, FSDPConfig())
-    assert [u.cls for u in units] == [block, block, type(model).__name__]
-    assert sorted(u.module for u in units[:-1]) == ["model.layers.0", "model.layers.1"]
+    assert [u.cls for u in units[:2]] == [block, block] and units[-1].cls == type(model).__name__
+    assert [u.module for u in units] == ["model.layers.1", "model.layers.0", "model.embed_tokens", "model.norm+lm_head", ""]
+    assert [u.reshard_after_forward for u in units] == [True, True, True, False, False]  # the tail and the root keep their weights
     size = plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000))
     assert sum(u.parameters for u in size) == count_params(model) and len(size) > 2
 
@@ -32,12 +33,14 @@ def test_every_parameter_is_in_exactly_one_unit(policy, min_num_params):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_tied_embeddings_stay_in_one_unit(policy):
-    "A module sharing a parameter with a module outside it (tied embed_tokens / lm_head) is never a unit of its own: the root holds the shared weight."
+    "A module sharing a parameter with a module outside it (tied embed_tokens / lm_head) is never a unit of its own: the tail holds the shared weight, as accelerate's."
     tied = build_model(model_config(EXAMPLES / "qwen2-tied" / "config.json"), device="meta")
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     units = plan_units(tied, FSDPConfig(auto_wrap_policy=policy, min_num_params=1000))
     assert not {"lm_head", "model.embed_tokens", "model"} & {u.module for u in units}
-    assert sum(u.parameters for u in units) == count_params(tied) and units[-1].parameters >= tied.lm_head.weight.numel()
+    tail = units[-2]
+    assert tail.module == "model.norm+model.embed_tokens+lm_head" and tail.reshard_after_forward is False
+    assert sum(u.parameters for u in units) == count_params(tied) and tail.parameters >= tied.lm_head.weight.numel()
     untied = plan_units(build_model(model_config(EXAMPLES / "qwen2-tiny" / "config.json"), device="meta"), FSDPConfig(auto_wrap_policy=policy, min_num_params=1000))
     assert ("lm_head" in {u.module for u in untied}) == (policy in ("PER_LINEAR", "SIZE_BASED_WRAP"))  # the policies that would split the tie
 
