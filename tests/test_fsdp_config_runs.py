@@ -64,11 +64,12 @@ def test_every_field_reaches_fully_shard():
     "What each unit's FSDP state holds after apply_fsdp: offload policy, compute and reduce dtypes, reshard, checkpoint wrappers."
     default, custom = launch(fsdp_settings, [FSDPConfig(), FSDPConfig(cpu_offload=True, mixed_precision="bf16", reduce_dtype="fp32",
                                                                       activation_checkpointing=True, reshard_after_forward=False)], nprocs=2)
-    assert [u["module"] for u in default] == ["", "model.layers.0", "model.layers.1"] == [u["module"] for u in custom]
+    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]  # the root holds nothing: no parameter group
+    assert [u["module"] for u in default] == units == [u["module"] for u in custom]
     assert {(u["offload"], u["param_dtype"], u["reduce_dtype"]) for u in default} == {("OffloadPolicy", "None", "None")}
     assert {(u["offload"], u["param_dtype"], u["reduce_dtype"]) for u in custom} == {("CPUOffloadPolicy", "torch.bfloat16", "torch.float32")}
-    assert [u["cls"] for u in custom[1:]] == ["FSDPCheckpointWrapper"] * 2 and [u["cls"] for u in default[1:]] == ["FSDPLlamaDecoderLayer"] * 2
-    assert all(u["reshard_to"] is None for u in custom) and all(u["reshard_to"] == 2 for u in default[1:])
+    assert [u["cls"] for u in custom[1:3]] == ["FSDPCheckpointWrapper"] * 2 and [u["cls"] for u in default[1:3]] == ["FSDPLlamaDecoderLayer"] * 2
+    assert all(u["reshard_to"] is None for u in custom) and [u["reshard_to"] for u in default] == [2, 2, 2, None, None]  # the tail keeps its weights
     bf16 = launch(fsdp_settings, [FSDPConfig(mixed_precision="bf16")], nprocs=2)[0]
     assert {u["reduce_dtype"] for u in bf16} == {"torch.bfloat16"}  # accelerate's default: gradients reduced in the compute dtype
 
