@@ -42,10 +42,11 @@ def _checkpoint_line(runs) -> str:
 
 
 def _hf_trainer_line(r) -> str:
+    from fsdp_kit.hf_run import param_groups
     return (f"unmodified Trainer on transformers_fsdp_config.json (accelerate's FSDP branch opened on CPU): FSDP2 on {r.world_size} ranks, "
-            f"{r.fsdp_units} units, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> from_pretrained diff "
+            f"{len(param_groups(r.units))} units holding weights, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> from_pretrained diff "
             f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff {r.resume['max_diff']:.1e}; the kit's recipe on the same "
-            f"file, loss diff {r.parity['max_loss_diff']:.1e}")
+            f"file: the same units {param_groups(r.units) == param_groups(r.parity['units'])}, loss diff {r.parity['max_loss_diff']:.1e}")
 
 
 SUMMARY = dict(train=_train_line, compare=_compare_line, qlora=_qlora_line, cp_eval=_cp_eval_line, checkpoint=_checkpoint_line,

@@ -41,6 +41,7 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     assert report["checkpoint"]["data"]["bit_identical"] is True
     hf = report["hf_trainer"]["data"]  # an unmodified Trainer through accelerate's FSDP branch, opened on CPU
     assert hf["sharded"] and hf["param_type"] == "DTensor" and hf["load_check"]["max_weight_diff"] == 0 and hf["parity"]["max_loss_diff"] < 1e-5
+    assert "the kit's recipe on the same file: the same units True, loss diff" in out.stderr  # the units accelerate made, made by apply_fsdp too
     # the steps that share one launch each print their result as they end, not all at once after the launch
     lines = out.stderr.splitlines()
     for i, (name, start) in enumerate([("train", "tiny Llama"), ("compare", "small Llama"), ("qlora", "LoRA on a 4-bit"),
