@@ -45,7 +45,7 @@ def notebooks(nbs: Path) -> list:
 
 
 def _clean(nb):
-    "Drop hidden cells and directive lines; show widgets in their static (text) form."
+    "Drop hidden cells and directive lines; a widget becomes a one-line note (its `interactive(children=...)` repr means nothing on a page)."
     keep = []
     for cell in nb.cells:
         lines = cell.source.splitlines()
@@ -56,9 +56,8 @@ def _clean(nb):
             if not cell.source:
                 continue
             for out in cell.get("outputs", []):
-                if WIDGET_MIME in out.get("data", {}):
-                    out["data"].pop(WIDGET_MIME)
-                    out["data"]["text/plain"] = "[interactive widget, static form; run the notebook to use it]\n" + out["data"].get("text/plain", "")
+                if WIDGET_MIME in out.get("data", {}):  # a page has no kernel: say so instead of the widget's Python repr; the lesson shows its default state next
+                    out["data"] = {"text/plain": "[an interactive widget: run the notebook to use it; its default state is shown below]"}
         keep.append(cell)
     nb.cells = keep
     return nb

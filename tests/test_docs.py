@@ -39,6 +39,7 @@ def test_a_page_per_notebook_and_figures(site):
     for name in pages:
         text = (out / name).read_text()
         assert "Traceback (most recent call last)" not in text, name
+        assert "interactive(children=" not in text, f"{name} shows a widget's Python repr"  # a page has no kernel: a note, then the default state
         assert all(f'href="{p}"' in text for p in expected), f"{name} lacks navigation"
     assert all(p["errors"] == 0 for p in pages.values())
     with_figures = [p for p in pages.values() if p["figures"]]
@@ -66,7 +67,8 @@ for (const page of pages) {
   frame.addEventListener('load', () => {
     const doc = frame.contentDocument, body = doc && doc.body;
     results[page] = body ? {images: body.dataset.images ?? null, loaded: body.dataset.loadedImages ?? null,
-                            traceback: doc.documentElement.outerHTML.includes('Traceback (most recent call last)')} : null;
+                            traceback: doc.documentElement.outerHTML.includes('Traceback (most recent call last)'),
+                            widget_repr: body.innerText.includes('interactive(children=')} : null;
     if (--pending === 0) document.getElementById('out').textContent = JSON.stringify(results);
   });
   frame.src = page;
@@ -90,7 +92,7 @@ def test_every_page_renders_in_chromium_with_its_figures(site, tmp_path):
         r = seen[page["page"]]
         assert r and r["images"] is not None, f"{page['page']} did not finish loading"  # its load handler set the counts
         assert int(r["images"]) == int(r["loaded"]) == page["figures"], (page["page"], r)
-        assert not r["traceback"], page["page"]
+        assert not r["traceback"] and not r["widget_repr"], (page["page"], r)
 
 
 def test_screenshots_of_landing_and_a_lab_page(site, tmp_path):
