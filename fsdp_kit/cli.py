@@ -342,6 +342,14 @@ def _cmd_plan(a):
         models = plan.list_models()
         emit(dict(models=models), a.json, "\n".join(f"{m['name']:<12}{m['parameters']:>16,}  {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}" for m in models))
         return
+    if a.export_table:
+        out = Path(a.export_table)
+        if not out.parent.is_dir(): raise KitError(f"--export-table={a.export_table!r}: no folder {str(out.parent)!r} to write it in")
+        print(f"planning every setting of the docs planner's grid ({math.prod(len(v) for v in plan_gpu.PLANNER_GRID.values())} plans) ...", file=sys.stderr)
+        table = plan_gpu.planner_table()
+        out.write_text(json.dumps(table, separators=(",", ":")))
+        print(f"wrote {out}: {len(table['plans'])} plans, {len(table['moments'])} peak moments", file=sys.stderr)
+        return
     if a.validate:
         specs = plan_validate.validation_matrix(a.nproc)
         print(f"running {len(specs)} settings on world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
@@ -529,6 +537,7 @@ def parser() -> argparse.ArgumentParser:
     s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
     s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
+    s.add_argument("--export-table", metavar="PATH", help="write every plan of the docs planner page's grid (plan_gpu.PLANNER_GRID) as JSON to PATH; the page shows them without Python")
     s.add_argument("--plot", metavar="PNG", help="with --validate: write predicted vs measured per category here")
     s.add_argument("--model", help="a preset (see --list-models; tiny, small) or a config.json path")
     s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")

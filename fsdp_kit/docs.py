@@ -162,6 +162,38 @@ IMAGE_CHECK = """<script>window.addEventListener('load', () => {
 });</script>"""
 
 
+PLANNER_JS = """
+const T = JSON.parse(document.getElementById('table').textContent), axes = Object.keys(T.grid);
+function show() {  // the plan of the chosen setting: its row-major index over the grid's axes, as planner_table wrote them
+  let i = 0;
+  for (const a of axes) i = i * T.grid[a].length + T.grid[a].map(String).indexOf(document.getElementById(a).value);
+  const p = T.plans[i], mem = parseFloat(document.getElementById('gpu_mem_gb').value), out = document.getElementById('plan');
+  if (typeof p === 'string') { out.textContent = p; return; }  // the planner's own one-line refusal
+  const [peak, allocated, moment] = p, gb = (b) => (b / T.gb).toFixed(2);
+  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${peak <= mem * T.gb ? 'fits' : 'does NOT fit'} in ${mem} GB (allocated ${gb(allocated)} GB)`;
+}
+document.getElementById('planner').addEventListener('input', show);
+show();
+"""
+
+DEFAULTS = dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full")  # the lesson's widget starts here too
+
+
+def planner_page() -> dict:
+    "The planner without a kernel: the stored table of plans (`fsdp-kit plan --export-table`) and a form that looks the chosen setting up in it."
+    from fsdp_kit.config import EXAMPLES
+    stored = (EXAMPLES / "plan" / "planner_table.json").read_text()
+    grid = json.loads(stored)["grid"]
+    fields = "".join(f'<label>{a} <select id="{a}">' + "".join(f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>' for v in vals)
+                     + "</select></label> " for a, vals in grid.items())
+    fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="1" step="1"></label>'
+    body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as <code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
+            f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan --export-table</code>); change a field and the plan changes. "
+            "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook plan any other setting.</p>"
+            f'<form id="planner">{fields}</form><pre id="plan"></pre><script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
+    return dict(title="Planner (no kernel)", body=body, toc=[], figures=0, errors=0, page="planner.html", source=None)
+
+
 def _page(page: dict, pages: list) -> str:
     "A whole HTML page: sidebar, content, table of contents, previous / next."
     from pygments.formatters import HtmlFormatter
@@ -187,6 +219,7 @@ def build_site(out: str, nbs: str = None) -> dict:
     if not nbs.is_dir(): raise KitError(f"nbs={str(nbs)!r} is not a folder of notebooks")
     out.mkdir(parents=True, exist_ok=True)
     pages = [render_notebook(p) for p in notebooks(nbs)]
+    pages.append(planner_page())
     pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(exported_modules(nbs)), toc=[], figures=0, errors=0, page="api.html", source=None))
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))

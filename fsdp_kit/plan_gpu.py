@@ -6,7 +6,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 
 # %% auto #0
 __all__ = ['ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PRECISIONS', 'RESERVED_RANGE', 'PLAN_OPTIONS', 'RECOMPUTE',
-           'EXTRAS', 'PUBLISHED', 'GPUPlan', 'plan_gpu', 'plan_text', 'recommend', 'published_table']
+           'EXTRAS', 'PUBLISHED', 'PLANNER_GRID', 'GPUPlan', 'plan_gpu', 'plan_text', 'recommend', 'published_table',
+           'planner_table', 'plan_line']
 
 # %% ../nbs/08b_plan_gpu.ipynb #7fdf3993
 import math
@@ -15,7 +16,7 @@ from .errors import bad_value
 from .spec import accelerate_precision
 from .lora import LINEARS
 from .plan import PlanSpec, layer_index, meta_shapes, model_tensors, units, dims, moments, activation_bytes
-from .plan import comm_per_unit, predict_comm, plan_config
+from .plan import comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
 
 # %% ../nbs/08b_plan_gpu.ipynb #7a280d94
 ALLOCATOR_OVERHEAD = 0.10  # CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak
@@ -356,3 +357,27 @@ def published_table() -> list:
                          reserved_gb=[b / GB for b in p.per_gpu_reserved_bytes], error=(predicted - entry["published_gb"]) / entry["published_gb"],
                          miss=entry["miss"], peak_moment=p.peak_moment))
     return rows
+
+# %% ../nbs/08b_plan_gpu.ipynb #5f1a7c05
+PLANNER_GRID = dict(model=list(MODEL_PRESETS), method=["full", "lora", "qlora"], gpus=[1, 2, 4, 8, 16, 32, 64], batch=[1, 2, 4, 8],
+                    seq_len=[1024, 2048, 4096, 8192], ac=["none", "full"])  # the settings the docs' planner page offers
+
+def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combination is planned
+                 ) -> dict:
+    """Every plan of a grid of settings, for a page that shows plans without Python: per plan its per-GPU peak and allocated bytes and the moment
+    of the peak (or the one-line reason the planner refuses it), row-major over the grid's axes. Whether a plan fits is the page's comparison of
+    the peak with the memory it is asked about (`per_gpu_peak_bytes <= gpu_mem_gb * GB`, as `plan_gpu`)."""
+    import itertools
+    from fsdp_kit.errors import KitError
+    grid, moments_, plans = grid or PLANNER_GRID, [], []
+    for values in itertools.product(*grid.values()):
+        s = dict(zip(grid, values))
+        try: p = plan_gpu(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"], _terms=False)
+        except KitError as e: plans.append(str(e)); continue
+        if p.peak_moment not in moments_: moments_.append(p.peak_moment)
+        plans.append([p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, moments_.index(p.peak_moment)])
+    return dict(grid=grid, moments=moments_, plans=plans, gb=GB)
+
+def plan_line(peak:int, allocated:int, moment:str, gpu_mem_gb:float) -> str:
+    "The planner page's one line for a plan: the peak, its moment, whether it fits, allocated memory (GB, 10^9 bytes)."
+    return f"per-GPU peak {peak / GB:.2f} GB at '{moment}': {'fits' if peak <= gpu_mem_gb * GB else 'does NOT fit'} in {gpu_mem_gb:g} GB (allocated {allocated / GB:.2f} GB)"

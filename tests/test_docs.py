@@ -141,3 +141,46 @@ def test_readme_and_landing_page_list_every_notebook_in_course_order():
     course = [p.stem for p in notebooks(ROOT / "nbs")]
     assert _table(index) == course
     assert _table((ROOT / "README.md").read_text()) == course
+
+
+# The planner page, driven as a reader would: pick a setting, read the plan it shows.
+PLANNER_HARNESS = """<!doctype html><html><body><pre id="out"></pre><script>
+const settings = SETTINGS, frame = document.createElement('iframe');
+frame.addEventListener('load', () => {
+  const doc = frame.contentDocument, shown = [doc.getElementById('plan').textContent];
+  for (const s of settings) {
+    for (const [field, value] of Object.entries(s)) doc.getElementById(field).value = String(value);
+    doc.getElementById('gpu_mem_gb').dispatchEvent(new Event('input', {bubbles: true}));
+    shown.push(doc.getElementById('plan').textContent);
+  }
+  document.getElementById('out').textContent = JSON.stringify(shown);
+});
+frame.src = 'planner.html';
+document.body.appendChild(frame);
+</script></body></html>"""
+
+
+def test_planner_page_changes_its_plan_as_the_python_planner_does(site, tmp_path):
+    from fsdp_kit.plan_gpu import plan_gpu, plan_line
+    exe = _browser()
+    out, manifest = site
+    assert "planner.html" in {p["page"] for p in manifest["pages"]}
+    settings = [dict(model="llama-2-70b", method="qlora", gpus=2, batch=2, seq_len=2048, ac="full", gpu_mem_gb=24),
+                dict(model="llama-3-8b", method="full", gpus=8, batch=2, seq_len=8192, ac="none", gpu_mem_gb=80),
+                dict(model="mistral-7b", method="lora", gpus=1, batch=4, seq_len=4096, ac="full", gpu_mem_gb=48),
+                dict(model="yi-34b", method="full", gpus=64, batch=1, seq_len=1024, ac="full", gpu_mem_gb=40),
+                dict(model="qwen2-7b", method="qlora", gpus=4, batch=8, seq_len=2048, ac="none", gpu_mem_gb=24),
+                dict(model="llama-2-13b", method="full", gpus=16, batch=1, seq_len=2048, ac="full", gpu_mem_gb=8)]
+    harness = out / "_planner.html"
+    harness.write_text(PLANNER_HARNESS.replace("SETTINGS", json.dumps(settings)))
+    try: dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom", harness.as_uri())
+    finally: harness.unlink()
+    found = re.search(r'<pre id="out">(.*)</pre>', dom)
+    assert found and found.group(1), dom[-2000:]
+    shown = json.loads(html.unescape(found.group(1)))
+    expect = []
+    for s in [dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full", gpu_mem_gb=80)] + settings:  # the page's default first
+        p = plan_gpu(s["model"], s["gpus"], s["gpu_mem_gb"], s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
+        expect.append(plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, s["gpu_mem_gb"]))
+    assert shown == expect
+    assert len(set(shown)) == len(shown) and any("does NOT fit" in s for s in shown) and any(": fits" in s for s in shown)

@@ -1,7 +1,7 @@
 """The planner: exact parameter counts from the meta device, predictions beside real runs (forked workers: a QLoRA setting
 imports peft and bitsandbytes in them, never in this process), the stored full matrix, GPU plans for large models without real
 memory, refusals, and the CLI."""
-import json, resource
+import json, math, resource
 import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.plan import PlanSpec, predict_peak, predict_comm, plan_config, count_parameters, units, model_tensors, MODEL_PRESETS
@@ -199,3 +199,18 @@ def test_chunked_loss_optimizer_in_backward_and_offload_change_no_number():
         loss.backward(); fused.step(); fused.zero_grad()
     assert all(p.grad is None for p in b.parameters())  # each gradient freed once its parameter stepped
     assert max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters())) < 1e-5
+
+
+def test_planner_table_is_the_planners():
+    "The docs' planner page reads a stored table (`fsdp-kit plan --export-table`): its grid is PLANNER_GRID and every sampled plan is what plan_gpu says now."
+    import itertools
+    from fsdp_kit.plan_gpu import PLANNER_GRID, plan_line
+    stored = json.loads((ROOT / "examples" / "plan" / "planner_table.json").read_text())
+    assert stored["grid"] == PLANNER_GRID and len(stored["plans"]) == math.prod(len(v) for v in PLANNER_GRID.values())
+    settings = list(itertools.product(*PLANNER_GRID.values()))
+    for i in range(0, len(settings), 613):  # 9 plans across the grid: every model, method and size appears among them
+        s = dict(zip(PLANNER_GRID, settings[i]))
+        p = plan_gpu(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
+        peak, allocated, moment = stored["plans"][i]
+        assert (peak, allocated, stored["moments"][moment]) == (p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment), s
+        assert plan_line(peak, allocated, stored["moments"][moment], 80) == plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, 80)
