@@ -111,6 +111,11 @@ def exported_modules(nbs: Path) -> list:
     return found
 
 
+def _code(text: str) -> str:
+    "Escape `text` for HTML and render its `backticked` spans as code, as markdown would."
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+
+
 def api_reference(modules: list) -> str:
     "HTML for every exported name of the kit's modules: signature, docstring, parameter comments."
     parts = []
@@ -119,7 +124,7 @@ def api_reference(modules: list) -> str:
             mod = importlib.import_module(f"fsdp_kit.{name}")
         except ImportError:
             continue
-        parts.append(f'<h2 id="{name}">fsdp_kit.{name}</h2><p>{html.escape((mod.__doc__ or "").splitlines()[0] if mod.__doc__ else "")}</p>')
+        parts.append(f'<h2 id="{name}">fsdp_kit.{name}</h2><p>{_code((mod.__doc__ or "").splitlines()[0] if mod.__doc__ else "")}</p>')
         for attr in getattr(mod, "__all__", []):
             obj = getattr(mod, attr)
             if not (inspect.isfunction(obj) or inspect.isclass(obj)):
@@ -129,9 +134,9 @@ def api_reference(modules: list) -> str:
             except (TypeError, ValueError):
                 sig = "()"
             comments = _signature_comments(obj)
-            rows = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{html.escape(v)}</td></tr>" for k, v in comments.items())
+            rows = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{_code(v)}</td></tr>" for k, v in comments.items())
             parts.append(f'<div class="api"><h3 id="{name}.{attr}"><code>{attr}{html.escape(sig)}</code></h3>'
-                         f"<p>{html.escape(inspect.getdoc(obj) or '')}</p>" + (f'<table class="params">{rows}</table>' if rows else "") + "</div>")
+                         f"<p>{_code(inspect.getdoc(obj) or '')}</p>" + (f'<table class="params">{rows}</table>' if rows else "") + "</div>")
     return "\n".join(parts)
 
 
@@ -190,8 +195,10 @@ def planner_page() -> dict:
     body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as <code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
             f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan --export-table</code>); change a field and the plan changes. "
             "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook plan any other setting.</p>"
-            f'<form id="planner">{fields}</form><pre id="plan"></pre><script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
-    return dict(title="Planner (no kernel)", body=body, toc=[], figures=0, errors=0, page="planner.html", source=None)
+            f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The plan</h2><pre id="plan"></pre>'
+            f'<script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
+    return dict(title="Planner (no kernel)", body=body, toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0, errors=0,
+                page="planner.html", source=None)
 
 
 def _page(page: dict, pages: list) -> str:
@@ -220,7 +227,9 @@ def build_site(out: str, nbs: str = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     pages = [render_notebook(p) for p in notebooks(nbs)]
     pages.append(planner_page())
-    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(exported_modules(nbs)), toc=[], figures=0, errors=0, page="api.html", source=None))
+    modules = exported_modules(nbs)
+    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(modules), toc=[(2, m, f"fsdp_kit.{m}") for m in modules],
+                      figures=0, errors=0, page="api.html", source=None))
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))
     manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "source")} for p in pages])

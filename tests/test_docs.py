@@ -40,6 +40,7 @@ def test_a_page_per_notebook_and_figures(site):
         text = (out / name).read_text()
         assert "Traceback (most recent call last)" not in text, name
         assert "interactive(children=" not in text, f"{name} shows a widget's Python repr"  # a page has no kernel: a note, then the default state
+        assert re.search(r'<aside class="toc"><b>On this page</b><a ', text), f"{name}: its 'On this page' box is empty"
         assert all(f'href="{p}"' in text for p in expected), f"{name} lacks navigation"
     assert all(p["errors"] == 0 for p in pages.values())
     with_figures = [p for p in pages.values() if p["figures"]]
@@ -55,6 +56,7 @@ def test_headings_become_the_table_of_contents_and_api_has_docments(site):
     api = (out / "api.html").read_text()
     assert "launch(fn, *args, nprocs: int = 2" in api and "the function every rank runs" in api
     assert "reshard_after_forward" in api and "free gathered parameters after forward" in api
+    assert "`" not in re.sub(r"<pre.*?</pre>", "", api, flags=re.S) and "<code>fully_shard</code>" in api  # backticks render as code, as in the lessons
 
 
 # One browser for every page: a harness page loads each page in an iframe (file:// pages may read each other's DOM under
