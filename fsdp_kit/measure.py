@@ -235,7 +235,7 @@ def plot_timeline(timelines:dict, ax=None, mib:bool=True):
         idx = [i for i, (p, _) in enumerate(first) if p == phase]
         if idx: ax.axvspan(idx[0] / max(1, len(first) - 1), idx[-1] / max(1, len(first) - 1), color=color, zorder=0, label=f"{phase} ({next(iter(timelines))})")
     ax.set(xlabel="progress through the step (forward, backward, optimizer)", ylabel="MiB on this rank" if mib else "bytes", title="memory over one training step")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, never over them
     return ax.figure
 
 # %% ../nbs/04a_measure.ipynb #9614c199
