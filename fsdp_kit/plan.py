@@ -289,7 +289,8 @@ def moments(config, spec:PlanSpec) -> list:
     checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(L)]  # the layers checkpoint_layers wraps
     whole = lambda l: act["first_layer"] if l == 0 else act["layer"]  # what layer l keeps without checkpointing
     saved = [(act["op_layer"] if kind == "op" else act["checkpointed_layer"]) if c else whole(l) for l, c in enumerate(checkpointed)]  # kept through forward, per layer
-    buffer = lambda u: u.unsharded if W > 1 else 0
+    gathered = lambda b: b if W > 1 else 0  # an all-gather's output buffer, in bytes (none on one rank)
+    buffer = lambda u: gathered(u.unsharded)
     # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the tail, or (edges in the root) the last layer
     last = others[-1] if others else tail if tail.unsharded else (layer_units[-1] or [root])[-1]
     carry = _grad_bytes(tensors, lambda t: t.layer < 0 and "embed_tokens" not in t.name and unit_of(t, spec.policy, tied, spec.edge_units) in ("tail", "root"), grad_b)  # lm_head's and the final norm's
@@ -301,9 +302,9 @@ def moments(config, spec:PlanSpec) -> list:
     end = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(last),
                activations=sum(saved) + act["fixed"] + act["loss_extra"] - (0 if d["chunks"] else 8))
     out = [("loss (end of forward)", end if not spec.offload_activations else end | dict(activations=act["rope_fp32"] + act["loss_extra"] + log_softmax))]
-    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the last layer; a root holding lm_head
-    # gets its pre-backward at the loss itself (the model's output), so with the edges in the root the prefetch is alive through the loss's backward
-    # it prefetches the unit whose forward ended before the tail's: the last layer, or under NO_WRAP the embeddings
+    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the unit whose forward ended before
+    # the tail's (the last layer, or under NO_WRAP the embeddings); a root holding lm_head gets its pre-backward at the loss itself, so with the
+    # edges in the root that prefetch is alive through the loss's backward
     prefetched = (layer_units[-1] or ([embed] if embed.unsharded and spec.edge_units else []))[-1:]
     after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(prefetched[0]) if reshard is not False and prefetched else 0)
     out.append(("loss backward", host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"], activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
@@ -320,7 +321,7 @@ def moments(config, spec:PlanSpec) -> list:
                                            activations=sum(saved) + act["fixed"] + 4 + sum(post_forward(l) for l in range(L)) + embed_copy)))
     # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its weights freed before the layers';
     # tied, the tail holds the embeddings too and waits for their backward, at the very end
-    tail_open = tail if tied else Unit("", 0, 0, 0, 0, 0, 0, 0)
+    tail_open = tail.unsharded if tied else 0  # the tail's gathered weights, alive through the layers' backward only when tied
     held = 0 if tied else tail.reduce  # reduce-scatter input kept until the next unit's post-backward
     embed_gather = embed.unsharded if reshard is not False else 0  # the embeddings gathered again for their backward
     done_sharded_grads, done_unsharded_grads = 0 if tied or spec.optimizer_in_backward else tail.sharded_grads, 0
@@ -342,15 +343,15 @@ def moments(config, spec:PlanSpec) -> list:
         copied_back = act["checkpointed_layer"] if checkpointed[j] else 2 * d["T"] * d["I"] * d["b"]  # offloaded: the layer's input, or SiLU's and up_proj's outputs
         out.append((f"layer {j} backward (MLP)", host(dict(states, activations=activations, temporaries=temporaries,
                     reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads,
-                    unsharded_params=root.unsharded + tail_open.unsharded + embed_kept + _sum(current, "unsharded") + kept(range(j)),
-                    all_gather_buffers=buffer(Unit("", 0, _sum(layer_units[j - 1], "unsharded") if j > 0 else embed_gather, 0, 0, 0, 0, 0))), copied_back)))
+                    unsharded_params=root.unsharded + tail_open + embed_kept + _sum(current, "unsharded") + kept(range(j)),
+                    all_gather_buffers=gathered(_sum(layer_units[j - 1], "unsharded") if j > 0 else embed_gather)), copied_back)))
         if current: held, done_sharded_grads = _sum(current, "reduce"), done_sharded_grads + (0 if spec.optimizer_in_backward else _sum(current, "sharded_grads"))  # stepped and freed in backward
         else: done_unsharded_grads += layer_grads[j]
     # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient (vocab x hidden) computed
     embed_grad = _grad_bytes(tensors, lambda t: "embed_tokens" in t.name, grad_b)
     out.append(("embeddings backward", dict(states, activations=8 * d["T"], temporaries=embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads + (held if W == 1 else 0),
-                reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads, all_gather_buffers=buffer(Unit("", 0, embed_gather, 0, 0, 0, 0, 0)),
-                unsharded_params=root.unsharded + tail_open.unsharded + embed.unsharded)))
+                reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads, all_gather_buffers=gathered(embed_gather),
+                unsharded_params=root.unsharded + tail_open + embed.unsharded)))
     largest = max(u.largest_shard for u in us.values())
     if not spec.optimizer_in_backward: out.append(("optimizer step", dict(states, sharded_grads=_sum(us.values(), "sharded_grads"), temporaries=2 * largest)))
     return [(name, m | dict(total=sum(m.values()))) for name, m in out]
