@@ -216,6 +216,16 @@ def _cmd_hf_run(a):
     emit(asdict(r), a.json, text)
 
 
+def _cmd_doctor(a):
+    "fsdp-kit doctor: the twin of --model run with --fsdp-config through the file's entry point, and the twelve checks."
+    from fsdp_kit.doctor import DoctorSpec, doctor, report_text
+    spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, dtype=a.dtype,
+                      gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps, gpus=a.gpus,
+                      gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
+    r = doctor(spec, say=lambda line: print(line, file=sys.stderr, flush=True))
+    emit(r, a.json, report_text(r))
+
+
 def _cmd_slurm(a):
     from fsdp_kit.scale import slurm_script
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -494,6 +504,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=3e-3, help="with --run: learning rate (AdamW, constant)")
     s.add_argument("--seed", type=int, default=0, help="with --run: seed for the weights and the data")
     s.add_argument("--out", metavar="DIR", help="with --run: folder for the base model, the saved model or adapter, checkpoints and logs (default: a temporary folder)")
+    s = add("doctor", _cmd_doctor, "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
+            "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, each with its reason and fix")
+    s.set_defaults(timeout=300)
+    s.add_argument("--model", required=True, help="your model's config.json (or the folder holding it): the twin keeps its architecture and shrinks its sizes")
+    s.add_argument("--fsdp-config", required=True, help="your accelerate .yaml (run with accelerate launch) or transformers fsdp_config .json (run with TrainingArguments)")
+    s.add_argument("--method", default="full", choices=None, help="full, lora or qlora")
+    s.add_argument("--quant-storage", default=None, help="qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); default: bitsandbytes' own, uint8")
+    s.add_argument("--mixed-precision", default=None, help="a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)")
+    s.add_argument("--dtype", default=None, help="the dtype from_pretrained loads in: float32, bfloat16, float16 (default: bfloat16 for lora/qlora under bf16, else float32)")
+    s.add_argument("--gradient-checkpointing", action="store_true", help="your script turns on the Trainer's checkpointing (TrainingArguments activation_checkpointing / gradient_checkpointing)")
+    s.add_argument("--kbit-prepare", action="store_true", help="qlora: your script calls peft's prepare_model_for_kbit_training")
+    s.add_argument("--steps", type=int, default=2, help="optimizer steps of the twin")
+    s.add_argument("--gpus", type=int, default=None, help="your GPUs in all, for the planner's per-GPU peak of your real model (with --gpu-mem-gb)")
+    s.add_argument("--gpu-mem-gb", type=float, default=None, help="memory of one of your GPUs, GB")
+    s.add_argument("--seed", type=int, default=0, help="seed of the twin's weights and data")
+    s.add_argument("--out", metavar="DIR", help="folder for the twin, its run and its log (default: a temporary folder)")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
     s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
     s.add_argument("--to-full", dest="out", metavar="OUT", help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder from_pretrained reads")

@@ -8,7 +8,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 __all__ = ['POLICIES', 'PRECISION', 'MIXED_PRECISION', 'STATE_DICT_TYPES', 'SHARDING_STRATEGIES', 'SHARDING_BY_NUMBER',
            'NOT_APPLYING', 'NO_OP', 'WHY_UPSTREAM', 'FIELD_KEYS', 'KNOWN_KEYS', 'LAUNCH_NOTES', 'ACCELERATE_OWN',
            'EXAMPLES', 'FSDPConfig', 'to_bool', 'to_reshard', 'to_class_list', 'from_transformers',
-           'accelerate_top_level', 'from_accelerate', 'load_fsdp_config', 'layer_class_names', 'check_for_model']
+           'accelerate_top_level', 'from_accelerate', 'parse_fsdp_file', 'load_fsdp_config', 'layer_class_names',
+           'check_for_model']
 
 # %% ../nbs/03_config.ipynb #878b95bd
 import difflib, json
@@ -288,7 +289,7 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     return _read(config, section, True, cfg)
 
 # %% ../nbs/03_config.ipynb #9e5c11d7
-def _parse_file(path:Path) -> dict:
+def parse_fsdp_file(path:Path) -> dict:
     "The mapping in a JSON or YAML file, with errors that name the file."
     import yaml
     if not path.exists(): raise bad_value("fsdp_config", str(path), "an existing .json or .yaml file")
@@ -310,7 +311,7 @@ def load_fsdp_config(path:str # a transformers fsdp_config .json or an accelerat
                     ) -> FSDPConfig:
     "Read an FSDP config file in either upstream format."
     path = Path(path)
-    data = _parse_file(path)
+    data = parse_fsdp_file(path)
     from fsdp_kit.upstream import is_accelerate_config
     read = from_accelerate if is_accelerate_config(data) else from_transformers
     try: return read(data, source=str(path))

@@ -6,9 +6,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 
 # %% auto #0
 __all__ = ['WORKFLOWS', 'DEFAULT_CONFIGS', 'SFT_RUN_LIMIT', 'HFRunSpec', 'HFRunResult', 'unit_table', 'param_groups',
-           'fsdp_facts', 'confirm_fsdp2', 'base_checkpoint', 'trainer_arguments', 'trainer_losses', 'full_state_dict',
-           'kit_parity', 'trainer_worker', 'word_corpus', 'word_tokenizer', 'sft_command', 'run_sft', 'native_worker',
-           'run_workflow']
+           'fsdp_facts', 'confirm_fsdp2', 'base_checkpoint', 'trainer_arguments', 'trainer_losses', 'quiet_trainer',
+           'full_state_dict', 'kit_parity', 'trainer_worker', 'word_corpus', 'word_tokenizer', 'accelerate_file',
+           'sft_command', 'run_command', 'run_sft', 'native_worker', 'run_workflow']
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c001
 import json, os, subprocess, sys, time, warnings
@@ -162,7 +162,7 @@ def trainer_losses(trainer) -> list:
     "The training loss of each step, from the Trainer's own log."
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
-def _quiet_trainer(trainer):
+def quiet_trainer(trainer):
     "Drop the callback that prints every log line on every rank."
     from transformers.trainer_callback import PrinterCallback
     trainer.remove_callback(PrinterCallback)
@@ -209,7 +209,7 @@ def _bf16_pair(spec:HFRunSpec, base:str, folder:Path, steps:int=3) -> dict:
     args = trainer_arguments(spec, str(folder / "bf16"), spec.config_path(), max_steps=steps, bf16=True)
     data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, steps * spec.batch * args.world_size, spec.seq_len,
                      args.world_size, spec.batch, spec.seed)
-    trainer = _quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
+    trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
     trainer.train()
     losses, policy = trainer_losses(trainer), fsdp_facts(trainer.model_wrapped)["mixed_precision_policy"]
     kit = kit_parity(spec, base, losses, mixed_precision="bf16", steps=steps)
@@ -233,7 +233,7 @@ def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
         args = trainer_arguments(spec, out, fsdp_config, max_steps=steps, save_strategy="steps", save_steps=half)
         data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, spec.steps * spec.batch * args.world_size,
                          spec.seq_len, args.world_size, spec.batch, spec.seed)
-        trainer = _quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
+        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
         trainer.train(resume_from_checkpoint=resume)
         runs.append(trainer_losses(trainer)[-(steps - (resume is not None) * half):])  # the log carries the checkpoint's history too
     files = sorted(str(p.relative_to(Path(out, f"checkpoint-{half}"))) for p in Path(out, f"checkpoint-{half}").rglob("*") if p.is_file())
@@ -264,7 +264,7 @@ def trainer_worker(spec:HFRunSpec) -> HFRunResult:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # after TrainingArguments, as in a script: it reads their env
     loading = dict(FSDP_CPU_RAM_EFFICIENT_LOADING=os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING"),
                    weights_on=gather_objects(next(model.parameters()).device.type))
-    trainer = _quiet_trainer(Trainer(model=model, args=args, train_dataset=data,
+    trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data,
                                      eval_dataset=TokenRows(vocab, 2 * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed + 1)))
     trainer.train()
     facts, losses = confirm_fsdp2(trainer.model_wrapped, "Trainer"), trainer_losses(trainer)
@@ -319,16 +319,17 @@ def _prepare_sft(spec:HFRunSpec, folder:Path) -> tuple:
     return str(base), str(data)
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c012
-def _accelerate_file(spec:HFRunSpec, folder:Path, nproc:int) -> tuple:
+def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
     "The YAML `accelerate launch` gets (converted by `accelerate to-fsdp2` when the file is FSDP1), its command-line overrides, and notes."
     import yaml, torch
-    source, notes, overrides = Path(spec.config_path()), [], ["--num_processes", str(nproc)]
+    source, notes, overrides = Path(path), [], ["--num_processes", str(nproc)]
     cfg = yaml.safe_load(source.read_text())
     if cfg.get("fsdp_config", {}).get("fsdp_version", 1) == 1:
         from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2  # what `accelerate to-fsdp2 --config_file F --output_file T` runs
-        source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)
+        from fsdp_kit.upstream import quiet
+        with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)  # its log lines on dropped keys: the notes say what was converted
         source.write_text(yaml.dump(cfg))
-        notes.append(f"{Path(spec.config_path()).name} has no fsdp_version, so accelerate would run FSDP1: converted as `accelerate to-fsdp2` "
+        notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: converted as `accelerate to-fsdp2` "
                      f"does, to {source}")
     if cfg.get("num_processes") != nproc: notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
     if cfg["fsdp_config"].get("fsdp_offload_params") and not torch.cuda.is_available():
@@ -349,6 +350,21 @@ def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:
                 "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True"]
     return cmd
 
+def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
+    "Run `cmd` in a session of its own with its output in `log`; stop the whole session after `timeout` s. Raise a KitError naming `what` if it fails."
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try: out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9); out, _ = proc.communicate()
+        Path(log).write_text(out or "")
+        raise KitError(f"{what} ran past {timeout:.0f} s and was stopped: {' '.join(cmd)}") from None
+    except BaseException:  # interrupted: no worker outlives the command
+        os.killpg(proc.pid, 9); proc.communicate()
+        raise
+    Path(log).write_text(out)
+    if proc.returncode: raise KitError(f"{what} failed (exit {proc.returncode}); its output is in {log}:\n{out[-3000:]}")
+    return out
+
 def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600) -> HFRunResult:
     "Run examples/sft_lora.py under `accelerate launch` with `spec`'s YAML (LoRA, or QLoRA for workflow qlora); its result."
     import tempfile
@@ -357,18 +373,12 @@ def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600) -> HFRunResult:
     folder = Path(spec.out or tempfile.mkdtemp(prefix=f"fsdp_kit_hf_{spec.workflow}_"))
     folder.mkdir(parents=True, exist_ok=True)
     base, data = _prepare_sft(spec, folder)
-    config_file, overrides, notes = _accelerate_file(spec, folder, nproc)
+    config_file, overrides, notes = accelerate_file(spec.config_path(), folder, nproc)
     cmd = sft_command(spec, config_file, overrides, base, data, str(folder / spec.workflow), free_port())
     (folder / "tmp").mkdir(exist_ok=True)  # torchrun's log folders stay in the run's folder
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),  # the script imports this kit
                         "TMPDIR": str(folder / "tmp")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try: log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9); proc.communicate()
-        raise KitError(f"accelerate launch ran past {timeout:.0f} s and was stopped: {' '.join(cmd)}") from None
-    (folder / f"{spec.workflow}.log").write_text(log)
-    if proc.returncode: raise KitError(f"accelerate launch failed (exit {proc.returncode}); its output is in {folder / spec.workflow}.log:\n{log[-3000:]}")
+    run_command(cmd, env, folder / f"{spec.workflow}.log", timeout, "accelerate launch")
     result = HFRunResult(**json.loads((folder / spec.workflow / "result.json").read_text()))
     result.notes = notes + result.notes
     return result
@@ -392,7 +402,7 @@ def native_worker(spec:HFRunSpec) -> HFRunResult:
     facts = confirm_fsdp2(model, "from_pretrained(distributed_config=...)")
     args = trainer_arguments(spec, str(folder / "native"), None)
     data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
-    trainer = _quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
+    trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
     trainer.train()
     confirm_fsdp2(trainer.model, "Trainer on the natively sharded model")
     trained, saved = full_state_dict(trainer.model), str(folder / "final")

@@ -110,9 +110,9 @@ def build_model(config, # a transformers config, from `model_config`
 
 # %% ../nbs/01a_models.ipynb #39de2ae4
 def decoder_layers(model) -> list:
-    "The model's repeated blocks: modules whose class is in `model._no_split_modules`."
+    "The model's repeated blocks: modules whose class (or the class `fully_shard` subclassed) is in `model._no_split_modules`."
     names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
 
 def model_checkpointing(model) -> bool:
     "Whether the model's own (transformers') gradient checkpointing is on (`is_activation_checkpointing` since transformers 5)."

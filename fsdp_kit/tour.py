@@ -130,6 +130,17 @@ def _steps(nproc: int):
         r = ran("hf_trainer")
         return asdict(r), None, _hf_trainer_line(r)
 
+    def doctor():
+        import shutil
+        from fsdp_kit.config import EXAMPLES
+        from fsdp_kit.doctor import DoctorSpec, doctor as run_doctor, STATUSES
+        r = run_doctor(DoctorSpec(str(EXAMPLES / "configs" / "qwen2-tiny" / "config.json"), str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml"),
+                                  method="qlora", nproc=max(nproc, 2)), say=lambda line: None)
+        shutil.rmtree(r.pop("folder"), ignore_errors=True)
+        counts = ", ".join(f"{sum(c['status'] == s for c in r['checks'])} {s}" for s in STATUSES)
+        fails = [c["name"] for c in r["checks"] if c["status"] == "FAIL"]
+        return r, None, f"the seeds' QLoRA YAML on a Qwen2 twin (accelerate launch, 2 ranks): {counts}; FAIL: {', '.join(fails)}"
+
     def plan():
         from fsdp_kit.plan import PlanSpec
         from fsdp_kit.plan_validate import validate, plot_validation
@@ -142,7 +153,7 @@ def _steps(nproc: int):
         return dict(validation=r, llama_2_70b_qlora=asdict(big)), plot_validation(r), line
 
     steps = [("environment", env), ("mesh", mesh), ("train", train), ("compare", compare), ("qlora", qlora),
-            ("cp_eval", cp_eval), ("checkpoint", checkpoint), ("hf_trainer", hf_trainer), ("plan", plan)]
+            ("cp_eval", cp_eval), ("checkpoint", checkpoint), ("hf_trainer", hf_trainer), ("doctor", doctor), ("plan", plan)]
     return steps, shared
 
 

