@@ -150,6 +150,21 @@ def _codes(model) -> dict:
                                                           hashlib.sha256(whole.view(torch.uint8).numpy().tobytes()).hexdigest())
     return out
 
+def _held_bytes(model, folder:str) -> tuple:
+    "(bytes of weights this rank holds in memory of its own, bytes that are views of the checkpoint files in `folder` mapped into it, which ranks share in the page cache)."
+    ranges = []
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) >= 6 and parts[5].startswith(str(Path(folder).resolve())) and parts[5].endswith(".safetensors"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-")); ranges.append((lo, hi))
+    private = mapped = 0
+    for p in model.parameters():
+        if p.device.type == "meta": continue
+        n = p.numel() * p.element_size()
+        if any(lo <= p.data_ptr() < hi for lo, hi in ranges): mapped += n
+        else: private += n
+    return private, mapped
+
 def _digest(model) -> str:
     "A hash of the weights' values on this rank (None on the meta device): equal to rank 0's only where this rank read the checkpoint too."
     import hashlib, torch
@@ -248,7 +263,8 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     seen["load"] = dict(env={k: os.environ.get(k) for k in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")},
                         process_group=dist.is_initialized(), dtype=spec.load_dtype(),
                         floats=_float_params(model), codes=_codes(model))
-    digests = gather_objects(_digest(model))
+    held, digests = gather_objects(_held_bytes(model, twin)), gather_objects(_digest(model))
+    seen["load"] |= dict(private_bytes=[h[0] for h in held], mapped_bytes=[h[1] for h in held])
     seen["load"]["read_checkpoint"] = [d is not None and d == digests[0] for d in digests]  # placeholders (torch.empty, meta) differ from rank 0's weights
     if spec.method != "full":
         stage("peft"); model = _adapt(spec, model)
@@ -307,7 +323,10 @@ def run_twin(spec:DoctorSpec, folder:str, say=print) -> dict:
     (Path(folder) / "twin").mkdir(parents=True, exist_ok=True)
     (Path(folder) / "twin" / "config.json").write_text(json.dumps(keys, indent=1))
     config = model_config(str(Path(folder) / "twin" / "config.json"))
-    build_model(config, spec.seed).save_pretrained(str(Path(folder) / "twin"))
+    import torch
+    stored = str(user.get("dtype") or user.get("torch_dtype") or "float32")  # the dtype the user's checkpoint files hold
+    stored = stored if stored in STORAGE_DTYPES[1:] else "float32"
+    build_model(config, spec.seed).to(getattr(torch, stored)).save_pretrained(str(Path(folder) / "twin"))  # in that dtype: a load converts or maps as the user's does
     (Path(folder) / "spec.json").write_text(json.dumps(asdict(spec)))
     cmd, notes = twin_command(spec, folder, free_port())
     small = ", ".join(f"{s['key']} {s['user']} -> {s['twin']}" for s in shrunk)
@@ -322,7 +341,7 @@ def run_twin(spec:DoctorSpec, folder:str, say=print) -> dict:
         seen.setdefault("error", str(e).splitlines()[0]); seen["timed_out"] = "ran past" in str(e)
         seen.setdefault("stage", Stage.read(folder).get("0"))
     else: seen = json.loads((Path(folder) / "seen.json").read_text())
-    twin = dict(architecture=type(config).__name__.removesuffix("Config"), model_type=config.model_type, shrunk=shrunk,
+    twin = dict(architecture=type(config).__name__.removesuffix("Config"), model_type=config.model_type, shrunk=shrunk, checkpoint_dtype=stored,
                 tied=bool(getattr(config, "tie_word_embeddings", False)), parameters=sum(p.numel() for p in build_model(config, device="meta").parameters()),
                 folder=str(Path(folder) / "twin"), command=" ".join(cmd), seconds=round(time.time() - start, 1), notes=notes)
     return dict(twin=twin, seen=seen)
@@ -456,19 +475,22 @@ def check_loading(ctx) -> Check:
     seen, up = ctx["seen"], ctx["upstream"]
     load = seen.get("load")
     if not load: return Check("loading", "WARN", _stopped(seen))
-    read, on, gb = load["read_checkpoint"], up.get("cpu_ram_efficient_loading"), ctx["user_bytes"] / 1e9
-    s = ctx.get("scale") or {}
-    user = (f"; for your model ({gb:.1f} GB as loaded) on {s['gpus']} GPUs the planner puts host memory at load at {s['host_load_gb']['every_process_loads']:.1f} GB per node "
-            f"({s['host_load_gb']['cpu_ram_efficient_loading']:.1f} GB when only rank 0 reads)" if s.get("host_load_gb") else f"; for your model that is {gb:.1f} GB of host memory per rank")
-    who = f"{sum(read)} of {len(read)} ranks read the checkpoint from disk"
-    if on and all(read):
-        env = ", ".join(f"{k}={v}" for k, v in load["env"].items()) + f", process group {'initialized' if load['process_group'] else 'not initialized'}"
-        why = ("4-bit weights are loaded by every rank (accelerate skips the broadcast for them)" if ctx["spec"].method == "qlora" else
-               f"from_pretrained read it on every rank (with {env}); accelerate drops the other ranks' copies only at prepare, so host memory at load still holds one copy per rank")
-        return Check("loading", "WARN", f"cpu_ram_efficient_loading is on, yet {who}: {why}{user}",
-                     "budget host memory for one copy per rank at load, or read the weights on rank 0 only (from_pretrained there, from_config on the meta device on the others)")
-    if not on: return Check("loading", "WARN", f"cpu_ram_efficient_loading is off: {who}{user}", "cpu_ram_efficient_loading: true (rank 0 reads, the others receive by broadcast)")
-    return Check("loading", "PASS", f"cpu_ram_efficient_loading: {who}; the others received the weights by broadcast")
+    read, on, gb, spec = load["read_checkpoint"], up.get("cpu_ram_efficient_loading"), ctx["user_bytes"] / 1e9, ctx["spec"]
+    private, mapped = load["private_bytes"], load["mapped_bytes"]
+    copies = sum(p > 0.1 * (private[0] + mapped[0]) for p in private)  # ranks that hold (some of) the weights in memory of their own
+    held = ", ".join(f"rank {r}: {_mib(p)} own, {_mib(m)} mapped" for r, (p, m) in enumerate(zip(private, mapped)))
+    said = f"cpu_ram_efficient_loading {'on' if on else 'off'}, {sum(read)} of {len(read)} ranks read the checkpoint ({held})"
+    if copies <= 1: return Check("loading", "PASS", f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which the ranks share in the page cache"
+                                                                   if copies == 0 else "only one rank holds the weights; the others receive them by broadcast"))
+    s, stored, dtype = ctx.get("scale") or {}, ctx["twin"]["checkpoint_dtype"], spec.load_dtype()
+    if spec.method == "qlora":
+        gb = ctx["scale"]["parameters"] * 0.5 / 1e9  # 4 bits per parameter, nearly all of them in the quantized Linear layers
+        why, fix = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)", "budget host memory for one 4-bit copy per rank"
+    elif stored != dtype: why, fix = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank", f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: then every rank maps the file"
+    else: why, fix = "each rank holds its own copy", "cpu_ram_efficient_loading: true"
+    user = (f"; for your model ({gb:.1f} GB per copy) on {s['gpus']} GPUs the planner puts host memory at load at {s['host_load_gb']['every_process_loads']:.1f} GB per node"
+            if s.get("host_load_gb") else f"; for your model that is {gb:.1f} GB of host memory per rank")
+    return Check("loading", "WARN", f"{said}: {copies} ranks hold a copy of their own: {why}{user}", fix)
 
 def check_checkpointing(ctx) -> Check:
     "8. Activation checkpointing set twice, or not on the layers the user expects."

@@ -42,13 +42,16 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     hf = report["hf_trainer"]["data"]  # an unmodified Trainer through accelerate's FSDP branch, opened on CPU
     assert hf["sharded"] and hf["param_type"] == "DTensor" and hf["load_check"]["max_weight_diff"] == 0 and hf["parity"]["max_loss_diff"] < 1e-5
     assert "the kit's recipe on the same file: the same units True, loss diff" in out.stderr  # the units accelerate made, made by apply_fsdp too
+    doctor = {c["name"]: c["status"] for c in report["doctor"]["data"]["checks"]}  # the seeds' QLoRA YAML through accelerate launch
+    assert [k for k, v in doctor.items() if v == "FAIL"] == ["fsdp_version", "quant_storage", "saving"] and len(doctor) == 12
+    assert "FAIL: fsdp_version, quant_storage, saving" in out.stderr
     # the steps that share one launch each print their result as they end, not all at once after the launch
     lines = out.stderr.splitlines()
     for i, (name, start) in enumerate([("train", "tiny Llama"), ("compare", "small Llama"), ("qlora", "LoRA on a 4-bit"),
                                        ("cp_eval", "context-parallel eval"), ("checkpoint", "sharded checkpoint"), ("hf_trainer", "unmodified Trainer")], 3):
-        after = lines[lines.index(f"[{i}/9] {name} ..."):]
+        after = lines[lines.index(f"[{i}/10] {name} ..."):]
         result = next(k for k, l in enumerate(after) if l.startswith("      "))
-        assert after[result].startswith(f"      {start}") and not any(l.startswith(f"[{i + 1}/9]") for l in after[:result]), after[:result + 1]
+        assert after[result].startswith(f"      {start}") and not any(l.startswith(f"[{i + 1}/10]") for l in after[:result]), after[:result + 1]
 
 
 def test_no_subcommand_is_a_usage_error(cli):

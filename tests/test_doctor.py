@@ -32,8 +32,10 @@ def test_healthy_config_passes_every_check_it_can(healthy):
     assert {k: healthy[k][0] for k in passes} == dict.fromkeys(passes, "PASS"), healthy
     assert "tied: one weight, in one unit [lm_head, model.embed_tokens, model.norm]" in healthy["tied_embeddings"][1]  # accelerate's tail unit for tied weights
     assert "2 of 2 decoder layers" in healthy["wrap"][1] and "on 2 of 2 decoder layers" in healthy["activation_checkpointing"][1]
-    # transformers 5's from_pretrained reads the checkpoint on every rank even with cpu_ram_efficient_loading: accelerate broadcasts only at prepare
-    assert healthy["loading"][0] == "WARN" and "yet 2 of 2 ranks read the checkpoint" in healthy["loading"][1]
+    # transformers 5's from_pretrained reads the checkpoint on every rank even with cpu_ram_efficient_loading (accelerate broadcasts only at
+    # prepare), and converting Qwen2-0.5B's bf16 checkpoint to fp32 makes a copy on each
+    assert healthy["loading"][0] == "WARN" and "2 of 2 ranks read the checkpoint" in healthy["loading"][1]
+    assert "2 ranks hold a copy of their own: from_pretrained converts the bfloat16 checkpoint to float32" in healthy["loading"][1]
 
 
 def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
@@ -46,8 +48,10 @@ def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
 
 def test_checkpointing_twice_fails():
     "transformers' Trainer refuses FSDP's activation_checkpointing together with its own activation_checkpointing argument."
-    s = statuses(model=QWEN, fsdp_config=HEALTHY, gradient_checkpointing=True)
+    s = statuses(model=QWEN, fsdp_config=HEALTHY, gradient_checkpointing=True, dtype="bfloat16")
     assert s["activation_checkpointing"][0] == "FAIL" and "can't both be set" in s["activation_checkpointing"][1]
+    # loaded in the checkpoint's own dtype, transformers maps the safetensors file: every rank reads it, none copies it
+    assert s["loading"][0] == "PASS" and "no rank copies the weights" in s["loading"][1]
 
 
 def test_tied_embedding_in_its_own_unit_fails():

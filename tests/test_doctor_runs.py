@@ -30,7 +30,8 @@ def test_size_threshold_master_weights_cp_key():
     s = statuses(model=LLAMA, fsdp_config=THREE_FAILS, dtype="bfloat16")
     assert (s["wrap"][0], s["mixed_precision"][0], s["context_parallel"][0], s["saving"][0]) == ("FAIL", "FAIL", "FAIL", "FAIL"), s
     assert "none of your model's decoder layers (202,383,360 parameters each)" in s["wrap"][1] and "bfloat16" in s["mixed_precision"][1]
-    assert s["loading"][0] == "WARN" and "is off" in s["loading"][1] and "13.5 GB" in s["loading"][1]  # 6.74 B parameters in bf16, per rank
+    assert s["loading"][0] == "WARN" and "cpu_ram_efficient_loading off" in s["loading"][1] and "13.5 GB" in s["loading"][1]  # 6.74 B parameters in bf16, per rank
+    assert "converts the float16 checkpoint to bfloat16" in s["loading"][1]
     assert s["tied_embeddings"][0] == "PASS" and s["tied_embeddings"][1].startswith("untied")
 
 
