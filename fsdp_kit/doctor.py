@@ -16,7 +16,7 @@ import json, os, sys, tempfile, time
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from .errors import KitError, bad_value, require_whole, require_positive, require_seed
-from .config import MIXED_PRECISION
+from .config import MIXED_PRECISION, PRECISION
 
 # %% ../nbs/12_doctor.ipynb #d0c70002
 METHODS = ("full", "lora", "qlora")
@@ -83,7 +83,7 @@ class DoctorSpec:
     def load_dtype(self) -> str:
         "The dtype from_pretrained loads the twin in."
         if self.dtype: return self.dtype
-        low = dict(bf16="bfloat16", fp16="float16").get(self.precision())
+        low = PRECISION[self.precision()]
         return low if low and self.method != "full" else "float32"
 
 # %% ../nbs/12_doctor.ipynb #d0c70003
@@ -182,7 +182,7 @@ def _load(spec:DoctorSpec, twin:str):
     dtype = getattr(torch, spec.load_dtype())
     quant = None
     if spec.method == "qlora":
-        compute = torch.bfloat16 if spec.precision() == "bf16" else torch.float16 if spec.precision() == "fp16" else torch.float32
+        compute = getattr(torch, PRECISION[spec.precision()] or "float32")  # "no": fp32
         storage = dict(bnb_4bit_quant_storage=getattr(torch, spec.quant_storage)) if spec.quant_storage else {}  # none given: bitsandbytes' uint8
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, **storage)
     return AutoModelForCausalLM.from_pretrained(twin, dtype=dtype, quantization_config=quant)
