@@ -61,6 +61,7 @@ def main():
     if dist.get_rank() == 0:
         json.dump(dict(step_seconds=statistics.median(times[1:]), step_times=times, losses=(losses / dist.get_world_size()).tolist(),
                        tokens_per_second=a.batch * dist.get_world_size() * a.seq_len / statistics.median(times[1:])), open(a.out, "w"))
+    dist.barrier()  # leave together: a gloo rank that tears down while its peer still writes can abort it ("terminate called ...")
     dist.destroy_process_group()
 
 

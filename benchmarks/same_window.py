@@ -63,6 +63,7 @@ def main():
         ratios = [k / p for k, p in zip(times["kit"], times["plain"])]
         json.dump(dict(rounds=a.rounds, kit_step_seconds=statistics.median(times["kit"]), plain_step_seconds=statistics.median(times["plain"]),
                        ratio=statistics.median(ratios), ratios=ratios, kit_times=times["kit"], plain_times=times["plain"]), open(a.out, "w"))
+    dist.barrier()  # leave together: a gloo rank that tears down while its peer still writes can abort it
     dist.destroy_process_group()
 
 
