@@ -1,4 +1,4 @@
-"""Keep fewer activations through forward and compute them again in backward: no layer, every layer, every k-th layer, or every layer's cheap ops only. Each policy measured on 2 ranks under FSDP2: activations at the peak, the peak, the FLOPs of a step (recomputation included) and the loss, which must not change. Then three more ways to cut a step's memory: the loss in chunks, the optimizer inside backward, activations in host memory.
+"""Keep fewer activations through forward and compute them again in backward: no layer, every layer, every k-th layer, or every layer's cheap ops only. Each policy measured on 2 ranks under FSDP2: activations at the peak, the peak, the FLOPs of a step (recomputation included) and the loss, which must not change. Then three more ways to cut a step's memory: the loss in chunks, the optimizer inside backward, activations in host memory; and CPU offload of parameters, gradients and optimizer state, with every copy it makes counted.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
@@ -6,9 +6,11 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
 # %% auto #0
 __all__ = ['AC_POLICIES', 'parse_ac', 'saved_ops', 'checkpoint_layers', 'ac_policy', 'causal_lm_loss', 'OptimizerInBackward',
-           'activations_on_host']
+           'activations_on_host', 'DeviceCopy', 'count_copies', 'copies_by_site']
 
 # %% ../nbs/04c_ac.ipynb #bd4eb51d
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from .errors import bad_value
 from .models import decoder_layers, model_checkpointing
@@ -144,3 +146,57 @@ def activations_on_host():
         dtype, shape, data = packed
         return torch.from_numpy(data).view(dtype).view(shape).clone()
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+# %% ../nbs/04c_ac.ipynb #7135acb8
+@dataclass
+class DeviceCopy:
+    "One call that names a device: the method, from which device to which, the bytes it was handed, whether it made a new tensor, and its caller."
+    method:str # to, cpu, cuda or copy_
+    src:str # the device of the tensor it was called on (copy_: of the source)
+    dst:str # the device of what it returned (copy_: of the tensor written into)
+    nbytes:int # bytes of the source tensor
+    copied:bool # False: the call returned the very tensor it was given, so nothing was copied
+    site:str # module.function that made the call
+
+def _names_device(args:tuple, kwargs:dict) -> bool:
+    "Whether a `Tensor.to` call names a device: `device=`, a device or its name or index, or a tensor whose device to take (a dtype alone does not)."
+    import torch
+    return "device" in kwargs or any(isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
+
+@contextmanager
+def count_copies():
+    """A context that yields a list, filled with a `DeviceCopy` for every `Tensor.to` that names a device, every `.cpu()` and `.cuda()`, and every
+    `copy_` between two devices, made anywhere in this process (backward and FSDP's hooks included) while it is open. It replaces those
+    methods of `torch.Tensor` for the while: a `TorchFunctionMode` would not do, since torch takes a mode off its stack while the mode handles
+    a call, so one that sees `backward` sees nothing that backward runs."""
+    import sys, torch
+    calls, saved = [], {name: torch.Tensor.__dict__.get(name) for name in _COPY_METHODS}
+    def wrap(name):
+        original = getattr(torch.Tensor, name)
+        def method(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            src, dst = (args[0] if args else kwargs.get("src"), self) if name == "copy_" else (self, out)
+            across = name != "copy_" or (isinstance(src, torch.Tensor) and src.device != self.device)
+            if across and (name != "to" or _names_device(args, kwargs)):
+                caller = sys._getframe(1)
+                while caller.f_code is method.__code__: caller = caller.f_back  # an inner count_copies' wrapper: its caller is the call's
+                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(), name == "copy_" or out is not self,
+                                        f"{caller.f_globals.get('__name__', '?')}.{caller.f_code.co_name}"))
+            return out
+        return method
+    for name in _COPY_METHODS: setattr(torch.Tensor, name, wrap(name))
+    try: yield calls
+    finally:
+        for name in _COPY_METHODS:
+            if saved[name] is None: delattr(torch.Tensor, name)
+            else: setattr(torch.Tensor, name, saved[name])
+
+_COPY_METHODS = ("to", "cpu", "cuda", "copy_")
+
+def copies_by_site(calls:list) -> dict:
+    "`count_copies`' calls grouped: (site, 'src -> dst', copied) -> {'calls', 'bytes'}, in the order first seen."
+    out = {}
+    for c in calls:
+        row = out.setdefault((c.site, f"{c.src} -> {c.dst}", c.copied), dict(calls=0, bytes=0))
+        row["calls"] += 1; row["bytes"] += c.nbytes
+    return out

@@ -7,7 +7,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 # %% auto #0
 __all__ = ['STATE_DICT_TYPES', 'FORMAT', 'LOADING_MODEL', 'CheckpointSpec', 'lock_checkpoint_dir', 'step_name', 'verify',
            'list_checkpoints', 'find_checkpoint', 'save_checkpoint', 'load_checkpoint', 'model_shape', 'check_resume',
-           'Saver', 'to_full', 'load_sharded', 'rss_bytes', 'loading_worker', 'save_loading_model']
+           'Saver', 'to_full', 'load_sharded', 'rss_bytes', 'rss_split', 'loading_worker', 'save_loading_model']
 
 # %% ../nbs/07_checkpoint.ipynb #c60647f3
 import errno, hashlib, json, os, shutil, threading, time
@@ -524,7 +524,8 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
 # %% ../nbs/07_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
-                 cfg=None # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: FSDPConfig(cpu_ram_efficient_loading=True))
+                 cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: FSDPConfig(cpu_ram_efficient_loading=True))
+                 on_stage=None # called with "read", "sharded", "received" as the load reaches each (to measure it); None: nothing
                 ):
     "Load a transformers checkpoint and shard it as `cfg` says; with `cfg.cpu_ram_efficient_loading`, only rank 0 reads the weights."
     import torch, torch.distributed as dist
@@ -533,17 +534,23 @@ def load_sharded(path:str, # a transformers folder (config.json + safetensors)
     from fsdp_kit.config import FSDPConfig
     from fsdp_kit.wrap import apply_fsdp
     cfg, rank = cfg or FSDPConfig(cpu_ram_efficient_loading=True), dist.get_rank()
-    efficient = cfg.cpu_ram_efficient_loading
+    efficient, on_stage = cfg.cpu_ram_efficient_loading, on_stage or (lambda stage: None)
     if not efficient or rank == 0: model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
         with torch.device("meta"): model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    if not efficient: return apply_fsdp(model, cfg, mesh)[0]
-    full = model.state_dict() if rank == 0 else {}
+    on_stage("read")
+    if not efficient:
+        model = apply_fsdp(model, cfg, mesh)[0]
+        on_stage("sharded")
+        return model
+    full = model.state_dict() if rank == 0 else {}  # rank 0 keeps every whole tensor until it has sent them
     buffers = [{n: b for n, b in model.named_buffers()} if rank == 0 else None]
     dist.broadcast_object_list(buffers)
     model, _ = apply_fsdp(model, cfg, mesh)
     if rank != 0: model.to_empty(device="cpu")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    on_stage("sharded")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # one tensor at a time
+    on_stage("received")
     with torch.no_grad():
         for name, b in model.named_buffers(): b.copy_(buffers[0][name])
     return model
@@ -557,21 +564,34 @@ def rss_bytes() -> int:
         import psutil
         return psutil.Process().memory_info().rss
 
+def rss_split() -> dict:
+    "This process's resident memory in two parts, bytes: `own` (RssAnon: memory only it holds) and `mapped` (RssFile: pages of mapped files, shared through the page cache); Linux only, elsewhere all of it is `own`."
+    try:
+        with open("/proc/self/status") as f: kb = {k: int(v.split()[0]) for k, _, v in (l.partition(":") for l in f) if k in ("RssAnon", "RssFile")}
+        return dict(own=kb["RssAnon"] * 1024, mapped=kb["RssFile"] * 1024)
+    except (OSError, KeyError): return dict(own=rss_bytes(), mapped=0)
+
 class _PeakRSS:
-    "The highest resident set size of this process while the block runs, sampled every `interval` seconds."
+    "The highest resident set size of this process while the block runs, sampled every `interval` seconds, and its split (own, mapped) at that moment."
     def __init__(self, interval:float=0.002): self.interval, self.peak = interval, 0
     def _sample(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
+            s = rss_split()
+            if s["own"] + s["mapped"] > self.peak: self.peak, self.at_peak = s["own"] + s["mapped"], s
             time.sleep(self.interval)
     def __enter__(self):
-        self.before = self.peak = rss_bytes()
+        self.at_start = self.at_peak = rss_split()
+        self.before = self.peak = self.at_start["own"] + self.at_start["mapped"]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
     def __exit__(self, *exc):
         self._stop.set(); self._thread.join()
+    def mib(self, s:dict) -> dict:
+        "`s` (a `rss_split`) as MiB added since the block started."
+        return {k: (v - self.at_start[k]) / 2**20 for k, v in s.items()}
+
 
 # %% ../nbs/07_checkpoint.ipynb #ce89d045
 LOADING_MODEL = dict(model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -591,11 +611,15 @@ def loading_worker(path:str, # a transformers folder to load
     with torch.device("meta"): AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))  # import the model code before measuring
     dist.barrier()
     from fsdp_kit.config import FSDPConfig
-    with _PeakRSS() as rss: model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient))
+    stages = {}
+    with _PeakRSS() as rss:
+        model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient), on_stage=lambda s: stages.update({s: rss.mib(rss_split())}))
+    shard = sum(p.to_local().nbytes for p in model.parameters()) / 2**20  # this rank's share of the weights
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
     loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size
-    dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20))
+    dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), stages=stages,
+                                      shard_mib=shard, largest_tensor_mib=max(p.nbytes for p in model.parameters()) / 2**20))
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
 
 # %% ../nbs/07_checkpoint.ipynb #dd810a07

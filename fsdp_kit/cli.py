@@ -291,7 +291,7 @@ def _cmd_qlora(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     cfg = fsdp_config(a) if a.fsdp_config else None
-    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), load_in_8bit=a.load_in_8bit,
+    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast, load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
                      adapter_dir=a.adapter_dir, fsdp=cfg).check(a.nproc)
     if cfg is not None:
@@ -300,7 +300,8 @@ def _cmd_qlora(a):
     fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
     r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
-    text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
+    text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}" + f", forward under autocast {r.autocast}" * (r.autocast != "no")
+            + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
             + f"\nsharded vs one process over {len(r.losses)} steps: max |loss diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
             + f"trained {len(r.changed_parameters)} parameters, all LoRA: {all('lora_' in n for n in r.changed_parameters)}"
             + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}"
@@ -537,6 +538,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32")
     s.add_argument("--mixed-precision", default=None, help="FSDP's compute dtype in accelerate's names: no, bf16 or fp16 (default: the --quant-storage dtype; fp32, bfloat16, float16: old spellings, read for this release)")
+    s.add_argument("--autocast", default="no", help="run the forward under torch.autocast in this dtype, accelerate's names: no, bf16 or fp16; parameters keep their dtype "
+                   "(--quant-storage float32 --autocast bf16: float32 parameters and storage, bf16 compute)")
     s.add_argument("--load-in-8bit", action="store_true", help="8-bit instead of 4-bit (refused under FSDP, to show why)")
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")

@@ -447,10 +447,11 @@ def attention_sweep_worker(seq_lens:list, # full sequence lengths
 
 # %% ../nbs/06_cp.ipynb #6ff53f90
 def plot_attention_sweep(points:list):
-    "Peak attention memory per rank against sequence length, one line per cp x rotate method; and time per call."
+    "Peak attention memory per rank against sequence length, one line per cp x rotate method; and time per call. One legend, below both."
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    from fsdp_kit.measure import check_figure
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.6), layout="constrained")
     for i, cp in enumerate(sorted({p["cp"] for p in points})):
         for rotate, style in (("allgather", "o-"), ("alltoall", "s--")):
             pts = [p for p in points if p["cp"] == cp and p["rotate"] == rotate]
@@ -461,6 +462,7 @@ def plot_attention_sweep(points:list):
     axes[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms", title="time of one attention call (median)")
     lengths = sorted({p["seq_len"] for p in points})
     for ax in axes:
-        ax.set_xticks(lengths, [str(n) for n in lengths]); ax.xaxis.set_minor_formatter(NullFormatter()); ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+        ax.set_xticks(lengths, [str(n) for n in lengths]); ax.xaxis.set_minor_formatter(NullFormatter())
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=len(names) // 2 if len(names) > 4 else len(names), fontsize=9)  # the same lines in both panels
+    return check_figure(fig)

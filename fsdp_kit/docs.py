@@ -73,11 +73,12 @@ def _title(nb, fallback: str) -> str:
 
 
 def render_notebook(path: Path) -> dict:
-    "One notebook as an HTML fragment with its title, table of contents and counts of figures and errors."
+    "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and figures that failed `measure.check_figure`."
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(path, as_version=4)
     errors = sum(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    figure_errors = sum(o.get("ename") == "FigureCheckError" for c in nb.cells for o in c.get("outputs", []))  # a legend over data, too wide, text too small
     figures = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []) if not any(HIDDEN.match(l) for l in c.source.splitlines()))
     nb = _clean(nb)
     # the template passes every code cell's pygments HTML through bleach (`clean_html`), which leaves it unchanged (pygments
@@ -85,7 +86,7 @@ def render_notebook(path: Path) -> dict:
     body, _ = HTMLExporter(template_name="basic", filters={"clean_html": lambda html: html}).from_notebook_node(nb)
     body = re.sub(r'<div class="prompt[^"]*">.*?</div>', "", body, flags=re.S)  # no In [ ]: prompts
     toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor, text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
-    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, page=page_name(path), source=path.name)
+    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, figure_errors=figure_errors, page=page_name(path), source=path.name)
 
 
 def _signature_comments(obj) -> dict:
@@ -198,7 +199,7 @@ def planner_page() -> dict:
             f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The plan</h2><pre id="plan"></pre>'
             f'<script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
     return dict(title="Planner (no kernel)", body=body, toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0, errors=0,
-                page="planner.html", source=None)
+                figure_errors=0, page="planner.html", source=None)
 
 
 def _page(page: dict, pages: list) -> str:
@@ -229,10 +230,10 @@ def build_site(out: str, nbs: str = None) -> dict:
     pages.append(planner_page())
     modules = exported_modules(nbs)
     pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(modules), toc=[(2, m, f"fsdp_kit.{m}") for m in modules],
-                      figures=0, errors=0, page="api.html", source=None))
+                      figures=0, errors=0, figure_errors=0, page="api.html", source=None))
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))
-    manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "source")} for p in pages])
+    manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "figure_errors", "source")} for p in pages])
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 

@@ -1,4 +1,4 @@
-"""A per-rank model of an FSDP2 training step (sharded and gathered parameters, gradients, optimizer state, buffers, activations and temporaries, all-gather and reduce-scatter bytes), derived from the model's shapes term by term; presets of public architectures counted on the meta device.
+"""A per-rank model of an FSDP2 training step: first the textbook terms from the model's shapes (sharded parameters, gradients and AdamW state, the gathered unit and its prefetch, activations per token per layer), then the named correction a measured step adds, modelled moment by moment; all-gather and reduce-scatter bytes; presets of public architectures counted on the meta device.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan.html.md"""
 
@@ -6,13 +6,16 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan.html.md"""
 
 # %% auto #0
 __all__ = ['MODEL_PRESETS', 'GiB', 'SIZE_KEYS', 'PlanSpec', 'Param', 'layer_index', 'meta_shapes', 'model_tensors', 'unit_of',
-           'tied_embeddings', 'Unit', 'units', 'dims', 'activation_bytes', 'moments', 'buffer_bytes', 'predict_peak',
+           'tied_embeddings', 'Unit', 'units', 'state_terms', 'unit_bytes', 'gathered_terms', 'dims', 'saved_per_layer',
+           'activation_terms', 'first_principles', 'tracker_correction', 'correction_table', 'activation_bytes',
+           'buffer_bytes', 'step_context', 'head_moments', 'backward_moments', 'moments', 'predict_peak',
            'comm_per_unit', 'predict_comm', 'plan_config', 'count_parameters', 'list_models', 'host_memory',
            'step_memory', 'check_fits']
 
 # %% ../nbs/08_plan.ipynb #f38f063a
 import math, os
 from pathlib import Path
+from types import SimpleNamespace
 from dataclasses import dataclass, KW_ONLY
 from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES
@@ -217,7 +220,32 @@ def units(tensors:list, spec:PlanSpec) -> dict:
     _UNITS[key] = (tensors, out)  # the tensors kept with their units, so that their id is not reused
     return out
 
-# %% ../nbs/08_plan.ipynb #3368db26
+# %% ../nbs/08_plan.ipynb #ea00dacf
+def state_terms(config, spec:PlanSpec) -> dict:
+    "First principles, per rank: parameter shards P·b/N; per trainable parameter a gradient shard and AdamW's two moments (master dtype), and a 4-byte step per tensor."
+    ts, N = model_tensors(config, spec), spec.world_size
+    trained = [t for t in ts if t.trainable]
+    grads = sum(t.numel() for t in trained) * spec.master_bytes
+    return dict(sharded_params=sum(t.numel() * t.store for t in ts) // N, sharded_grads=grads // N, adam_moments=2 * grads // N, adam_steps=4 * len(trained))
+
+# %% ../nbs/08_plan.ipynb #63aba260
+def unit_bytes(config, spec:PlanSpec) -> dict:
+    "Each FSDP unit's full (unpadded) bytes when gathered in param_dtype."
+    ts, out = model_tensors(config, spec), {}
+    tied = tied_embeddings(ts)
+    for t in ts:
+        unit = unit_of(t, spec.policy, tied, spec.edge_units)
+        out[unit] = out.get(unit, 0) + t.numel() * t.gather
+    return out
+
+def gathered_terms(config, spec:PlanSpec) -> dict:
+    "First principles: the largest unit gathered while in use, and (N > 1) the next layer prefetched; every unit, kept gathered, with reshard_after_forward=False."
+    us = unit_bytes(config, spec)
+    if spec.reshard_after_forward is False: return dict(in_use=sum(us.values()), prefetched=0)
+    layers = [v for n, v in us.items() if n not in ("root", "embed", "tail")]
+    return dict(in_use=max(us.values()), prefetched=max(layers, default=0) if spec.world_size > 1 else 0)
+
+# %% ../nbs/08_plan.ipynb #ddd3e816
 def dims(config, spec:PlanSpec) -> dict:
     "The sizes the activation formulas use: tokens per rank and the model's widths."
     heads = config.num_attention_heads
@@ -228,6 +256,43 @@ def dims(config, spec:PlanSpec) -> dict:
                 b=spec.compute_bytes, r=spec.lora_r, lora=spec.method != "full", cp=spec.cp, chunks=spec.ce_chunks,
                 targets=lora_targets(spec.lora_targets) if spec.method != "full" else ())
 
+# %% ../nbs/08_plan.ipynb #9c8ab86b
+def saved_per_layer(d:dict) -> dict:
+    "Bytes autograd saves in one decoder layer of a full fine-tune, tensor by tensor (`d` from `dims`)."
+    T, H, I, b = d["T"], d["H"], d["I"], d["b"]
+    return {"norm input in float32 (2 norms)": 2 * T * H * 4, "norm rsqrt (2)": 2 * T * 4, "normalised x, for the weight (2)": 2 * T * H * b,
+            "norm output, Linears' input (2)": 2 * T * H * b, "q after RoPE": T * d["q"] * b, "k after RoPE, v": 2 * T * d["cp"] * d["kv"] * b,
+            "attention output": T * d["q"] * b, "attention logsumexp": d["B"] * d["heads"] * d["S"] * 4, "MLP: gate, SiLU, up, product": 4 * T * I * b}
+
+# %% ../nbs/08_plan.ipynb #db002f55
+def activation_terms(config, spec:PlanSpec) -> dict:
+    "First principles: what the decoder layers save (only the input of a checkpointed layer) and the loss's log-softmax; none on the device when offloaded."
+    d, kind, k = dims(config, spec), *parse_ac(spec.policy_ac)
+    checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(d["L"])]
+    layers = sum(d["T"] * d["H"] * d["b"] if c else sum(saved_per_layer(d).values()) for c in checkpointed)
+    if spec.offload_activations: return dict(layers=0, log_softmax=0)
+    return dict(layers=layers, log_softmax=0 if spec.ce_chunks else d["T"] * d["V"] * 4)
+
+def first_principles(config, spec:PlanSpec) -> dict:
+    "The textbook per-rank peak, in the tracker's categories: shards, gradients, AdamW, the gathered unit and its prefetch, the activations; and its total."
+    s, g, a = state_terms(config, spec), gathered_terms(config, spec), activation_terms(config, spec)
+    out = dict(sharded_params=s["sharded_params"], sharded_grads=0 if spec.optimizer_in_backward else s["sharded_grads"],
+               optimizer_state=s["adam_moments"] + s["adam_steps"], unsharded_params=g["in_use"], all_gather_buffers=g["prefetched"], activations=sum(a.values()))
+    return out | dict(total=sum(out.values()))
+
+# %% ../nbs/08_plan.ipynb #cf16f912
+def tracker_correction(first:dict, measured:dict) -> dict:
+    "The residual the first principles leave: measured minus first-principles bytes, per category and in total (what the tracker counts beyond the model's terms)."
+    return {k: measured.get(k, 0) - first.get(k, 0) for k in [*first, *(k for k in measured if k not in first)]}
+
+def correction_table(first:dict, measured:dict) -> str:
+    "First principles, the correction and the measurement per category, in MiB, with the correction's share of the measured peak."
+    rows = [f"{'category':<24}{'first principles':>17}{'correction':>12}{'measured':>10}{'share of peak':>15}"]
+    for k, v in sorted(tracker_correction(first, measured).items(), key=lambda kv: kv[0] == "total"):
+        rows.append(f"{k:<24}{first.get(k, 0) / 2**20:>17.3f}{v / 2**20:>+12.3f}{measured.get(k, 0) / 2**20:>10.3f}{v / measured['total']:>+15.1%}")
+    return "\n".join(rows)
+
+# %% ../nbs/08_plan.ipynb #3368db26
 def activation_bytes(d:dict) -> dict:
     "Bytes saved for backward: per decoder layer, outside the layers, and the extra alive while the loss is computed."
     T, H, I, V, b = d["T"], d["H"], d["I"], d["V"], d["b"]
@@ -264,15 +329,19 @@ def activation_bytes(d:dict) -> dict:
                 mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=grad_logits, norm_backward=5 * T * H * 4, norm_input=T * H * 4 + rope + 8,
                 rope_fp32=2 * d["S"] * d["head_dim"] * 4 + 8)
 
-# %% ../nbs/08_plan.ipynb #235fa219
+# %% ../nbs/08_plan.ipynb #ae8678c3
 def _sum(units_:list, key:str) -> int: return sum(getattr(u, key) for u in units_)
 
 def _grad_bytes(tensors:list, test, b:int) -> int:
     "Unsharded gradient bytes of the trainable tensors passing `test`."
     return sum(t.numel() * b for t in tensors if t.trainable and test(t))
 
-def moments(config, spec:PlanSpec) -> list:
-    "The candidate peaks of one training step on one rank, each (name, {category: bytes})."
+def buffer_bytes(config) -> int:
+    "Bytes of the model's buffers (rotary frequencies, float32), from the meta device."
+    return meta_shapes(config)[1]
+
+def step_context(config, spec:PlanSpec) -> SimpleNamespace:
+    "What every moment of one step reads: the units, each layer's activations kept through forward, the states alive throughout, and what forward leaves gathered."
     tensors, d = model_tensors(config, spec), dims(config, spec)
     us, act, W, L = units(tensors, spec), activation_bytes(d), spec.world_size, d["L"]
     root, embed, tail, reshard, tied = us["root"], us["embed"], us["tail"], spec.reshard_after_forward, tied_embeddings(tensors)
@@ -299,26 +368,41 @@ def moments(config, spec:PlanSpec) -> list:
     def host(moment:dict, copied_back:int) -> dict:  # offloaded activations: the device keeps rope's float32 cos and sin and what backward copied back
         if not spec.offload_activations: return moment
         return moment | dict(activations=act["rope_fp32"], temporaries=moment.get("temporaries", 0) + copied_back)
-    end = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(last),
-               activations=sum(saved) + act["fixed"] + act["loss_extra"] - (0 if d["chunks"] else 8))
-    out = [("loss (end of forward)", end if not spec.offload_activations else end | dict(activations=act["rope_fp32"] + act["loss_extra"] + log_softmax))]
     # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the unit whose forward ended before
     # the tail's (the last layer, or under NO_WRAP the embeddings); a root holding lm_head gets its pre-backward at the loss itself, so with the
     # edges in the root that prefetch is alive through the loss's backward
     prefetched = (layer_units[-1] or ([embed] if embed.unsharded and spec.edge_units else []))[-1:]
     after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(prefetched[0]) if reshard is not False and prefetched else 0)
-    out.append(("loss backward", host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"], activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
-                                            temporaries=act["grad_logits"] + lm_head_grad), log_softmax)))
-    out.append(("final norm backward", host(dict(after_head, activations=sum(saved) + act["norm_input"], temporaries=act["norm_backward"] + carry), d["T"] * d["H"] * 4)))
-    if tail.reduce and not tied:  # the tail's post-backward: its weights freed, its gradients still whole while their reduce-scatter input is built
-        out.append(("tail post-backward", host(dict(after_head, unsharded_params=head["unsharded_params"] - tail.unsharded + kept(range(L)),
-                                                     activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4, temporaries=act["norm_backward"] + carry,
-                                                     unsharded_grads=carry, reduce_scatter_buffers=tail.reduce if W > 1 else 0), 0)))
     post_forward = lambda l: _sum(layer_units[l], "unsharded") // reshard if not isinstance(reshard, bool) else 0  # kept for backward, 1/N each
     embed_copy = embed.unsharded // reshard if not isinstance(reshard, bool) else 0  # the embeddings' 1/N copy, kept for their backward
+    return SimpleNamespace(**locals())
+
+# %% ../nbs/08_plan.ipynb #cb820fec
+def head_moments(c:SimpleNamespace) -> list:
+    "The moments from the loss to the start of the layers' backward: end of forward, the loss's backward, the final norm's, the tail's post-backward, and (reshard to N) the start of backward."
+    spec, d, act, states, head, kept, saved, L, W = c.spec, c.d, c.act, c.states, c.head, c.kept, c.saved, c.L, c.W
+    tail, root, layer_units, reshard, host, after_head, log_softmax = c.tail, c.root, c.layer_units, c.reshard, c.host, c.after_head, c.log_softmax
+    end = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=c.buffer(c.last),
+               activations=sum(saved) + act["fixed"] + act["loss_extra"] - (0 if d["chunks"] else 8))
+    out = [("loss (end of forward)", end if not spec.offload_activations else end | dict(activations=act["rope_fp32"] + act["loss_extra"] + log_softmax))]
+    out.append(("loss backward", host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"], activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
+                                            temporaries=act["grad_logits"] + c.lm_head_grad), log_softmax)))
+    out.append(("final norm backward", host(dict(after_head, activations=sum(saved) + act["norm_input"], temporaries=act["norm_backward"] + c.carry), d["T"] * d["H"] * 4)))
+    if tail.reduce and not c.tied:  # the tail's post-backward: its weights freed, its gradients still whole while their reduce-scatter input is built
+        out.append(("tail post-backward", host(dict(after_head, unsharded_params=head["unsharded_params"] - tail.unsharded + kept(range(L)),
+                                                     activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4, temporaries=act["norm_backward"] + c.carry,
+                                                     unsharded_grads=c.carry, reduce_scatter_buffers=tail.reduce if W > 1 else 0), 0)))
     if not isinstance(reshard, bool):
-        out.append(("backward start", dict(states, unsharded_params=root.unsharded + tail.unsharded, all_gather_buffers=buffer(last), temporaries=_sum(layer_units[-1], "unsharded"),
-                                           activations=sum(saved) + act["fixed"] + 4 + sum(post_forward(l) for l in range(L)) + embed_copy)))
+        out.append(("backward start", dict(states, unsharded_params=root.unsharded + tail.unsharded, all_gather_buffers=c.buffer(c.last), temporaries=_sum(layer_units[-1], "unsharded"),
+                                           activations=sum(saved) + act["fixed"] + 4 + sum(c.post_forward(l) for l in range(L)) + c.embed_copy)))
+    return out
+
+# %% ../nbs/08_plan.ipynb #84c1506d
+def backward_moments(c:SimpleNamespace) -> list:
+    "Each layer's MLP backward, from the last layer to the first, then the embeddings' backward."
+    spec, d, act, states, kept, saved, L, W, tensors = c.spec, c.d, c.act, c.states, c.kept, c.saved, c.L, c.W, c.tensors
+    tail, root, embed, layer_units, reshard, tied, carry, grad_b = c.tail, c.root, c.embed, c.layer_units, c.reshard, c.tied, c.carry, c.grad_b
+    checkpointed, whole, post_forward, embed_copy, embed_kept, gathered, host, out = c.checkpointed, c.whole, c.post_forward, c.embed_copy, c.embed_kept, c.gathered, c.host, []
     # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its weights freed before the layers';
     # tied, the tail holds the embeddings too and waits for their backward, at the very end
     tail_open = tail.unsharded if tied else 0  # the tail's gathered weights, alive through the layers' backward only when tied
@@ -352,13 +436,16 @@ def moments(config, spec:PlanSpec) -> list:
     out.append(("embeddings backward", dict(states, activations=8 * d["T"], temporaries=embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads + (held if W == 1 else 0),
                 reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads, all_gather_buffers=gathered(embed_gather),
                 unsharded_params=root.unsharded + tail_open + embed.unsharded)))
-    largest = max(u.largest_shard for u in us.values())
-    if not spec.optimizer_in_backward: out.append(("optimizer step", dict(states, sharded_grads=_sum(us.values(), "sharded_grads"), temporaries=2 * largest)))
-    return [(name, m | dict(total=sum(m.values()))) for name, m in out]
+    return out
 
-def buffer_bytes(config) -> int:
-    "Bytes of the model's buffers (rotary frequencies, float32), from the meta device."
-    return meta_shapes(config)[1]
+# %% ../nbs/08_plan.ipynb #2ea5f21b
+def moments(config, spec:PlanSpec) -> list:
+    "The candidate peaks of one training step on one rank, each (name, {category: bytes, total})."
+    c = step_context(config, spec)
+    out = head_moments(c) + backward_moments(c)
+    largest = max(u.largest_shard for u in c.us.values())
+    if not spec.optimizer_in_backward: out.append(("optimizer step", dict(c.states, sharded_grads=_sum(c.us.values(), "sharded_grads"), temporaries=2 * largest)))
+    return [(name, m | dict(total=sum(m.values()))) for name, m in out]
 
 def predict_peak(config, spec:PlanSpec) -> tuple:
     "The largest of the candidate moments: (name, {category: bytes, total})."

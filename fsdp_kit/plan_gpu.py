@@ -130,8 +130,8 @@ def plan_gpu(model:str, # preset or config.json path
     comm["context_parallel"] = dict(bytes=_cp_comm(config, spec))
     if offload:  # each all-gather first copies the unit's shard to the GPU; each reduce-scatter's output goes back to the host
         us = units(tensors, spec).values()
-        gathers = {u.name: 1 + (reshard is not False and (u.name != "root" or u.trainable_tensors > 0)) for u in us}
-        comm["host_device"] = dict(bytes=sum(u.sharded * gathers[u.name] + u.sharded_grads for u in us))
+        gathers = {d["unit"]: d["all_gathers"] for d in comm["per_unit"]}  # as the all-gathers count them: a kept unit (the tail) once; one GPU: once
+        comm["host_device"] = dict(bytes=sum(u.sharded * gathers.get(u.name, 1) + u.sharded_grads for u in us))
     offloaded = 0
     if offload_activations:  # what the end of forward keeps without offloading, less the loss's transient logits: to the host in forward, back in backward
         offloaded = moments(config, replace(spec, offload_activations=False))[0][1]["activations"] - activation_bytes(dims(config, spec))["loss_extra"]

@@ -1,4 +1,4 @@
-"""bitsandbytes packs 4-bit codes into a storage dtype; FSDP2 shards and gathers that storage like any parameter. Choose the storage to match FSDP's `param_dtype` and a 4-bit base trains with LoRA on a real process group, equal to one process.
+"""bitsandbytes packs 4-bit codes into a storage dtype; FSDP2 shards and gathers that storage like any parameter. Choose the storage to be the dtype the other parameters are in (FSDP's `param_dtype`, or float32 under autocast) and a 4-bit base trains with LoRA on a real process group, equal to one process.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 
@@ -7,8 +7,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 # %% auto #0
 __all__ = ['STORAGE_BYTES', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_element', 'pack_codes', 'unpack_codes',
            'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'lora_fsdp_config',
-           'QLoRASpec', 'model_dtype', 'load_base', 'load_lora_model', 'shard_lora_model', 'QLoRAResult', 'batch_rows',
-           'model_loss', 'qlora_worker', 'plot_memory', 'plot_qlora_losses']
+           'QLoRASpec', 'model_dtype', 'load_base', 'with_autocast', 'load_lora_model', 'shard_lora_model',
+           'QLoRAResult', 'batch_rows', 'model_loss', 'gathered_codes', 'qlora_worker', 'plot_memory',
+           'plot_qlora_losses', 'accelerate_amp', 'fsdp_cast_worker', 'autocast_lab']
 
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
 import gc, math, os, shutil
@@ -67,10 +68,12 @@ def plot_codes_in_word(codes:list, # four codes, 0..15
                        ax=None):
     "Draw four 4-bit codes packed into one bfloat16 word: memory order, and the 16 bits as bfloat16 reads them."
     import matplotlib.pyplot as plt, torch
+    from fsdp_kit.measure import check_figure
+    own = ax is None
     word = pack_codes(torch.tensor(codes), "bfloat16")
     bits = format(word.view(torch.int16).item() & 0xFFFF, "016b")  # bit 15 first
     nibble_of_bit = [2, 2, 2, 2, 3, 3, 3, 3, 0, 0, 0, 0, 1, 1, 1, 1]  # which code each bit (15..0) came from
-    if ax is None: _, ax = plt.subplots(figsize=(10, 2.6))
+    if own: _, ax = plt.subplots(figsize=(10, 2.6))
     colors = plt.get_cmap("tab10").colors
     for i, (bit, code) in enumerate(zip(bits, nibble_of_bit)):
         ax.add_patch(plt.Rectangle((i, 0), 1, 1, color=colors[code], alpha=0.35))
@@ -82,7 +85,7 @@ def plot_codes_in_word(codes:list, # four codes, 0..15
     ax.axvline(1, color="gray", lw=0.8); ax.axvline(9, color="gray", lw=0.8); ax.axvline(8, color="black", lw=2)
     ax.set_xlim(0, 16); ax.set_ylim(-0.6, 1.6); ax.axis("off")
     ax.set_title(f"codes {codes} in one bfloat16 (bit 15 left): byte 1 = codes 2,3 | byte 0 = codes 0,1;  as a number: {word.item():.4g}")
-    return ax.figure
+    return check_figure(ax.figure) if own else ax.figure
 
 # %% ../nbs/05_qlora.ipynb #31d7d3c7
 def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e.g. (out_features, in_features)
@@ -124,8 +127,13 @@ def check_quantization(quant_storage, # bnb_4bit_quant_storage
         raise bad_value("quant_storage", storage, f"a floating dtype equal to param_dtype={param!r} under FSDP mixed precision",
                         f"Set quant_storage={param!r} (bnb_4bit_quant_storage=torch.{param}), or no mixed precision (param_dtype=None)")
     if param and storage != param:
-        raise bad_value("quant_storage", storage, f"only param_dtype={param!r} (FSDP casts parameters to param_dtype as numbers, which scrambles packed codes)",
-                        f"Set quant_storage={param!r}, or param_dtype={storage!r}")
+        short = lambda dtype: "no" if dtype == "float32" else {v: k for k, v in PRECISION.items() if v}[dtype]  # accelerate's name
+        instead = (f"or keep float32 storage, let FSDP cast nothing and compute in {param} under autocast: quant_storage=float32 mixed_precision=no autocast={short(param)}"
+                   if storage == "float32" else f"or mixed_precision={short(storage)}")
+        raise bad_value("quant_storage", storage, f"only param_dtype={param!r} (FSDP casts every floating parameter to param_dtype as a number when it gathers a unit, which scrambles packed codes)",
+                        f"The rule, as PEFT's FSDP-QLoRA guide states it: the storage dtype is the dtype the other parameters are in: {param} under FSDP's "
+                        f"param_dtype={param} (mixed_precision={short(param)}), float32 under autocast, where parameters stay float32 and only compute is in {param}. "
+                        f"Type quant_storage={param} mixed_precision={short(param)}, {instead}")
     return storage, param
 
 # %% ../nbs/05_qlora.ipynb #bf7152a7
@@ -140,10 +148,11 @@ def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "fl
 # %% ../nbs/05_qlora.ipynb #e0128c90
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
-    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), then the 4-bit storage, the compute dtype, the optimizer and LoRA."
+    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), then the 4-bit storage, FSDP's compute dtype, autocast, the optimizer and LoRA."
     _:KW_ONLY
     quant_storage:str="bfloat16" # bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32
     mixed_precision:str=None # FSDP's compute dtype in accelerate's words, "no", "bf16" or "fp16"; None follows a floating quant_storage (no for uint8)
+    autocast:str="no" # the forward under torch.autocast in this dtype, accelerate's names "no", "bf16" or "fp16"; parameters keep their dtype
     load_in_8bit:bool=False # 8-bit instead of 4-bit (refused under FSDP)
     lr:float=1e-2 # AdamW learning rate of the LoRA weights
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
@@ -169,6 +178,10 @@ class QLoRASpec(RunSpec):
             try: hint = f"Did you mean {accelerate_precision(self.mixed_precision)!r}? (fsdp-kit qlora still reads the old spelling)"
             except Exception: hint = "quant_storage must match the param_dtype it gives"
             raise bad_value("mixed_precision", self.mixed_precision, "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)", hint)
+        if self.autocast not in MIXED_PRECISION:
+            try: hint = f"Did you mean {accelerate_precision(self.autocast)!r}?"
+            except Exception: hint = "autocast=bf16 computes the forward in bfloat16 while the parameters keep their dtype"
+            raise bad_value("autocast", self.autocast, "no, bf16 or fp16 (accelerate's names for the dtype torch.autocast computes in)", hint)
         check_quantization(self.quant_storage, self.param_dtype, self.load_in_8bit)
         super().check(world_size)
         self.refuse_unless("cp", 1, "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
@@ -196,17 +209,28 @@ def load_base(checkpoint:str, # a folder written by save_pretrained
                                       bnb_4bit_quant_storage=getattr(torch, dtype_name(spec.quant_storage)), bnb_4bit_compute_dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization if quantized else None, dtype=dtype)
 
+# %% ../nbs/05_qlora.ipynb #53ef90f2
+def with_autocast(model, # a model (or a LoRA model)
+                  autocast:str="no" # accelerate's name of the autocast dtype: no, bf16 or fp16
+                 ):
+    "`model` with its forward under `torch.autocast` in `autocast`, as accelerate's `prepare_model` wraps it for mixed precision; no: unchanged."
+    import torch
+    if autocast == "no": return model
+    model.forward = torch.autocast(next(model.parameters()).device.type, dtype=getattr(torch, PRECISION[autocast]))(model.forward)
+    return model
+
+
 # %% ../nbs/05_qlora.ipynb #3372b164
 def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
                    ):
-    "The checkpoint's model with LoRA on `spec.lora_targets` (every linear layer by default), in train mode."
+    "The checkpoint's model with LoRA on `spec.lora_targets` (every linear layer by default), in train mode, its forward under `spec.autocast`."
     import torch
     from peft import get_peft_model
     model = load_base(checkpoint, spec, quantized)
     torch.manual_seed(spec.seed)  # the same LoRA init on every rank and in the reference
-    return get_peft_model(model, lora_config(spec.lora_r, spec.lora_targets)).train()
+    return with_autocast(get_peft_model(model, lora_config(spec.lora_r, spec.lora_targets)).train(), spec.autocast)
 
 # %% ../nbs/05_qlora.ipynb #70d8447e
 def shard_lora_model(model, # from load_lora_model
@@ -241,6 +265,9 @@ class QLoRAResult:
     backend:str='' # process-group backend
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
     config:dict=None # the FSDPConfig the model was sharded with (lora_fsdp_config)
+    autocast:str="no" # the dtype torch.autocast ran the forward in (accelerate's name), no for none
+    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before sharding (gathered_codes)
+    compute_dtype:str=None # the dtype the first 4-bit layer's matmul ran in during training (autocast's, else the layer's compute_dtype)
 
 # %% ../nbs/05_qlora.ipynb #cc7b741f
 def batch_rows(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
@@ -296,12 +323,34 @@ def _changed(model, before:dict) -> list:
         if not torch.equal(full.detach().reshape(-1).view(torch.uint8), before[name]): changed.append(name)
     return changed
 
+# %% ../nbs/05_qlora.ipynb #43dce691
+def gathered_codes(model, # sharded by shard_lora_model
+                   before:dict # every parameter's bytes before sharding, by name
+                  ) -> dict:
+    "Gather each FSDP unit as its forward does (in param_dtype) and compare each 4-bit weight's bytes with `before`: what bitsandbytes reads (a collective)."
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    out = dict(weights=0, intact=0, stored_dtypes=set(), gathered_dtypes=set(), bytes_before=0, bytes_gathered=0)
+    for unit_name, unit in model.named_modules():
+        if not isinstance(unit, FSDPModule): continue
+        unit.unshard()
+        for name, p in unit.named_parameters(prefix=unit_name):
+            if not name.endswith("base_layer.weight") or hasattr(p, "full_tensor"): continue  # a 4-bit weight this unit gathered, not a nested unit's shard
+            got, was = p.detach().reshape(-1).view(torch.uint8), before[name]
+            out["weights"] += 1; out["intact"] += torch.equal(got, was)
+            out["bytes_before"] += was.numel(); out["bytes_gathered"] += got.numel(); out["gathered_dtypes"].add(str(p.dtype).removeprefix("torch."))
+        unit.reshard()
+    out["stored_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters() if n.endswith("base_layer.weight")})
+    out["gathered_dtypes"] = sorted(out["gathered_dtypes"])
+    return out
+
+
 # %% ../nbs/05_qlora.ipynb #c368be5a
 def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dict:
     "Load the saved adapter onto an unsharded 4-bit base; its loss on `tokens`, as loaded and with LoRA in param_dtype (as FSDP computed)."
     import torch
     from peft import PeftModel
-    model = PeftModel.from_pretrained(load_base(checkpoint, spec), adapter_dir).train()
+    model = with_autocast(PeftModel.from_pretrained(load_base(checkpoint, spec), adapter_dir).train(), spec.autocast)
     as_loaded = model_loss(model, tokens).item()
     if spec.param_dtype:
         for name, p in model.named_parameters():
@@ -345,10 +394,19 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"], reloaded_loss_as_loaded=reloaded["as_loaded"],
                       reload_loss_diff=abs(trained - reloaded["in_param_dtype"]))
 
+# %% ../nbs/05_qlora.ipynb #90725327
+def _matmul_dtype(module, x) -> str:
+    "The dtype a bitsandbytes 4-bit layer's matmul runs in on input `x`: autocast's where it is on, else the layer's compute_dtype (its input's without one)."
+    import torch
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else (module.compute_dtype or x.dtype)
+    return str(dtype).removeprefix("torch.")
+
+
 # %% ../nbs/05_qlora.ipynb #7e03a318
 def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
     "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
-    import torch.distributed as dist
+    import bitsandbytes as bnb, torch.distributed as dist
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     quiet_libraries()
@@ -363,9 +421,13 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         unsharded = _train_one_process(checkpoint, spec, world_size) if rank == 0 else None
         shard_lora_model(model, mesh, spec.param_dtype, spec.fsdp)  # as spec.config says
+        gathered = gathered_codes(model, before)
+        seen = []  # the dtype the first 4-bit layer's matmul runs in, each training forward
+        hook = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)).register_forward_pre_hook(lambda m, args: seen.append(_matmul_dtype(m, args[0])))
         local = {n.removeprefix("base_model.model.").replace(".base_layer.weight", ""): list(p.to_local().shape)
                  for n, p in model.named_parameters() if "base_layer.weight" in n}
         losses = _train(model, spec, rank, world_size)
+        hook.remove()
         changed = _changed(model, before)
         adapter = _adapter_round_trip(model, spec, checkpoint)
         peaks = dict(qlora=gather_objects(_measure(model, spec)))
@@ -381,7 +443,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
                        dict(held=[s["held"] for s in state_per_rank], predicted=[s["predicted"] for s in state_per_rank]),
                        losses, unsharded, max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable, changed,
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
-                       environment()["versions"], asdict(spec.config))
+                       environment()["versions"], asdict(spec.config), spec.autocast, gathered, seen[0])
 
 # %% ../nbs/05_qlora.ipynb #607a83ca
 PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffers")
@@ -389,10 +451,10 @@ PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffer
 def plot_memory(result:QLoRAResult):
     "Per rank, bf16 base vs 4-bit base: the step's peak by category, and the parameter categories alone."
     import matplotlib.pyplot as plt
-    from fsdp_kit.measure import plot_categories, CATEGORIES
+    from fsdp_kit.measure import plot_categories, CATEGORIES, check_figure
     peaks = {f"{label}\nrank {r}": p for key, label in (("bf16_lora", "bf16 base"), ("qlora", f"4-bit ({result.quant_storage})"))
              for r, p in enumerate(result.peak_by_category[key])}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[1.3, 1]))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.8), gridspec_kw=dict(width_ratios=[1.3, 1]))
     plot_categories(peaks, ax=axes[0], title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)", legend_below=True)
     shown = [c for c in CATEGORIES.values() if any(p.get(c, 0) for p in peaks.values())]  # plot_categories' colour order
     bottom = [0.0] * len(peaks)
@@ -400,19 +462,80 @@ def plot_memory(result:QLoRAResult):
         vals = [p.get(cat, 0) / 2**20 for p in peaks.values()]
         axes[1].bar(range(len(peaks)), vals, bottom=bottom, label=cat, color=f"C{shown.index(cat)}" if cat in shown else None)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[1].set_xticks(range(len(peaks)), list(peaks), fontsize=8)
-    axes[1].set(ylabel="MiB", title="parameter memory at the peak"); axes[1].legend(fontsize=7)
+    axes[1].set_xticks(range(len(peaks)), [p.replace(" (", "\n(") for p in peaks], fontsize=9)  # the same names, one more line break
+    axes[1].set(ylabel="MiB", title="parameter memory at the peak")
+    axes[1].legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)  # below the bars, as on the left
     fig.tight_layout()
-    return fig
+    return check_figure(fig)
 
 # %% ../nbs/05_qlora.ipynb #a312cd8d
 def plot_qlora_losses(result:QLoRAResult, ax=None):
     "LoRA loss per step under FSDP2, beside the same model trained in one process."
     import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
+    from fsdp_kit.measure import check_figure
+    own = ax is None
+    if own: _, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(result.losses) + 1), result.losses, "o-", label=f"FSDP2, {result.world_size} ranks, 4-bit base ({result.quant_storage})")
     ax.plot(range(1, len(result.unsharded_losses) + 1), result.unsharded_losses, "x", markersize=10, label="one process, whole batch")
     ax.xaxis.get_major_locator().set_params(integer=True)  # whole steps
     ax.set(xlabel="step", ylabel="loss", title=f"LoRA on a 4-bit {model_label(result.model)} model")
     ax.legend()
-    return ax.figure
+    return check_figure(ax.figure) if own else ax.figure
+
+# %% ../nbs/05_qlora.ipynb #247428a3
+def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16 or fp16
+                   mixed_precision_policy=None # the FSDP plugin's own policy (FullyShardedDataParallelPlugin(mixed_precision_policy=...)), e.g. "fp32"; None: accelerate's
+                  ) -> dict:
+    "What accelerate does under FSDP2 for `mixed_precision`, asked of accelerate: its plugin's param_dtype and its autocast dtype (None: none). Runs on a process group."
+    import torch, warnings
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import get_mixed_precision_context_manager
+    from fsdp_kit.hf import enable_cpu_fsdp
+    from fsdp_kit.upstream import fsdp_plugin, clean_environ, dtype_name as short_name
+    AcceleratorState._reset_state(True)
+    try:
+        with enable_cpu_fsdp(say=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # on CPU accelerate says it sets OMP_NUM_THREADS
+            accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
+                                      fsdp_plugin=fsdp_plugin(clean_environ(), fsdp_version=2, mixed_precision_policy=mixed_precision_policy))
+        policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+        amp = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        return dict(mixed_precision=mixed_precision, mixed_precision_policy=mixed_precision_policy, distributed_type=str(accelerator.distributed_type),
+                    param_dtype=short_name(policy.param_dtype) if policy is not None and policy.param_dtype is not None else None,
+                    autocast=short_name(amp.fast_dtype) if isinstance(amp, torch.autocast) else None)
+    finally: AcceleratorState._reset_state(True)
+
+
+# %% ../nbs/05_qlora.ipynb #db50c820
+def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec says
+                     param_dtype:str # the param_dtype to shard with, past the guard
+                    ) -> dict:
+    "Load `spec`'s 4-bit model, shard it with `param_dtype` whatever `check_quantization` says, gather it and run one forward; with accelerate's two bf16 readings."
+    import torch.distributed as dist
+    from fsdp_kit.mesh import build_mesh, fsdp_mesh
+    quiet_libraries()
+    checkpoint = shared_tempdir()
+    try:
+        if dist.get_rank() == 0: build_model(model_config(spec.model), spec.seed).save_pretrained(checkpoint)
+        dist.barrier()
+        model = load_lora_model(checkpoint, spec)
+        before = _snapshot(model)
+        shard_lora_model(model, fsdp_mesh(build_mesh(spec.mesh)), param_dtype, spec.fsdp)
+        out = dict(quant_storage=dtype_name(spec.quant_storage), param_dtype=param_dtype, gathered=gathered_codes(model, before), loss=None, error=None)
+        try: out["loss"] = model_loss(model, batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())).item()
+        except Exception as e: out["error"] = f"{type(e).__name__}: {e}"
+        del model; gc.collect()
+        out["accelerate"] = [accelerate_amp("bf16"), accelerate_amp("bf16", "fp32")]
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0: shutil.rmtree(checkpoint, ignore_errors=True)
+    return out
+
+
+# %% ../nbs/05_qlora.ipynb #24d1ff85
+def autocast_lab(spec:QLoRASpec # float32 storage under autocast, say
+                ) -> tuple:
+    "Both halves of the autocast lesson in one launch: `qlora_worker(spec)`, then `fsdp_cast_worker(spec, 'bfloat16')`, the same storage under FSDP's bf16 param_dtype."
+    return qlora_worker(spec), fsdp_cast_worker(spec, "bfloat16")
+

@@ -133,9 +133,12 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
 def plot_restart(result, # a `TrainResult` from `scale_train_worker` that was restarted
                  reference:list=None, # an uninterrupted run's losses, for comparison
                  ax=None):
-    "Loss per step of each attempt, with the restart and the checkpoint it resumed from marked."
+    "Loss per step of each attempt, with the restart and the checkpoint it resumed from marked; the legend beside the axes."
     import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(6.5, 3.5))
+    from matplotlib.ticker import MaxNLocator
+    from fsdp_kit.measure import check_figure
+    own = ax is None
+    if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
     if reference: ax.plot(range(1, len(reference) + 1), reference, color="0.8", lw=8, label="uninterrupted run", zorder=0)
     for a in result.scale["attempts"][:-1]: ax.plot(a["steps"], a["losses"], "o-", label=f"attempt {a['attempt']} (killed after step {a['last_step']})")
     steps = range(result.first_step + 1, result.first_step + len(result.losses) + 1)
@@ -144,5 +147,6 @@ def plot_restart(result, # a `TrainResult` from `scale_train_worker` that was re
         ax.axvline(result.scale["attempts"][r["attempt"]]["last_step"] + 0.5, color="red", ls="--", label=f"restart: rank {r['rank']} {r['kind']}")
     if result.first_step: ax.axvline(result.first_step, color="green", ls=":", label=f"checkpoint it resumed from (step {result.first_step})")
     ax.set(xlabel="step", ylabel="loss", title=f"{result.world_size} ranks, torchrun --max-restarts")
-    ax.legend(fontsize=8)
-    return ax.figure
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return check_figure(ax.figure) if own else ax.figure

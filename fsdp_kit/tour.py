@@ -162,6 +162,7 @@ def tour(out: str = "tour", nproc: int = 2) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from fsdp_kit.measure import check_figure
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (steps, shared), report, lines = _steps(nproc), {}, ["# fsdp_kit tour", ""]
@@ -171,6 +172,7 @@ def tour(out: str = "tour", nproc: int = 2) -> dict:
         data, fig, line = run()
         (out / f"{name}.json").write_text(json.dumps(data, indent=2))
         if fig is not None:
+            check_figure(fig)  # readable at the docs' width, no legend over data (fsdp_kit.measure)
             fig.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
             plt.close(fig)
         seconds = shared[name][1] if name in shared else time.time() - start  # a shared step: its own time inside the launch

@@ -162,12 +162,17 @@ def train_worker(spec:TrainSpec,
 
 # %% ../nbs/01_train.ipynb #92c7139c
 def plot_losses(result:TrainResult, ax=None):
-    "Loss per step of the sharded run, with the one-process reference when there is one."
+    "Loss per step of the sharded run, with the one-process reference when there is one; the legend beside the axes, whole steps on the x axis."
     import matplotlib.pyplot as plt
-    if ax is None: _, ax = plt.subplots(figsize=(6, 3.5))
-    steps = range(1, len(result.losses) + 1)
+    from matplotlib.ticker import MaxNLocator
+    from fsdp_kit.measure import check_figure
+    own = ax is None
+    if own: _, ax = plt.subplots(figsize=(8, 3.5), layout="constrained")
+    first = result.first_step or 0  # a resumed run's losses start after its checkpoint's step
+    steps = range(first + 1, first + len(result.losses) + 1)
     ax.plot(steps, result.losses, "o-", label=f"FSDP2, {result.world_size} ranks ({result.backend})")
     if result.reference_losses: ax.plot(steps, result.reference_losses, "x--", label="one process, same data")
     ax.set(xlabel="step", ylabel="loss", title=f"{result.model}: {result.n_params:,} parameters")
-    ax.legend()
-    return ax.figure
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 2.5
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+    return check_figure(ax.figure) if own else ax.figure

@@ -302,9 +302,10 @@ def run_label(r:RunResult) -> str:
 def plot_compare(runs:list):
     "Three panels, one above the other: peak memory by category, collectives per step, step time; one bar per config, named as in `runs_table`."
     import matplotlib.pyplot as plt
-    from fsdp_kit.measure import plot_categories
+    from fsdp_kit.measure import plot_categories, check_figure
     labels = [run_label(r) for r in runs]
-    fig, (top, calls, times) = plt.subplots(3, 1, figsize=(10, 11), sharex=True, gridspec_kw=dict(height_ratios=[1.4, 1, 1]))  # the docs page's width
+    fig, (top, calls, times) = plt.subplots(3, 1, figsize=(9.5, 11), sharex=True, gridspec_kw=dict(height_ratios=[1.4, 1, 1]),
+                                            layout="constrained")  # the docs page's width, the legends beside the panels inside it
     plot_categories(dict(zip(labels, [r.peak_bytes for r in runs])), ax=top, title=f"peak memory per rank ({runs[0].world_size} ranks)")
     x = range(len(runs))
     for i, kind in enumerate(("all_gather", "reduce_scatter")):
@@ -315,5 +316,4 @@ def plot_compare(runs:list):
     times.bar(list(x), ms, yerr=spread, capsize=3, color="gray")
     times.set(ylabel="ms", title="step time (median, min-max)")
     times.set_xticks(list(x), labels, fontsize=9, rotation=30, ha="right")
-    fig.tight_layout()
-    return fig
+    return check_figure(fig)

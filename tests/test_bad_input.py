@@ -79,6 +79,8 @@ def rows():
     Q = ["qlora", "--steps", "2"]
     c += [Case("qlora-storage", [*Q, "--quant-storage", "int4"], 2, "--quant-storage='int4'"),
           Case("qlora-mixed-precision", [*Q, "--mixed-precision", "fp8"], 2, "--mixed-precision='fp8'"),
+          Case("qlora-autocast", [*Q, "--autocast", "bfloat16"], 2, "--autocast='bfloat16' is not allowed: no, bf16 or fp16"),
+          Case("qlora-float32-under-bf16", [*Q, "--quant-storage", "float32", "--mixed-precision", "bf16"], 2, "--quant-storage=float32 --mixed-precision=no --autocast=bf16"),
           Case("qlora-8bit", [*Q, "--load-in-8bit"], 2, "--load-in-8bit=True"),
           Case("qlora-lora-r-0", [*Q, "--lora-r", "0"], 2, "--lora-r=0"),
           Case("qlora-steps-0", [*Q, "--steps", "0"], 2, "--steps=0"),

@@ -43,6 +43,7 @@ def test_a_page_per_notebook_and_figures(site):
         assert re.search(r'<aside class="toc"><b>On this page</b><a ', text), f"{name}: its 'On this page' box is empty"
         assert all(f'href="{p}"' in text for p in expected), f"{name} lacks navigation"
     assert all(p["errors"] == 0 for p in pages.values())
+    assert [p["page"] for p in pages.values() if p["figure_errors"]] == []  # a figure failed fsdp_kit.measure.check_figure (a legend over data, too wide, text too small)
     with_figures = [p for p in pages.values() if p["figures"]]
     assert len(with_figures) >= 4, with_figures
     for p in with_figures:
@@ -70,7 +71,8 @@ for (const page of pages) {
     const doc = frame.contentDocument, body = doc && doc.body;
     results[page] = body ? {images: body.dataset.images ?? null, loaded: body.dataset.loadedImages ?? null,
                             traceback: doc.documentElement.outerHTML.includes('Traceback (most recent call last)'),
-                            widget_repr: body.innerText.includes('interactive(children=')} : null;
+                            widget_repr: body.innerText.includes('interactive(children='),
+                            figure_error: [...doc.querySelectorAll('.output_area')].some(o => o.innerText.includes('FigureCheckError'))} : null;
     if (--pending === 0) document.getElementById('out').textContent = JSON.stringify(results);
   });
   frame.src = page;
@@ -94,16 +96,19 @@ def test_every_page_renders_in_chromium_with_its_figures(site, tmp_path):
         r = seen[page["page"]]
         assert r and r["images"] is not None, f"{page['page']} did not finish loading"  # its load handler set the counts
         assert int(r["images"]) == int(r["loaded"]) == page["figures"], (page["page"], r)
-        assert not r["traceback"] and not r["widget_repr"], (page["page"], r)
+        assert not r["traceback"] and not r["widget_repr"] and not r["figure_error"], (page["page"], r)
 
 
-def test_screenshots_of_landing_and_a_lab_page(site, tmp_path):
+def test_screenshots_of_every_page(site, tmp_path):
+    "Each page as headless Chromium draws it (what it holds is checked in the DOM above): a screenshot that is not blank."
     from PIL import Image
     exe = _browser()
-    out, _ = site
+    out, manifest = site
     shots = ROOT / "site-screenshots" if os.environ.get("CI") else tmp_path
     shots.mkdir(exist_ok=True)
-    for name in ("index.html", "wrap.html"):
+    names = [p["page"] for p in manifest["pages"]]
+    assert {"index.html", "wrap.html", "planner.html"} <= set(names)
+    for name in names:
         png = shots / name.replace(".html", ".png")
         _chrome(exe, tmp_path / "profile", "--window-size=1400,1800", f"--screenshot={png}", (out / name).as_uri())
         image = Image.open(png).convert("RGB")
@@ -186,3 +191,142 @@ def test_planner_page_changes_its_plan_as_the_python_planner_does(site, tmp_path
         expect.append(plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, s["gpu_mem_gb"]))
     assert shown == expect
     assert len(set(shown)) == len(shown) and any("does NOT fit" in s for s in shown) and any(": fits" in s for s in shown)
+
+
+# Figures: every one the docs show is checked as it is drawn (fsdp_kit.measure.check_figure), so that a legend over data,
+# a figure wider than the page or text under 9 pt stops the notebook under nbval and leaves an error on its page.
+def _figure(width=6, **legend):
+    "Two crossing lines on a figure `width` inches wide, with a legend placed by `legend`."
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, 3), layout="constrained")
+    ax = fig.subplots()
+    x = [i / 20 for i in range(21)]
+    ax.plot(x, x, label="rising"); ax.plot(x, [1 - v for v in x], "o", label="falling")
+    ax.legend(**legend)
+    return fig, ax
+
+
+def test_check_figure_reports_a_legend_over_data():
+    from fsdp_kit.measure import FigureCheckError, check_figure, figure_problems
+    fig, _ = _figure(loc="center")
+    problems = figure_problems(fig)
+    assert len(problems) == 1 and "covers data" in problems[0], problems
+    assert "line 'rising'" in problems[0] and "markers of 'falling'" in problems[0]
+    with pytest.raises(FigureCheckError, match="covers data"):
+        check_figure(fig)
+
+
+def test_check_figure_passes_a_legend_beside_the_data():
+    from fsdp_kit.measure import check_figure, figure_problems
+    fig, _ = _figure(loc="upper left", bbox_to_anchor=(1.01, 1))
+    assert figure_problems(fig) == []
+    assert check_figure(fig) is fig
+    fig, _ = _figure(loc="lower center")  # inside the axes, between the lines' ends: covers nothing
+    assert figure_problems(fig) == []
+
+
+def test_check_figure_reports_width_and_small_text():
+    from fsdp_kit.measure import figure_problems
+    fig, ax = _figure(width=21.6, loc="upper left", bbox_to_anchor=(1.01, 1))
+    problems = figure_problems(fig)
+    assert len(problems) == 1 and problems[0].startswith("21.6 inches wide (figsize 21.6"), problems
+    fig, ax = _figure(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.tick_params(labelsize=7)
+    problems = figure_problems(fig)
+    assert len(problems) == 1 and problems[0].startswith("text under 9 pt: 7 pt ") and "8 pt ['falling', 'rising']" in problems[0], problems
+    fig, _ = _figure(width=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # 8 inches, but the legend beside is drawn (and saved) with it
+    fig.axes[0].legend(["a label long enough to carry the saved picture past the page's ten inches"] * 2, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.set_layout_engine("none")
+    assert "inches wide (figsize 8.0, as drawn 1" in figure_problems(fig)[0], figure_problems(fig)
+
+
+def test_check_figure_sees_bars_points_other_axes_and_labels():
+    from matplotlib.figure import Figure
+    from fsdp_kit.measure import figure_problems
+    fig = Figure(figsize=(8, 3))
+    left, right = fig.subplots(1, 2)
+    left.bar(range(3), [1, 2, 3], label="bars"); left.legend(loc="upper right")  # over the tallest bar
+    right.scatter([0, 1], [0, 1], label="points"); right.legend(loc="upper right")  # over the point at (1, 1)
+    problems = figure_problems(fig)
+    assert any("patch 'bars'" in p for p in problems) and any("points of 'points'" in p for p in problems), problems
+    fig = Figure(figsize=(8, 3))
+    left, right = fig.subplots(1, 2)
+    left.plot([0, 1], [0, 1], label="left line"); right.plot([0, 1], [0, 1], label="right line")
+    left.legend(loc="center", bbox_to_anchor=(1.7, 0.5))  # outside its own axes, but over the middle of the other one's line
+    assert any("left line" in p and "line 'right line'" in p for p in figure_problems(fig)), figure_problems(fig)
+    fig, ax = _figure(loc="upper center", bbox_to_anchor=(0.5, -0.03))  # below the axes, over the tick labels
+    ax.set_xlabel("progress")
+    assert any("covers the labels" in p for p in figure_problems(fig)), figure_problems(fig)
+    fig, ax = _figure(loc="lower center")
+    ax.axvspan(0.3, 0.7, color="0.9", zorder=0, label="a phase")  # a band behind the data is not data
+    ax.legend(loc="lower center")
+    assert figure_problems(fig) == []
+
+
+def test_kit_figures_pass_the_check_with_long_labels_and_big_meshes():
+    "What the lessons do not show: long labels, a wide mesh, many configs; each plotting function checks its own figure (plot_mesh: its caller), and a FigureCheckError fails this test."
+    import numpy as np
+    from types import SimpleNamespace
+    from fsdp_kit.measure import CATEGORIES, check_figure, plot_categories, plot_timeline, wrap_label
+    from fsdp_kit.mesh import MeshLayout, plot_mesh
+    from fsdp_kit.train import TrainResult, plot_losses
+    from fsdp_kit.cp import plot_attention_sweep
+    from fsdp_kit.scale import plot_restart
+    import matplotlib.pyplot as plt
+    try:
+        assert wrap_label("TRANSFORMER_BASED_WRAP, reshard_after_forward=False") == "TRANSFORMER_BASED_WRAP,\nreshard_after_forward=False"
+        timeline = [("forward", 2**20 * (1 + i / 50)) for i in range(100)] + [("backward", 2**20 * (3 - i / 60)) for i in range(100)] + [("optimizer", 2**20)] * 30
+        plot_timeline({f"SIZE_BASED_WRAP, reshard_after_forward={r}, a long label a user chose": timeline for r in (True, False, 2)})
+        peaks = {c: 2**20 for c in CATEGORIES.values()}
+        plot_categories({f"config {i}": peaks for i in range(9)})
+        for shape in ([2, 2], [8], [4, 16], [2, 2, 2]):
+            grid = np.arange(int(np.prod(shape))).reshape(shape).tolist()
+            groups = {f"axis{k}": [[0, 1]] * (int(np.prod(shape)) // 2) for k in range(len(shape))}
+            check_figure(plot_mesh(MeshLayout([f"axis{k}" for k in range(len(shape))], shape, grid, groups, int(np.prod(shape)), "gloo")))  # its callers check it
+        plot_losses(TrainResult("tiny", 2, 125_248, [5.5, 5.2, 5.0], 0.1, 1e3, "gloo", reference_losses=[5.5, 5.2, 5.0]))
+        points = [dict(cp=cp, seq_len=n, rotate=r, peak_bytes=n * n * 64 / cp, seconds=n * 1e-5) for cp in (1, 2, 4, 8) for n in (256, 4096, 131072) for r in ("allgather", "alltoall")]
+        plot_attention_sweep(points)
+        attempts = [dict(attempt=0, steps=[1, 2, 3], losses=[5.5, 5.2, 5.1], last_step=3), dict(attempt=1)]
+        restarted = SimpleNamespace(scale=dict(attempts=attempts, restarts=[dict(attempt=0, rank=1, kind="died")], attempt=1), first_step=2,
+                                    losses=[5.1, 4.9, 4.8, 4.7], world_size=2)
+        plot_restart(restarted, reference=[5.5, 5.2, 5.1, 4.9, 4.8, 4.7])
+    finally:
+        plt.close("all")
+
+
+# Kit plotting functions that do not check their figure yet, and notebooks with a figure of their own that is not checked: issue #18,
+# their owners add `check_figure(fig)`; take each one off these lists then.
+# drawn in a foundation module, which may not import measure (tests/test_structure.py's layers): whoever calls it checks the figure
+CHECKED_BY_CALLERS = {"mesh.plot_mesh"}
+
+
+def _plot_functions() -> dict:
+    "module.plot_x -> whether its body calls check_figure, for every plotting function of the package (read from the source, nothing imported)."
+    import ast
+    found = {}
+    for path in sorted((ROOT / "fsdp_kit").glob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("plot_"):
+                found[f"{path.stem}.{node.name}"] = "check_figure(" in ast.get_source_segment(text, node)
+    return found
+
+
+def test_every_figure_is_checked_as_it_is_drawn():
+    functions = _plot_functions()
+    assert {"measure.plot_timeline", "wrap.plot_compare", "train.plot_losses"} <= set(functions)
+    assert [f for f, checked in functions.items() if not checked and f not in CHECKED_BY_CALLERS] == []
+    callers = [p.stem for p in sorted((ROOT / "fsdp_kit").glob("*.py")) if p.stem not in ("_modidx", *(f.split(".")[0] for f in CHECKED_BY_CALLERS))
+               and any(f"{f.split('.')[1]}(" in p.read_text() for f in CHECKED_BY_CALLERS) and "check_figure(" not in p.read_text()]
+    assert callers == []
+    checked = {f.split(".")[1] for f, ok in functions.items() if ok}
+    unchecked = []
+    for nb in notebooks(ROOT / "nbs"):
+        for cell in json.loads(nb.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if not any("image/png" in o.get("data", {}) for o in cell.get("outputs", [])): continue
+            calls = set(re.findall(r"\b(plot_\w+)\(", source))
+            # a cell that makes its own figure checks it; one that only calls the kit's plotting functions is checked by them
+            if "check_figure(" not in source and not (calls & checked and not re.search(r"subplots\(|plt\.figure\(", source)):
+                unchecked.append(nb.stem)
+    assert unchecked == []

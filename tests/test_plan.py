@@ -214,3 +214,27 @@ def test_planner_table_is_the_planners():
         peak, allocated, moment = stored["plans"][i]
         assert (peak, allocated, stored["moments"][moment]) == (p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment), s
         assert plan_line(peak, allocated, stored["moments"][moment], 80) == plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, 80)
+
+
+def test_first_principles_and_the_tracker_names_keep_every_byte():
+    "The textbook terms: 16 bytes per parameter over N ranks for fp32 AdamW, 8 in pure bf16; the correction is exactly measured minus them; naming bytes as the tracker does moves no byte."
+    from fsdp_kit.plan import state_terms, first_principles, tracker_correction, moments
+    from fsdp_kit.plan_validate import as_tracked
+    config, P = plan_config("llama-2-7b"), count_parameters("llama-2-7b")
+    for spec, per_param in ((PlanSpec("llama-2-7b", 8), 16), (PlanSpec("llama-2-7b", 8, base_dtype="bf16"), 8)):
+        s = state_terms(config, spec)
+        assert abs(s["sharded_params"] + s["sharded_grads"] + s["adam_moments"] - per_param * P / 8) <= 8, (spec.label(), s)
+        assert s["adam_steps"] == 4 * len(model_tensors(config, spec)) > 0  # one float32 step per trainable tensor: all of them in a full fine-tune
+    stored = json.loads((ROOT / "examples" / "plan" / "validation.json").read_text())
+    for r in stored["runs"][:12]:
+        spec = PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"})
+        config = plan_config(spec.model)
+        first = first_principles(config, spec)
+        assert first["total"] == sum(v for k, v in first.items() if k != "total") > 0
+        measured = r["measured_by_category"] | dict(total=r["measured_bytes"])
+        correction = tracker_correction(first, measured)
+        assert correction["total"] == r["measured_bytes"] - first["total"]
+        assert all(first.get(k, 0) + v == measured.get(k, 0) for k, v in correction.items()), r["config"]["label"]
+        for name, m in moments(config, spec):
+            tracked = as_tracked(name, m)
+            assert sum(tracked.values()) == sum(m.values()) and (name != "optimizer step" or "temporaries" not in tracked), (r["config"]["label"], name)

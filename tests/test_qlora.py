@@ -115,26 +115,39 @@ def test_guards_allow_matching_storage():
     (["--load-in-8bit"], "--load-in-8bit=True is not allowed"),
     (["--quant-storage", "int4"], "--quant-storage='int4' is not allowed"),
     (["--mixed-precision", "fp8"], "--mixed-precision='fp8' is not allowed"),
+    (["--autocast", "fp32"], "--autocast='fp32' is not allowed: no, bf16 or fp16"),
 ])
 def test_cli_guards_exit_2_without_traceback(tmp_path, args, text):
     from tests.badinput import run_case, Case
     code, _, err = run_case(Case("qlora", ["qlora", "--nproc", "2", *args], 2, text), tmp_path)
     assert code == 2, err
     assert text in err and "Traceback" not in err
-    if args != ["--mixed-precision", "fp8"]:  # the storage guards name both sides of the rule
+    if args[0] != "--mixed-precision" and args[0] != "--autocast":  # the storage guards name both sides of the rule
         assert ("--quant-storage" in err or "quant_storage" in err) and "param_dtype" in err
+    if args[:2] == ["--quant-storage", "float32"]:  # PEFT's rule in the kit's terms, and both ways out, as options
+        assert "the storage dtype is the dtype the other parameters are in" in err and "float32 under autocast" in err
+        assert "Type --quant-storage=bfloat16 --mixed-precision=bf16, or" in err and "--quant-storage=float32 --mixed-precision=no --autocast=bf16" in err
+
+
+def test_autocast_spec():
+    assert QLoRASpec(quant_storage="float32", autocast="bf16").check().param_dtype == "float32"
+    assert QLoRASpec(quant_storage="float32", autocast="bf16").config.mixed_precision == "no"  # FSDP casts nothing
+    assert QLoRASpec(quant_storage="bfloat16", mixed_precision="bf16", autocast="bf16").check().param_dtype == "bfloat16"  # accelerate's bf16: both
+    with pytest.raises(KitError, match="Did you mean 'bf16'"): QLoRASpec(autocast="torch.bfloat16").check()
+    with pytest.raises(KitError, match="autocast=bf16"): QLoRASpec(quant_storage="float32", mixed_precision="bf16", autocast="bf16").check()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three storages in one launch: bfloat16 (10 steps, adapter saved to a folder), uint8 and float32 (2 steps each). The command
+    """The three storages in one launch: bfloat16 (10 steps, adapter saved to a folder), uint8 and float32 (2 steps each), then float32 under bf16 autocast. The command
     line's `fsdp-kit qlora` (with --adapter-dir) is run by tests/test_fsdp_config_runs.py::test_qlora_and_cp_eval_run_the_users_config."""
     from dataclasses import asdict
     from fsdp_kit.launch import launch
     from tests.helpers import qlora_each
     adapter = tmp_path_factory.mktemp("qlora") / "adapter"
     specs = [QLoRASpec(model="tiny", quant_storage="bfloat16", steps=10, adapter_dir=str(adapter)),
-             QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2)]
+             QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2),
+             QLoRASpec(quant_storage="float32", autocast="bf16", steps=2)]
     results = launch(qlora_each, specs, nprocs=2, timeout=240)
     return adapter, [json.loads(json.dumps(asdict(r))) for r in results], specs
 
@@ -156,6 +169,9 @@ def test_bfloat16_trains_matches_saves_and_saves_memory(runs):
     assert len(shapes) == 14 and all(s["stored"] == s["predicted"] == list(packed_shape(s["weight"], "bfloat16")) for s in shapes.values())
     assert all(sum(rows for rows, _ in ranks) == shapes[name]["stored"][0] for name, ranks in r["shard_shapes"].items())
     assert r["quant_state_bytes"]["held"] == r["quant_state_bytes"]["predicted"]
+    # what FSDP gathers for the forward is what was stored, byte for byte; the 4-bit matmuls ran in bf16
+    assert r["gathered_codes"]["intact"] == r["gathered_codes"]["weights"] == 14 and r["gathered_codes"]["gathered_dtypes"] == ["bfloat16"]
+    assert r["compute_dtype"] == "bfloat16" and r["autocast"] == "no"
     # the 4-bit base uses less memory per rank than the bf16 base, measured
     for rank in range(2):
         assert r["peak_bytes"]["qlora"][rank] < r["peak_bytes"]["bf16_lora"][rank]
@@ -176,9 +192,33 @@ def test_bfloat16_trains_matches_saves_and_saves_memory(runs):
 
 def test_other_storages(runs):
     "uint8 storage without mixed precision (bf16 compute), and float32 storage with no mixed precision (fp32 compute): both pack, shard, match one process at every step and save their adapter."
-    _, (_, *results), (_, *specs) = runs
-    for spec, r in zip(specs, results):
+    _, results, specs = runs
+    for spec, r in zip(specs[1:3], results[1:3]):
         assert r["param_dtype"] is None  # uint8: no mixed precision; fp32 is accelerate's "no"
         assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < (1e-5 if spec.quant_storage == "float32" else 3e-3)
         assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r["storage_shapes"].values())
         assert r["adapter"]["every_rank_share_saved"] and r["adapter"]["reload_loss_diff"] < 1e-4 and r["adapter"]["path"] is None
+
+
+def test_float32_storage_under_autocast(runs):
+    "PEFT's 'float32 storage for automatic mixed precision': float32 parameters and storage, FSDP casts nothing, the forward under bf16 autocast."
+    _, results, specs = runs
+    r = results[3]
+    assert specs[3].autocast == "bf16" and r["autocast"] == "bf16" and r["param_dtype"] == "float32" and r["config"]["mixed_precision"] == "no"
+    assert r["compute_dtype"] == "bfloat16"  # autocast ran the 4-bit matmuls in bf16
+    g = r["gathered_codes"]
+    assert g["intact"] == g["weights"] == 14 and g["bytes_gathered"] == g["bytes_before"] and g["gathered_dtypes"] == g["stored_dtypes"] == ["float32"]
+    assert sorted(r["changed_parameters"]) == sorted(r["trainable_parameters"]) and all("lora_" in n for n in r["changed_parameters"])
+    assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < 3e-3 and r["adapter"]["reload_loss_diff"] < 1e-4
+    assert r["peak_bytes"]["qlora"][0] > results[0]["peak_bytes"]["qlora"][0]  # float32 storage costs more memory than bfloat16
+
+
+def test_float32_storage_under_bf16_param_dtype_is_scrambled():
+    "Past the guard: float32 storage sharded with param_dtype=bfloat16 comes back as half its bytes, no weight intact; accelerate's bf16 is that param_dtype plus autocast."
+    from fsdp_kit.launch import launch
+    from fsdp_kit.qlora import fsdp_cast_worker
+    r = launch(fsdp_cast_worker, QLoRASpec(quant_storage="float32", autocast="bf16"), "bfloat16", nprocs=2, timeout=180)
+    g = r["gathered"]
+    assert g["weights"] == 14 and g["intact"] == 0 and 2 * g["bytes_gathered"] == g["bytes_before"] and g["gathered_dtypes"] == ["bfloat16"]
+    assert r["loss"] is None and "is invalid for input of size" in r["error"]
+    assert [(a["param_dtype"], a["autocast"]) for a in r["accelerate"]] == [("bf16", "bf16"), ("fp32", "bf16")]
