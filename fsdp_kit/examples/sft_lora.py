@@ -61,11 +61,22 @@ def create_and_prepare_model(args: ModelArguments):
     return model, peft_config, AutoTokenizer.from_pretrained(args.model_name_or_path)
 
 
+def unpacked_4bit(model):
+    """Keep bitsandbytes' 4-bit layers in training mode (they hold no dropout, so their output is the same): on a CPU with
+    avx512_bf16, an eval-mode, no-grad forward repacks their weights in place for its CPU kernel, which needs out_features
+    divisible by its block size ("N must be divisible by block_n"): a tiny model's layers are not."""
+    import bitsandbytes as bnb
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit): m.train()
+    return model
+
+
 def reload_check(model_args: ModelArguments, adapter_dir: str, trained: dict, batch) -> dict:
     "Load the saved adapter onto a fresh base with PeftModel.from_pretrained; compare its LoRA weights with the trained ones."
     base, _, _ = create_and_prepare_model(model_args)
+    unpacked_4bit(base)
     base_loss = base(**batch).loss.item()
-    reloaded = PeftModel.from_pretrained(base, adapter_dir)
+    reloaded = unpacked_4bit(PeftModel.from_pretrained(base, adapter_dir))
     state = reloaded.state_dict()
     lora = {k: v for k, v in trained.items() if "lora_" in k}
     diff = max((state[k].float() - v.float()).abs().max().item() for k, v in lora.items())
