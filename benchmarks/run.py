@@ -152,7 +152,7 @@ def bench_launch(repeats: int) -> dict:
 def overhead_worker(steps: int):
     "Time plain steps, steps under the memory tracker and steps under the collective counter, interleaved."
     import torch, torch.distributed as dist
-    from fsdp_kit.measure import _timeline_tracker, _comm_counter, quiet_hook_warnings
+    from fsdp_kit.measure import _timeline_tracker, comm_counter, quiet_hook_warnings
     from fsdp_kit.models import model_config, build_model, synthetic_tokens, rank_rows
     from fsdp_kit.config import FSDPConfig
     from fsdp_kit.wrap import apply_fsdp
@@ -167,7 +167,7 @@ def overhead_worker(steps: int):
     with quiet_hook_warnings():
         for _ in range(steps):
             for kind in times:
-                mode = {"off": None, "memory": _timeline_tracker(model, optim), "comm": _comm_counter()}[kind]
+                mode = {"off": None, "memory": _timeline_tracker(model, optim), "comm": comm_counter()}[kind]
                 start = time.perf_counter()
                 if mode is None: step()
                 else:

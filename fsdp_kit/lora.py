@@ -162,7 +162,7 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
     "Shard a fresh `lora_model()` as `layout` says, run a forward, `set_adapter('second')`, `merge_adapter()`; what the base weights were and what the merge did (every rank calls this)."
     import torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
+    from fsdp_kit.measure import comm_counter
     if layout not in MERGE_LAYOUTS: raise bad_value("layout", layout, ", ".join(MERGE_LAYOUTS))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reference = lora_model()  # one process's merge, the answer
@@ -187,7 +187,7 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
     out = dict(layout=layout, weight=type(w).__name__, shape=list(w.shape), local_shape=list(local.shape),
                bytes_held=local.untyped_storage().nbytes(), full_bytes=want["model.layers.0.self_attn.q_proj.weight"].nbytes)
     peft.set_adapter("second")
-    comms = CommDebugMode()
+    comms = comm_counter()
     try:
         with torch.no_grad(), comms: peft.merge_adapter()
     except RuntimeError as e: out["merge"] = f"RuntimeError: {str(e).splitlines()[0][:90]}"

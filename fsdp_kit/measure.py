@@ -1,4 +1,4 @@
-"""Per-rank memory by category (exact tensor accounting with `FSDPMemTracker`), a memory timeline across forward, backward and the optimizer step, collectives counted with `CommDebugMode` and their bytes, and the step time: one `measure_step` every lab uses.
+"""Per-rank memory by category (exact tensor accounting with `FSDPMemTracker`), a memory timeline across forward, backward and the optimizer step, collectives and their bytes counted as `CommDebugMode` counts them, and the step time: one `measure_step` every lab uses.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
@@ -6,9 +6,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
 # %% auto #0
 __all__ = ['CATEGORIES', 'GATHER_OPS', 'SCATTER_OPS', 'QUIET_WARNINGS', 'FIGURE_MAX_WIDTH_IN', 'FIGURE_MIN_FONT_PT',
-           'unit_tracker', 'StepMeasurement', 'peak_by_category', 'quiet_hook_warnings', 'measure_step', 'step_timing',
-           'busy_note', 'first_step_tracker', 'FigureCheckError', 'wrap_label', 'figure_problems', 'check_figure',
-           'plot_timeline', 'plot_categories']
+           'unit_tracker', 'comm_counter', 'StepMeasurement', 'peak_by_category', 'quiet_hook_warnings', 'measure_step',
+           'step_timing', 'busy_note', 'first_step_tracker', 'FigureCheckError', 'wrap_label', 'figure_problems',
+           'check_figure', 'plot_timeline', 'plot_categories']
 
 # %% ../nbs/04a_measure.ipynb #1771caf5
 import os, statistics, time, warnings
@@ -108,20 +108,35 @@ def _nbytes(x) -> int:
     return 0
 
 # %% ../nbs/04a_measure.ipynb #37b9742d
-def _comm_counter():
-    "A CommDebugMode that also adds up the bytes of each collective's full buffer."
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
-    class CommCounter(CommDebugMode):
+def comm_counter():
+    "A dispatch mode that counts the collectives `CommDebugMode` counts, by op, and adds up the bytes of each collective's full buffer (`.get_comm_counts()`, `.bytes`)."
+    import torch
+    from collections import Counter
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops, NATIVE_TO_PY_MAPPING
+    registry = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | {torch.ops._dtensor.shard_dim_alltoall} | c10d_collective_ops
+    class CommCounter(TorchDispatchMode):
+        supports_higher_order_operators = True
         def __init__(self):
             super().__init__()
-            self.bytes = {}
+            self.counts, self.bytes = Counter(), {}
+        def __enter__(self):
+            self.counts.clear(); self.bytes.clear()
+            return super().__enter__()
+        def get_comm_counts(self): return dict(self.counts)
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            packet = getattr(func, "_overloadpacket", None)
-            if packet in c10d_collective_ops and len(args) >= 2:
-                kind = _kind(packet.__name__)
-                self.bytes[kind] = self.bytes.get(kind, 0) + max(_nbytes(args[0]), _nbytes(args[1]))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator): return func(*args, **kwargs)
+            if any(t is DTensor for t in types): return NotImplemented  # DTensor runs its local ops, collectives included, through this mode again
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            if packet in registry:
+                self.counts[NATIVE_TO_PY_MAPPING.get(packet, packet)] += 1
+                if packet in c10d_collective_ops and len(args) >= 2:
+                    kind = _kind(packet.__name__)
+                    self.bytes[kind] = self.bytes.get(kind, 0) + max(_nbytes(args[0]), _nbytes(args[1]))
+            return out
     return CommCounter()
 
 # %% ../nbs/04a_measure.ipynb #30dcbe57
@@ -156,7 +171,8 @@ def peak_by_category(tracker) -> dict:
     return out
 
 # %% ../nbs/04a_measure.ipynb #5333514a
-QUIET_WARNINGS = ("For backward hooks to be called", "returned a view tensor", "Full backward hook is firing")
+QUIET_WARNINGS = ("For backward hooks to be called", "returned a view tensor", "Full backward hook is firing",
+                  "module hierarchy tracking maybe be messed up")  # torch's ModTracker (memory and FLOP trackers) on a module called twice in a step, as transformers' hub-kernel function wrappers are
 
 @contextmanager
 def quiet_hook_warnings():
@@ -182,7 +198,7 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
     tracker = _timeline_tracker(model, optim)
     with tracker: step()
     from torch.utils.flop_counter import FlopCounterMode
-    counter, flops = _comm_counter(), FlopCounterMode(display=False)
+    counter, flops = comm_counter(), FlopCounterMode(display=False)
     with counter, flops: step()
     counts = {_kind(op.__name__): n for op, n in counter.get_comm_counts().items()}
     collectives = {k: {"count": counts.get(k, 0), "bytes": counter.bytes.get(k, 0)} for k in sorted(set(counts) | set(counter.bytes))}
