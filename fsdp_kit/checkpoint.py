@@ -572,15 +572,16 @@ def rss_split() -> dict:
     except (OSError, KeyError): return dict(own=rss_bytes(), mapped=0)
 
 class _PeakRSS:
-    "The highest resident set size of this process while the block runs, sampled every `interval` seconds, and its split (own, mapped) at that moment."
+    "The highest resident set size of this process while the block runs, sampled every `interval` seconds, its split (own, mapped) at that moment, and the highest of each part (`most`)."
     def __init__(self, interval:float=0.002): self.interval, self.peak = interval, 0
     def _sample(self):
         while not self._stop.is_set():
             s = rss_split()
             if s["own"] + s["mapped"] > self.peak: self.peak, self.at_peak = s["own"] + s["mapped"], s
+            self.most = {k: max(v, s[k]) for k, v in self.most.items()}
             time.sleep(self.interval)
     def __enter__(self):
-        self.at_start = self.at_peak = rss_split()
+        self.at_start = self.at_peak = self.most = rss_split()
         self.before = self.peak = self.at_start["own"] + self.at_start["mapped"]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -618,7 +619,7 @@ def loading_worker(path:str, # a transformers folder to load
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
     loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size
-    dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), stages=stages,
+    dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), most=rss.mib(rss.most), stages=stages,
                                       shard_mib=shard, largest_tensor_mib=max(p.nbytes for p in model.parameters()) / 2**20))
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
 
