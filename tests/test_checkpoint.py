@@ -185,13 +185,3 @@ def test_resume_refuses_another_models_checkpoint(runs, tmp_path):
                                                  "--ckpt", str(runs["tmp"] / "sharded"), "--resume"], 2, ""), tmp_path)
     assert code == 2 and "Traceback" not in err
     assert "model=" in err and "as the checkpoint" in err and "'tiny'" in err
-
-
-def test_set_adapter_and_merge_while_sharded(tmp_path):
-    from fsdp_kit.launch import launch
-    from fsdp_kit.lora import merge_worker
-    r = launch(merge_worker, 8, 0, str(tmp_path / "merged"), nprocs=2, timeout=120)
-    first, second = r["set_adapter_default"], r["set_adapter_second"]
-    assert first["diff"] < 1e-5 and second["diff"] < 1e-5 and abs(first["sharded"] - second["sharded"]) > 1e-3
-    assert r["diff"] < 1e-5 and r["max_weight_diff_vs_one_process_merge"] == 0
-    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "merged"))
