@@ -120,7 +120,7 @@ def comm_counter():
         supports_higher_order_operators = True
         def __init__(self):
             super().__init__()
-            self.counts, self.bytes = Counter(), {}
+            self.counts, self.bytes = Counter(), Counter()
         def __enter__(self):
             self.counts.clear(); self.bytes.clear()
             return super().__enter__()
@@ -134,8 +134,7 @@ def comm_counter():
             if packet in registry:
                 self.counts[NATIVE_TO_PY_MAPPING.get(packet, packet)] += 1
                 if packet in c10d_collective_ops and len(args) >= 2:
-                    kind = _kind(packet.__name__)
-                    self.bytes[kind] = self.bytes.get(kind, 0) + max(_nbytes(args[0]), _nbytes(args[1]))
+                    self.bytes[_kind(packet.__name__)] += max(_nbytes(args[0]), _nbytes(args[1]))
             return out
     return CommCounter()
 

@@ -100,7 +100,7 @@ class ValidationRun:
     predicted_bytes:int # predicted per-rank peak of a training step
     measured_bytes:int # FSDPMemTracker's per-rank peak (measure_step), rank 0
     predicted_comm_bytes:int # all-gather + reduce-scatter bytes of one step
-    measured_comm_bytes:int # the same, counted by CommDebugMode (measure_step)
+    measured_comm_bytes:int # the same, counted by measure.comm_counter (measure_step)
     error:float # (predicted - measured) / measured
     peak_moment:str # the predicted moment of the peak
     predicted_by_category:dict # category -> bytes at the predicted peak

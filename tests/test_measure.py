@@ -40,4 +40,4 @@ def test_comm_counter_counts_what_comm_debug_mode_counts_and_survives_a_module_c
     assert counts == r["torch_once"][0] == {"_allgather_base_": 4, "_reduce_scatter_base_": 2}, r  # c10d ops on gloo: a and b gathered in forward and again in backward; the root holds none
     assert nbytes == {"all_gather": 4 * (16 * 16 + 16) * 4, "reduce_scatter": 2 * (16 * 16 + 16) * 4}  # each gathered / reduced buffer is one whole Linear in fp32
     assert r["kit_twice"] == r["kit_once"]  # the same collectives with the module called twice
-    assert r["torch_twice"].startswith("IndexError: "), r["torch_twice"]  # its module tracker pops its stack once too often: why the kit does not use CommDebugMode itself: if torch fixes it, this line says so
+    assert r["torch_twice"].startswith("IndexError: "), r["torch_twice"]  # its module tracker pops its stack once too often, which is why the kit counts on its own; if torch fixes it, this line fails and says so
