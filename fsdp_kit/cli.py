@@ -635,6 +635,9 @@ def _raise_interrupted(signum, frame): raise Interrupted(signum)
 def main(argv=None):
     "Entry point of the `fsdp-kit` command."
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["agent"]:  # torchrun, as a launch starts it (fsdp_kit.launch.agent_command); not a command for users
+        from fsdp_kit.launch import agent_main
+        return agent_main(argv[1:])
     if argv[:1] == ["worker"]:  # what torchrun runs in each rank of a launch; not a command for users
         from fsdp_kit.launch import worker_main
         try: worker_main(argv[1])

@@ -10,6 +10,13 @@ def rank_info():
                 env={k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, pid=os.getpid())
 
 
+def started_with():
+    "What this rank's process held before its function ran: forked or not, and which of the agent's PRELOAD modules it had loaded."
+    import multiprocessing, sys
+    from fsdp_kit.launch import PRELOAD
+    return dict(forked=multiprocessing.parent_process() is not None, preloaded=[m for m in PRELOAD if m in sys.modules])
+
+
 def fails_on_rank(bad_rank=1):
     import torch.distributed as dist
     if dist.get_rank() == bad_rank:

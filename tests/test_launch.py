@@ -1,9 +1,9 @@
 """launch(): real process groups from a script, failures that name the rank, hangs that end, nothing left behind."""
-import re, subprocess, sys, time
+import os, pickle, re, subprocess, sys, time
 import psutil, pytest
 from fsdp_kit.errors import KitError
-from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment
-from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0
+from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment, agent_command, PRELOAD
+from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0, started_with
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(180)
@@ -24,6 +24,20 @@ def test_launch_returns_rank0_value_from_a_real_group(launcher):
     assert out["rank_sum"] == 1.0  # 0 + 1, summed by a real all_reduce
     assert out["env"] == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert _children() == []
+
+
+def test_torchrun_forks_workers_that_start_with_torch_and_transformers_imported():
+    assert launch(started_with, nprocs=2, launcher="torchrun", timeout=60) == dict(forked=True, preloaded=list(PRELOAD))
+    assert _children() == []
+
+
+def test_the_agent_starts_fresh_workers_when_a_fork_would_be_unsafe(tmp_path):
+    "peft imported in torchrun's process is a fork trap: the agent spawns fresh interpreters, which have imported none of PRELOAD."
+    (tmp_path/"call.pkl").write_bytes(pickle.dumps((started_with, (), "gloo", 60)))
+    cmd = agent_command(str(tmp_path), 2)
+    code = "import sys, peft; from fsdp_kit.launch import agent_main; agent_main(sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", code, *cmd[4:]], timeout=150, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert pickle.loads((tmp_path/"result.pkl").read_bytes()) == dict(forked=True, preloaded=[])
 
 
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
