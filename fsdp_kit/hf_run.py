@@ -251,10 +251,10 @@ def _reload_full(saved:str, trained:dict) -> dict:
 def trainer_worker(spec:HFRunSpec) -> HFRunResult:
     "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save FULL and reload, resume a SHARDED checkpoint; the kit beside it."
     import torch, torch.distributed as dist
-    from transformers import AutoModelForCausalLM, Trainer
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects
     from fsdp_kit.hf import enable_cpu_fsdp
-    quiet_libraries(); enable_cpu_fsdp()
+    quiet_libraries(); enable_cpu_fsdp()  # quiet first: importing the Trainer imports peft and bitsandbytes, which log as they load
+    from transformers import AutoModelForCausalLM, Trainer
     warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")  # accelerate's note that it sets 1 thread per process on CPU
     folder = Path(spec.out or shared_tempdir("fsdp_kit_hf_trainer_"))
     base = base_checkpoint(spec, folder)

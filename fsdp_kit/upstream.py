@@ -110,7 +110,9 @@ def transformers_helper():
 def serve_plugin_args():
     "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out with the answer of `plugin_args_here` or the error it raised."
     import signal, sys
+    from fsdp_kit.ranks import quiet_libraries
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the kit's to handle, not the helper's
+    quiet_libraries()  # transformers imports bitsandbytes here too, whose missing-CPU-kernel notice would reach every rank's stderr
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever upstream prints goes to stderr, away from the answers
     for line in sys.stdin:
