@@ -483,7 +483,7 @@ def agent_main(argv:list):
     "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` so the workers it forks start with them."
     import importlib
     for name in PRELOAD: importlib.import_module(name)
-    if fork_traps() and "fork" in argv: argv[argv.index("fork")] = "spawn"  # an import touched the device: fresh interpreters instead
+    if fork_traps(): argv[argv.index("--start-method") + 1] = "spawn"  # an import touched the device: fresh interpreters instead
     from torch.distributed.run import main
     main(argv)
 
