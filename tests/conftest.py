@@ -45,14 +45,3 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\nFAILED: launches left their folders behind in {TESTS_TMP}: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-# The files whose tests take longest (summed test time measured on 2 cores: 60 to 95 s each, the next ones 40 to 55 s) run first:
-# `make pytest` hands whole files to two workers in collection order, and a long file picked up last leaves the other worker idle.
-LONG_FIRST = ("test_fsdp_config_runs", "test_hf", "test_doctor_runs", "test_checkpoint", "test_cli", "test_lifecycle", "test_docs",
-              "test_doctor", "test_launch", "test_scale_out")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(LONG_FIRST)))  # stable: the order within a file is kept
