@@ -1,6 +1,7 @@
 """`fsdp-kit doctor` on 2 CPU ranks, for real: for each of its twelve checks a config/model pair that makes it FAIL (or WARN) and one
 that makes it PASS, each named with the upstream behaviour it reproduces; the command's JSON; hand-written config.json files of two
 public architectures (Qwen2-0.5B, tied; Llama-2-7B, untied); and bad input refused in one line with exit 2."""
+import json, subprocess, sys
 from pathlib import Path
 import pytest
 from fsdp_kit.config import EXAMPLES
@@ -9,7 +10,6 @@ from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES
 HERE = Path(__file__).parent / "doctor"
 QWEN, LLAMA = str(HERE / "qwen2-0.5b" / "config.json"), str(HERE / "llama-2-7b" / "config.json")  # written by hand from the public checkpoints' files
 HEALTHY, THREE_FAILS = str(EXAMPLES / "doctor" / "healthy.yaml"), str(EXAMPLES / "doctor" / "three_fails.json")
-SEED_QLORA = str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml")  # the seeds' QLoRA YAML: no fsdp_version, SHARDED_STATE_DICT
 pytestmark = pytest.mark.timeout(400)  # each run stops itself after DoctorSpec.timeout; a hang past that fails here
 
 
@@ -61,6 +61,15 @@ def test_tied_embedding_in_its_own_unit_fails():
 
 
 def test_ddp_fallback_fails():
-    "accelerate launch with distributed_type MULTI_GPU runs DDP (MULTI_CPU here) and ignores the fsdp_config section."
-    s = statuses(model=LLAMA, fsdp_config=str(HERE / "ddp.yaml"))
+    "accelerate launch with distributed_type MULTI_GPU runs DDP (MULTI_CPU here) and ignores the fsdp_config section. Run through the command:"
+    "its JSON on stdout (checks, twin, versions), the report on stderr."
+    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", "--model", LLAMA, "--fsdp-config", str(HERE / "ddp.yaml"), "--json", "-"],
+                         capture_output=True, text=True, timeout=380)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout)
+    assert set(r) >= {"checks", "twin", "versions"} and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
+    assert all(set(c) == {"name", "status", "reason", "fix"} and c["status"] in STATUSES for c in r["checks"]) and len(r["checks"]) == len(CHECKS)
+    s = {c["name"]: (c["status"], c["reason"]) for c in r["checks"]}
     assert s["ddp_fallback"][0] == "FAIL" and s["ddp_fallback"][1].startswith("DistributedDataParallel")
+    assert s["fsdp_version"][0] == "FAIL" and "does not run FSDP with this file" in s["fsdp_version"][1]
+    assert "FAIL  ddp_fallback" in res.stderr and "3 FAIL" in res.stderr  # the report on stderr beside the JSON

@@ -1,27 +1,12 @@
-"""`fsdp-kit doctor`'s other FAIL / PASS pairs on 2 CPU ranks (a second file, so pytest-xdist runs it beside test_doctor.py), the command's
-JSON on the seeds' QLoRA YAML, and bad input refused in one line with exit 2."""
-import json, subprocess, sys
+"""`fsdp-kit doctor`'s other FAIL / PASS pairs on 2 CPU ranks (a second file, so pytest-xdist runs it beside test_doctor.py), and bad
+input refused in one line with exit 2. The seeds' QLoRA YAML (fsdp_version 1, uint8 storage, a save that writes nothing, FSDP1 keys) is
+run and asserted by nbs/12_doctor.ipynb and by the tour (tests/test_cli.py); the command's JSON by test_doctor.test_ddp_fallback_fails."""
+import subprocess, sys
 import pytest
-from tests.test_doctor import statuses, QWEN, LLAMA, HERE, THREE_FAILS, SEED_QLORA
+from tests.test_doctor import statuses, QWEN, LLAMA, HERE, THREE_FAILS
 
 pytestmark = pytest.mark.timeout(400)
 QLORA_BF16 = str(HERE / "qlora_bf16.yaml")  # FSDP2, mixed_precision bf16, FULL_STATE_DICT
-
-
-def test_seed_qlora_yaml_through_the_command():
-    "The seeds' QLoRA YAML as it is: accelerate builds FSDP1 without fsdp_version; bitsandbytes' default uint8 storage is left out of FSDP by "
-    "accelerate (replicated); Trainer.save_model writes nothing under SHARDED_STATE_DICT; keys FSDP2 does not use."
-    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", "--model", "examples/configs/qwen2-tiny/config.json", "--fsdp-config",
-                          SEED_QLORA, "--method", "qlora", "--json", "-"], capture_output=True, text=True, timeout=380)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout)
-    assert set(r) >= {"checks", "twin", "versions"} and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
-    assert all(set(c) == {"name", "status", "reason", "fix"} for c in r["checks"]) and len(r["checks"]) == 12
-    got = {c["name"]: c["status"] for c in r["checks"]}
-    assert (got["fsdp_version"], got["quant_storage"], got["saving"], got["keys"]) == ("FAIL", "FAIL", "FAIL", "WARN"), got
-    reasons = {c["name"]: c["reason"] for c in r["checks"]}
-    assert "fsdp_version 1" in reasons["fsdp_version"] and "bnb_4bit_quant_storage=uint8" in reasons["quant_storage"]
-    assert "wrote nothing" in reasons["saving"] and "FAIL" in res.stderr  # the report on stderr beside the JSON
 
 
 def test_size_threshold_master_weights_cp_key():
