@@ -9,7 +9,7 @@ from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES
 
 HERE = Path(__file__).parent / "doctor"
 QWEN, LLAMA = str(HERE / "qwen2-0.5b" / "config.json"), str(HERE / "llama-2-7b" / "config.json")  # written by hand from the public checkpoints' files
-HEALTHY, THREE_FAILS = str(EXAMPLES / "doctor" / "healthy.yaml"), str(EXAMPLES / "doctor" / "three_fails.json")
+HEALTHY = str(EXAMPLES / "doctor" / "healthy.yaml")
 pytestmark = pytest.mark.timeout(400)  # each run stops itself after DoctorSpec.timeout; a hang past that fails here
 
 
@@ -36,6 +36,7 @@ def test_healthy_config_passes_every_check_it_can(healthy):
     # prepare), and converting Qwen2-0.5B's bf16 checkpoint to fp32 makes a copy on each
     assert healthy["loading"][0] == "WARN" and "2 of 2 ranks read the checkpoint" in healthy["loading"][1]
     assert "2 ranks hold a copy of their own: from_pretrained converts the bfloat16 checkpoint to float32" in healthy["loading"][1]
+    assert "for your model that is 2.0 GB of host memory per rank" in healthy["loading"][1]  # Qwen2-0.5B's 494 M parameters in float32, per rank
 
 
 def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
