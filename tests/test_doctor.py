@@ -13,11 +13,16 @@ HEALTHY = str(EXAMPLES / "doctor" / "healthy.yaml")
 pytestmark = pytest.mark.timeout(400)  # each run stops itself after DoctorSpec.timeout; a hang past that fails here
 
 
+def by_name(r:dict) -> dict:
+    "A doctor report's checks, each asserted whole (twelve, a known status, a reason): check name -> (status, reason)."
+    assert len(r["checks"]) == len(CHECKS) == 12 and all(c["status"] in STATUSES and c["reason"] for c in r["checks"])
+    return {c["name"]: (c["status"], c["reason"]) for c in r["checks"]}
+
+
 def statuses(**kw) -> dict:
     "Run the doctor for real; check name -> (status, reason)."
     r = doctor(DoctorSpec(timeout=240, steps=1, **kw), say=lambda line: None)
-    assert len(r["checks"]) == len(CHECKS) == 12 and all(c["status"] in STATUSES and c["reason"] for c in r["checks"])
-    return {c["name"]: (c["status"], c["reason"]) for c in r["checks"]} | {"_twin": r["twin"]}
+    return by_name(r) | {"_twin": r["twin"]}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +74,8 @@ def test_ddp_fallback_fails():
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout)
     assert set(r) >= {"checks", "twin", "versions"} and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
-    assert all(set(c) == {"name", "status", "reason", "fix"} and c["status"] in STATUSES for c in r["checks"]) and len(r["checks"]) == len(CHECKS)
-    s = {c["name"]: (c["status"], c["reason"]) for c in r["checks"]}
+    assert all(set(c) == {"name", "status", "reason", "fix"} for c in r["checks"])
+    s = by_name(r)
     assert s["ddp_fallback"][0] == "FAIL" and s["ddp_fallback"][1].startswith("DistributedDataParallel")
     assert s["fsdp_version"][0] == "FAIL" and "does not run FSDP with this file" in s["fsdp_version"][1]
     assert "FAIL  ddp_fallback" in res.stderr and "3 FAIL" in res.stderr  # the report on stderr beside the JSON
