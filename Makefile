@@ -14,11 +14,11 @@ nbdev-test:        ## nbdev's own runner over every notebook (cells flagged note
 	@for nb in nbs/0[6-9]*.ipynb nbs/10_*.ipynb nbs/11*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # the heavy ones (cp, checkpoint, plan*, hf, launch, scale), a fresh process each
 
 pytest:            ## the test suite: real multi-process runs and bad-input cases (pytest-xdist: two files at a time, each file in one process)
-	python -m pytest -q -n 2 --dist loadfile --durations=15 tests --ignore=tests/test_sync.py  # two test files at a time: their launches wait as much as they compute
+	python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests --ignore=tests/test_sync.py  # two test files at a time: their launches wait as much as they compute
 
 nbval:             ## run every notebook again, from a copy outside the checkout (so they may read only what the installed package ships), and compare the outputs marked NBVAL_CHECK_OUTPUT
 	@copy=$$(mktemp -d) && cp -r nbs $$copy/ && cd $$copy && echo "nbval in $$copy/nbs" && \
-	python -m pytest -q -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=300 --timeout=300 -p no:cacheprovider nbs; \
+	python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --nbval-lax --nbval-cell-timeout=300 --timeout=300 -p no:cacheprovider nbs; \
 	rc=$$?; rm -rf $$copy; exit $$rc  # two notebooks at a time, each in its own kernel
 
 tour:
