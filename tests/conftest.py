@@ -49,7 +49,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # `make pytest` gives each xdist worker whole files (--dist loadfile) in the order collected (--no-loadscope-reorder: xdist would
 # otherwise start the files with the most tests first, which put the few long multi-process files last and left one core idle
-# while the other finished them). The longest files first, as measured on 2 cores (seconds of pytest's own durations); the rest
+# while the other finished them). The longest files first, in the order of their measured wall time on 2 cores (pytest's --durations); the rest
 # follow in name order and fill in around them. The files whose tests mostly wait (for a rendezvous timeout, a hang's timeout, a
 # killed launcher: test_lifecycle, test_launch, test_scale_out) sit between files that compute, so the two workers rarely wait at once.
 LONGEST_FIRST = ("test_cli", "test_fsdp_config_runs", "test_hf", "test_lifecycle", "test_checkpoint", "test_doctor", "test_launch",
