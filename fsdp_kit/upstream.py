@@ -55,7 +55,8 @@ def quiet():
             for l, level in zip(loggers, levels): l.setLevel(level)
 
 # %% ../nbs/03a_upstream.ipynb #ffeed71b
-NO_DEVICE = "There are currently no available devices found"  # accelerate's FSDP1 plugin looks up the current GPU for sync_module_states
+NO_DEVICE = ("There are currently no available devices found",  # accelerate <= 1.15: its FSDP1 plugin looks up the current GPU for sync_module_states
+             "FSDP parameter initialization with `sync_module_states=True` is not supported on")  # accelerate >= 1.16: refused on cpu and mps
 
 def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* variables from it)
                 **kwargs # arguments of FullyShardedDataParallelPlugin, as transformers' Trainer passes them
@@ -68,7 +69,7 @@ def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* va
     with environ(env):
         try: plugin.__post_init__()
         except RuntimeError as e:  # FSDP1 with sync_module_states on a machine without GPUs: every field is set before this last lookup
-            if NO_DEVICE not in str(e): raise
+            if not any(m in str(e) for m in NO_DEVICE): raise
     return plugin
 
 # %% ../nbs/03a_upstream.ipynb #f1261c20

@@ -59,6 +59,17 @@ def reports(training_arguments_process, tmp_path_factory):
     return out
 
 
+def a_gpu_for_fsdp1():
+    "FSDP1 with sync_module_states asks for the current GPU: accelerate <= 1.15 through is_cuda_available, >= 1.16 through get_torch_accelerator_backend."
+    import contextlib, torch
+    import accelerate.utils.dataclasses as dc
+    stack = contextlib.ExitStack()
+    if hasattr(dc, "get_torch_accelerator_backend"): stack.enter_context(mock.patch.object(dc, "get_torch_accelerator_backend", return_value=("cuda", torch.cuda)))
+    else: stack.enter_context(mock.patch.object(dc, "is_cuda_available", return_value=True))
+    stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
+    return stack
+
+
 def upstream_plugin(path, trainer_args):
     "accelerate's FSDP plugin as the file's entry point builds it, with accelerate's and transformers' own calls (a GPU lookup stubbed for FSDP1)."
     from accelerate.commands.launch import launch_command_parser, _validate_launch_command
@@ -73,8 +84,7 @@ def upstream_plugin(path, trainer_args):
             mixed = env["ACCELERATE_MIXED_PRECISION"]
         else:
             env, (kwargs, mixed) = dict(FRESH), trainer_args[str(path)]
-    with mock.patch.dict(os.environ, env, clear=True), mock.patch("accelerate.utils.dataclasses.is_cuda_available", return_value=True), \
-         mock.patch("torch.cuda.current_device", return_value=0):  # FSDP1 with sync_module_states asks for the current GPU
+    with mock.patch.dict(os.environ, env, clear=True), a_gpu_for_fsdp1():
         plugin = FullyShardedDataParallelPlugin(**kwargs)
         if mixed != "no": plugin.set_mixed_precision(mixed)
         parallelism = ParallelismConfig() if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true" else None
