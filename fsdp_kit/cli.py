@@ -362,15 +362,16 @@ def _cmd_plan(a):
         print(f"wrote {out}: {len(table['plans'])} plans, {len(table['moments'])} peak moments", file=sys.stderr)
         return
     if a.validate:
-        specs = plan_validate.validation_matrix(a.nproc)
-        print(f"running {len(specs)} settings on world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
+        device, specs = plan_validate.validation_settings(a.nproc)  # the CUDA matrix where CUDA is available
+        print(f"running {len(specs)} settings on {device}, world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
         result = plan_validate.validate(specs, launcher="torchrun", timeout=a.timeout)
         if a.plot:
             import matplotlib
             matplotlib.use("Agg")
             plan_validate.plot_validation(result).savefig(a.plot, dpi=100, bbox_inches="tight")
             print(f"wrote {a.plot}", file=sys.stderr)
-        emit(result, a.json, plan_validate.validation_table(result))
+        table = plan_validate.validation_table(result)
+        emit(result, a.json, table + ("\n" + plan_validate.gpu_validation_table(result) if result["device"] == "cuda" else ""))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
     kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, cp=a.cp) | _plan_precision(a)

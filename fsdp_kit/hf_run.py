@@ -427,6 +427,9 @@ def run_workflow(spec:HFRunSpec, # which workflow, on which config file
     "Run one workflow on `nproc` processes: trainer and native through the kit's torchrun launcher, sft and qlora through `accelerate launch`."
     from fsdp_kit.launch import launch
     spec.check()
+    if spec.workflow == "native" and nproc < 2:  # refused before launching: on one rank the model would train unsharded
+        raise bad_value("nproc", nproc, "2 or more for native: transformers' DistributedConfig does nothing at world size 1 "
+                        "(the model stays unsharded); trainer, sft and qlora run FSDP2 on 1 rank")
     start = time.time()
     if spec.workflow in ("sft", "qlora"): result = run_sft(spec, nproc, SFT_RUN_LIMIT)
     else: result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, nprocs=nproc, launcher="torchrun", timeout=timeout)

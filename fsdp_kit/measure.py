@@ -8,7 +8,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 __all__ = ['CATEGORIES', 'GATHER_OPS', 'SCATTER_OPS', 'QUIET_WARNINGS', 'FIGURE_MAX_WIDTH_IN', 'FIGURE_MIN_FONT_PT',
            'unit_tracker', 'comm_counter', 'StepMeasurement', 'peak_by_category', 'quiet_hook_warnings', 'measure_step',
            'step_timing', 'busy_note', 'first_step_tracker', 'FigureCheckError', 'wrap_label', 'figure_problems',
-           'check_figure', 'plot_timeline', 'plot_categories']
+           'check_figure', 'plot_timeline', 'plot_categories', 'gpu_records', 'record_label', 'stored_gpu_lines']
 
 # %% ../nbs/04a_measure.ipynb #1771caf5
 import os, statistics, time, warnings
@@ -394,3 +394,35 @@ def plot_categories(peaks:dict, ax=None, title:str="peak memory per rank, by cat
     if legend_below: ax.legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     else: ax.legend(fontsize=9, bbox_to_anchor=(1.01, 1), loc="upper left")
     return check_figure(ax.figure) if own else ax.figure
+
+# %% ../nbs/04a_measure.ipynb #e069ed99
+def gpu_records(folder=None # a folder of gpu_check records; None: the package's examples/gpu
+               ) -> list:
+    "Every stored gpu_check record in `folder`, GPU records first, newest first within each mode; each with its file name."
+    import json
+    from pathlib import Path
+    from fsdp_kit.config import EXAMPLES
+    folder = Path(folder or EXAMPLES / "gpu")
+    records = [json.loads(p.read_text()) | dict(file=p.name) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    return sorted(records, key=lambda r: (r.get("mode") == "gpu", r.get("date", ""), r["file"]), reverse=True)
+
+def record_label(record:dict) -> str:
+    "One line naming what a record was measured on: the card (or CPU mode, said to be no GPU numbers), the versions and the date."
+    v, d = record["versions"], record["device"]
+    stack = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes") if v.get(k))
+    if record.get("mode") == "gpu":
+        return f"stored GPU record {record['file']}: {d['gpu_count']} x {d['gpu_name']}, {stack}, CUDA {d.get('cuda')}, {record['date']}"
+    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): it exercises the GPU check's code path, "
+            f"these are NOT GPU numbers; {stack}, {record['date']}")
+
+def stored_gpu_lines(steps:list, # gpu_check step names, e.g. ["ac-offload"]
+                     folder=None # as `gpu_records`
+                    ) -> list:
+    "What the newest stored record says of `steps`, under its label; or one line saying that no GPU record exists yet."
+    records = gpu_records(folder)
+    if not records:
+        return ["no GPU record exists yet: `python benchmarks/gpu_check.py` on a GPU machine writes one to fsdp_kit/examples/gpu/"]
+    record = records[0]
+    found = {s["name"]: s for s in record["steps"]}
+    return [record_label(record)] + [f"  {name}: {found[name]['status']}, {found[name]['seconds']:.0f} s: {found[name]['line']}"
+                                     if name in found else f"  {name}: not in this record" for name in steps]

@@ -116,11 +116,12 @@ class PlanSpec(RunSpec):
         "A short name: model, ranks, method, policy, reshard, precision, checkpointing."
         policy = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}.get(self.policy, self.policy)
         reshard = {True: "reshard", False: "keep"}.get(self.reshard_after_forward, f"to{self.reshard_after_forward}") if isinstance(self.reshard_after_forward, bool) else f"to{self.reshard_after_forward}"
-        parts = [self.model, f"w{self.world_size}", self.method, policy, reshard, {"mixed-bf16": "bf16"}.get(self.precision, self.precision), f"s{self.seq_len}" * (self.seq_len != 64)]
+        model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model  # a shipped config by its folder's name
+        parts = [model, f"w{self.world_size}", self.method, policy, reshard, {"mixed-bf16": "bf16"}.get(self.precision, self.precision), f"s{self.seq_len}" * (self.seq_len != 64)]
         kind, k = parse_ac(self.policy_ac)
         targets = "" if self.lora_targets == "all-linear" else "lora:" + "".join(n[0] for n in lora_targets(self.lora_targets))
         extras = [f"ce/{self.ce_chunks}" * bool(self.ce_chunks), "opt-in-bwd" * self.optimizer_in_backward,
-                  "act-offload" * self.offload_activations, "fp8-ag" * self.fp8_all_gather, "root-edges" * (not self.edge_units)]
+                  "act-offload" * self.offload_activations, "fp8-ag" * self.fp8_all_gather, "root-edges" * (not self.edge_units), "offload" * self.cpu_offload]
         return " ".join(p for p in parts + [{"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind], targets] + extras if p)
 
 # %% ../nbs/08_plan.ipynb #c6ad0115

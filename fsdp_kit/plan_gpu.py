@@ -19,9 +19,13 @@ from .plan import PlanSpec, layer_index, meta_shapes, model_tensors, units, dims
 from .plan import comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
 
 # %% ../nbs/08b_plan_gpu.ipynb #7a280d94
-ALLOCATOR_OVERHEAD = 0.10  # CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak
+ALLOCATOR_OVERHEAD = 0.10  # CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak.
+# Fitted on the one published pair of both statistics: Answer.AI's Llama-2-7B LoRA row (benchmarks_03_2024.md: 9.16 GiB allocated, 10.22 GiB
+# reserved, 11.6% more; see PUBLISHED). No record of benchmarks/gpu_check.py (examples/gpu/) has checked it yet: `plan --validate` on CUDA does.
 
-CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds)
+CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds).
+# An assumption, not a measurement: the order nvidia-smi shows for a process that has only initialised CUDA 12 and NCCL on A100/H100 cards
+# (0.3-0.6 GiB, more with lazy module loading off). No gpu_check record has measured it yet; its plan-validate step reads NVML beside it.
 
 GB = 10**9
 

@@ -124,6 +124,7 @@ def rows():
           Case("hf-run-sft-json", [*HF, "--run", "sft"], 2, "is not allowed: a .yaml or .yml file for sft"),
           Case("hf-run-trainer-1-step", [*HF, "--run", "trainer", "--steps", "1"], 2, "--steps=1 is not allowed: 2 or more for trainer"),
           Case("hf-run-and-check", [*HF, "--run", "trainer", "--check"], 2, "--check and --run: pick one"),
+          Case("hf-run-native-1-rank", [*HF, "--run", "native", "--nproc", "1"], 2, "--nproc=1 is not allowed: 2 or more for native"),
           Case("ckpt-missing-folder", ["ckpt", "{tmp}/none"], 2, "an existing checkpoint folder"),
           Case("ckpt-a-file", ["ckpt", "{tmp}/f"], 2, "an existing checkpoint folder", files={"f": "x"}),
           Case("no-command", [], 2, "the following arguments are required: command"),

@@ -238,3 +238,23 @@ def test_first_principles_and_the_tracker_names_keep_every_byte():
         for name, m in moments(config, spec):
             tracked = as_tracked(name, m)
             assert sum(tracked.values()) == sum(m.values()) and (name != "optimizer step" or "temporaries" not in tracked), (r["config"]["label"], name)
+
+
+def test_validate_picks_the_cuda_matrix_only_with_cuda(monkeypatch):
+    "plan --validate's choice of settings: the CPU matrix without CUDA, the CUDA one (on min(--nproc, GPUs)) with it; CUDA is mocked for the choice only."
+    import torch
+    from fsdp_kit import plan_validate
+    from fsdp_kit.plan import count_parameters
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan_validate.validation_settings(2) == ("cpu", plan_validate.validation_matrix(2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpus, nproc, world in ((1, 2, 1), (8, 2, 2), (8, 8, 8)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        device, specs = plan_validate.validation_settings(nproc)
+        assert device == "cuda" and {s.world_size for s in specs} == {world} and specs == plan_validate.cuda_validation_matrix(world)
+    labels = [s.label() for s in specs]
+    assert {"small w8 full layer reshard fp32 s512", "llama-3.2-1b w8 full layer reshard fp32 s1024", "llama-3.2-1b w8 full layer reshard bf16 s1024",
+            "llama-3.2-1b w8 full layer reshard bf16 s1024 ac", "llama-3.2-1b w8 lora layer reshard bf16 s1024",
+            "llama-3.2-1b w8 qlora layer reshard bf16 s1024", "llama-3.2-1b w8 full layer reshard bf16 s1024 ac offload"} <= set(labels)
+    assert len(set(labels)) == len(labels) and all(s.check() for s in specs)
+    assert 1.2e9 < count_parameters(plan_validate.LLAMA_1B) < 1.3e9  # Llama-3.2-1B: 1,235,814,400 with tied embeddings
