@@ -7,7 +7,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 # %% auto #0
 __all__ = ['STATE_DICT_TYPES', 'FORMAT', 'LOADING_MODEL', 'CheckpointSpec', 'lock_checkpoint_dir', 'step_name', 'verify',
            'list_checkpoints', 'find_checkpoint', 'save_checkpoint', 'load_checkpoint', 'model_shape', 'check_resume',
-           'Saver', 'to_full', 'load_sharded', 'rss_bytes', 'rss_split', 'loading_worker', 'save_loading_model']
+           'Saver', 'to_full', 'load_sharded', 'rss_bytes', 'rss_split', 'PeakRSS', 'loading_worker',
+           'save_loading_model']
 
 # %% ../nbs/07_checkpoint.ipynb #c60647f3
 import errno, hashlib, json, os, shutil, threading, time
@@ -571,7 +572,7 @@ def rss_split() -> dict:
         return dict(own=kb["RssAnon"] * 1024, mapped=kb["RssFile"] * 1024)
     except (OSError, KeyError): return dict(own=rss_bytes(), mapped=0)
 
-class _PeakRSS:
+class PeakRSS:
     "The highest resident set size of this process while the block runs, sampled every `interval` seconds, its split (own, mapped) at that moment, and the highest of each part (`most`)."
     def __init__(self, interval:float=0.002): self.interval, self.peak = interval, 0
     def _sample(self):
@@ -613,7 +614,7 @@ def loading_worker(path:str, # a transformers folder to load
     dist.barrier()
     from fsdp_kit.config import FSDPConfig
     stages = {}
-    with _PeakRSS() as rss:
+    with PeakRSS() as rss:
         model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient), on_stage=lambda s: stages.update({s: rss.mib(rss_split())}))
     shard = sum(p.to_local().nbytes for p in model.parameters()) / 2**20  # this rank's share of the weights
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)

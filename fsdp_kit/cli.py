@@ -188,7 +188,10 @@ def _cmd_hf(a):
     out = dict(source=a.fsdp_config, notes=cfg.notes, training_arguments=training_arguments(cfg),
                accelerate_config=accelerate_config(cfg, a.nproc), config={k: getattr(cfg, k) for k in FIELDS}, upstream=upstream_reading(a.fsdp_config))
     up = out["upstream"]  # what the file's own entry point builds, beside what the kit runs
+    from fsdp_kit.versions import versions_verdict
+    v = out["versions_verdict"] = versions_verdict()  # which releases built it, and what the versions matrix knows of them
     upstream_text = (f"{up['entry_point']} builds " + (f"FSDP{up['fsdp_version']}: " + ", ".join(f"{k}={up[k]!r}" for k in FIELDS) if "refused" not in up else f"nothing: {up['refused']}")
+                     + f"\n  (upstream {v['status']}: {v['reason']})"
                      + "\nthe kit runs FSDP2: " + ", ".join(f"{k}={v!r}" for k, v in out["config"].items()) + "\n")
     text = (f"{a.fsdp_config} as TrainingArguments:\n  TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in out["training_arguments"].items())
             + ", ...)\nas an accelerate config (accelerate launch --config_file):\n" + "".join(f"  {l}\n" for l in accelerate_yaml(cfg, a.nproc).splitlines())

@@ -587,7 +587,6 @@ def _layer_params(model:str) -> int:
 # %% ../nbs/12_doctor.ipynb #d0c70014
 def doctor(spec:DoctorSpec, say=print) -> dict:
     "Check `spec`, run the twin through the file's entry point, run every check; {checks, twin, versions, scale, seen}."
-    import importlib.metadata as md
     from fsdp_kit.config import load_fsdp_config, parse_fsdp_file
     from fsdp_kit.upstream import upstream_reading
     start = time.time()
@@ -603,8 +602,10 @@ def doctor(spec:DoctorSpec, say=print) -> dict:
     ctx |= dict(twin=ran["twin"], seen=ran["seen"], twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
                 others_dtype=spec.load_dtype(), user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
     checks = run_checks(ctx)
-    versions = {k: md.version(k) for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes")}
-    return dict(checks=[asdict(c) for c in checks], twin=ran["twin"], versions=versions, scale=ctx["scale"], upstream=ctx["upstream"],
+    from fsdp_kit.versions import installed, versions_verdict
+    versions = installed()
+    return dict(checks=[asdict(c) for c in checks], twin=ran["twin"], versions=versions, versions_verdict=versions_verdict(versions),
+                scale=ctx["scale"], upstream=ctx["upstream"],
                 seen={k: v for k, v in ran["seen"].items() if k in ("error", "stage", "losses", "world_size", "timed_out")}, folder=folder,
                 seconds=round(time.time() - start, 1))
 
@@ -614,5 +615,7 @@ def report_text(result:dict) -> str:
     counts = {s: sum(c["status"] == s for c in result["checks"]) for s in STATUSES}
     s = result.get("scale") or {}
     if s.get("line"): lines.append(f"your scale: {s['parameters'] / 1e9:.2f} B parameters on {s['gpus']} GPUs: {s['line']}")
+    v = result.get("versions_verdict")
+    if v: lines.append(f"{v['status']:4}  {'versions':24} {v['reason']}" + (f"\n      fix: {v['fix']}" if v["fix"] and v["status"] != "PASS" else ""))
     lines.append(", ".join(f"{n} {s_}" for s_, n in counts.items()) + f" ({result['seconds']:.0f} s)")
     return "\n".join(lines)

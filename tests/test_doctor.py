@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from fsdp_kit.config import EXAMPLES
 from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES
+from fsdp_kit.versions import LIBS
 
 HERE = Path(__file__).parent / "doctor"
 QWEN, LLAMA = str(HERE / "qwen2-0.5b" / "config.json"), str(HERE / "llama-2-7b" / "config.json")  # written by hand from the public checkpoints' files
@@ -79,3 +80,5 @@ def test_ddp_fallback_fails():
     assert s["ddp_fallback"][0] == "FAIL" and s["ddp_fallback"][1].startswith("DistributedDataParallel")
     assert s["fsdp_version"][0] == "FAIL" and "does not run FSDP with this file" in s["fsdp_version"][1]
     assert "FAIL  ddp_fallback" in res.stderr and "3 FAIL" in res.stderr  # the report on stderr beside the JSON
+    v = r["versions_verdict"]  # the installed releases against the stored versions matrix
+    assert v["status"] in ("PASS", "WARN", "FAIL") and v["installed"] == {k: r["versions"][k] for k in LIBS} and f"{v['status']:4}  versions" in res.stderr
