@@ -258,3 +258,21 @@ def test_validate_picks_the_cuda_matrix_only_with_cuda(monkeypatch):
             "llama-3.2-1b w8 qlora layer reshard bf16 s1024", "llama-3.2-1b w8 full layer reshard bf16 s1024 ac offload"} <= set(labels)
     assert len(set(labels)) == len(labels) and all(s.check() for s in specs)
     assert 1.2e9 < count_parameters(plan_validate.LLAMA_1B) < 1.3e9  # Llama-3.2-1B: 1,235,814,400 with tied embeddings
+
+
+def test_load_reserved_only_where_it_applies():
+    "The load term is absent without QLoRA, CPU offload or a loading path, and equals its formula for one setting where it applies."
+    from fsdp_kit.plan_gpu import load_high_water
+    kw = dict(gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=512, grad_ckpt=True, offload=True, edge_units=False)
+    for off in (dict(cpu_ram_efficient_loading=None), dict(offload=False, cpu_ram_efficient_loading="per-weight"),
+                dict(method="lora", cpu_ram_efficient_loading="per-weight")):
+        p = plan_gpu("llama-3-70b", **kw | off)
+        assert "load_reserved" not in p.breakdown and p.per_gpu_reserved_bytes[0] == p.per_gpu_allocated_bytes
+    p = plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="per-weight")
+    root = (2 * 128256 * 8192 + 8192) * 2  # embeddings, lm_head, final norm in bf16: FSDP1's root unit, moved, flattened, its shard cloned
+    high = p.breakdown["quant_state"] + 2 * root + root // 2
+    assert p.breakdown["load_reserved"] == high - p.per_gpu_allocated_bytes - p.breakdown["allocator_overhead"] > 0
+    spec = PlanSpec("llama-3-70b", 2, method="qlora", cpu_offload=True, mixed_precision="bf16", edge_units=False)
+    assert load_high_water(plan_config("llama-3-70b"), spec, "per-weight") == high == p.per_gpu_reserved_bytes[0]
+    assert plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="whole-model").breakdown["load_reserved"] > 24 * GB
+    with pytest.raises(KitError, match="cpu_ram_efficient_loading"): plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="rank0")
