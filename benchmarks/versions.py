@@ -11,22 +11,30 @@ minutes on 2 CPU cores for 10 combinations.
 """
 import argparse, sys, time
 from pathlib import Path
-from fsdp_kit.versions import MATRIX, DEPTH, LIBS, PROBES, grid, minors, pypi_releases, supported_oldest, run_matrix, matrix_table
+import json, tempfile
+from fsdp_kit.versions import MATRIX, DEPTH, LIBS, PROBES, grid, minors, pypi_releases, supported_oldest, run_matrix, matrix_table, merge, load_matrix
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=MATRIX, help=f"the matrix JSON (default: {MATRIX})")
-    p.add_argument("--only", default=None, help="comma-separated combination names to run (default: all), e.g. 'newest,accelerate 1.15.0'")
+    p.add_argument("--only", default=None, help="comma-separated combination names to run again (default: all), e.g. 'newest,accelerate 1.15.0'; "
+                   "they replace those of the same name in --out, the others are kept")
     p.add_argument("--probes", default=None, help=f"comma-separated probes (default: all of {', '.join(x.name for x in PROBES)})")
     p.add_argument("--keep", metavar="DIR", default=None, help="make the environments in DIR and keep them (default: a temporary folder, removed)")
     a = p.parse_args(argv)
     releases = {lib: minors(pypi_releases(lib), DEPTH[lib]) for lib in LIBS}
-    combos = grid(releases, supported_oldest())
-    if a.only: combos = [c for c in combos if c["name"] in a.only.split(",")] or sys.exit(f"--only={a.only!r}: no such combination in {[c['name'] for c in grid(releases, supported_oldest())]}")
+    everything = combos = grid(releases, supported_oldest())
+    if a.only:
+        combos = [c for c in combos if c["name"] in a.only.split(",")]
+        if not combos: sys.exit(f"--only={a.only!r} is not allowed: names from {[c['name'] for c in everything]}")
     probes = [x for x in PROBES if not a.probes or x.name in a.probes.split(",")]
-    start = time.time()
-    matrix = run_matrix(combos, a.out, probes, a.keep, say=lambda line: print(line, file=sys.stderr, flush=True))
+    start, say = time.time(), lambda line: print(line, file=sys.stderr, flush=True)
+    if a.only and a.out.exists():  # measure these again into a scratch file, then merge them into the stored matrix
+        with tempfile.TemporaryDirectory() as tmp: new = run_matrix(combos, Path(tmp) / "part.json", probes, a.keep, say=say)
+        matrix = merge(load_matrix(a.out), new, [c["name"] for c in everything])
+        a.out.write_text(json.dumps(matrix, indent=1) + "\n")
+    else: matrix = run_matrix(combos, a.out, probes, a.keep, say=say)
     print(matrix_table(matrix))
     print(f"{len(combos)} combinations, {len(probes)} probes each: {time.time() - start:.0f} s; wrote {a.out}", file=sys.stderr)
 

@@ -7,9 +7,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/versions.html.md"""
 # %% auto #0
 __all__ = ['LIBS', 'MATRIX', 'STATUS', 'DEPTH', 'PROBES', 'NOISY', 'COLOURS', 'CHANGES', 'installed', 'vtuple', 'minors',
            'pypi_releases', 'grid', 'supported_oldest', 'matrix_table', 'base_site', 'make_env', 'upstream_files',
-           'probe_upstream', 'sync_module_states_message', 'prepare_worker', 'probe_prepare', 'Probe', 'run_probe',
-           'flat', 'differences', 'mark', 'run_matrix', 'plot_matrix', 'change_of', 'load_matrix', 'findings',
-           'versions_verdict']
+           'probe_upstream', 'sync_module_states_message', 'prepare_worker', 'probe_prepare', 'Probe', 'error_line',
+           'run_probe', 'flat', 'differences', 'mark', 'run_matrix', 'merge', 'combo_seconds', 'plot_matrix',
+           'change_of', 'load_matrix', 'findings', 'versions_verdict']
 
 # %% ../nbs/03b_versions.ipynb #f2d40bf5
 import json, os, re, subprocess, sys, time
@@ -283,6 +283,17 @@ PROBES = [
 # %% ../nbs/03b_versions.ipynb #d75e3b04
 NOISY = ("_mib", "seconds")  # measured keys left out of the comparison: they vary from run to run
 
+def error_line(stderr:str, returncode:int) -> str:
+    "Why a command failed, in one line: its last exception (a rank's too) and the file and function that raised it, else its last line."
+    lines = [re.sub(r"^\[(?:rank|default)\d+\]:\s?", "", l) for l in stderr.splitlines()]
+    raised = [i for i, l in enumerate(lines) if re.match(r"\s*[\w.]*(Error|Exception)\b[^ ]*:", l) and "ChildFailedError" not in l]
+    if raised:
+        i = raised[-1]
+        where = next((m for l in reversed(lines[:i]) if (m := re.search(r'File "(?:.*site-packages/)?([^"]+)", line (\d+), in (\S+)', l))), None)
+        return lines[i].strip()[:240] + (f" (in {where.group(1)}:{where.group(2)}, {where.group(3)})" if where else "")
+    plain = [l.strip() for l in lines if l.strip() and not set(l.strip()) <= set("=-^~ ")]
+    return plain[-1][:300] if plain else f"exit status {returncode}"
+
 def run_probe(py, probe:Probe, cwd:str) -> dict:
     "Run `probe` with interpreter `py` in `cwd`: status PASS or FAIL (with the reason: its error's last line), seconds, values."
     cmd = [str(py)] + [a.replace("{ex}", str(EXAMPLES)) for a in probe.args]
@@ -292,8 +303,7 @@ def run_probe(py, probe:Probe, cwd:str) -> dict:
     seconds = round(time.time() - start, 1)
     at = r.stdout.find("{") if r.stdout.startswith("{") else r.stdout.find("\n{") + 1  # the JSON, after any line a library printed
     if r.returncode or at < 0 or (at == 0 and not r.stdout.startswith("{")):
-        why = [l for l in r.stderr.splitlines() if l.strip() and not l.startswith((" ", "Traceback"))] or [f"exit status {r.returncode}"]
-        return dict(status="FAIL", reason=why[-1][:300], seconds=seconds)
+        return dict(status="FAIL", reason=error_line(r.stderr, r.returncode), seconds=seconds)
     data = json.JSONDecoder().raw_decode(r.stdout[at:])[0]
     return dict(status="PASS", seconds=seconds, values=probe.keep(data) if probe.keep else data)
 
@@ -329,11 +339,13 @@ def run_matrix(combos:list, # from `grid`
     import platform, shutil, tempfile
     probes, start = probes or PROBES, time.time()
     root = Path(folder or tempfile.mkdtemp(prefix="fsdp_kit_versions_"))
-    matrix = dict(command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]), date=time.strftime("%Y-%m-%d"), base=installed() | dict(python=platform.python_version()),
-                  machine=f"{os.cpu_count()} CPU cores, {platform.machine()}", probes=[p.name for p in probes], combos=[])
+    command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+    matrix = dict(command=command, date=time.strftime("%Y-%m-%d"), base=installed() | dict(python=platform.python_version()),
+                  machine=f"{os.cpu_count()} CPU cores, {platform.machine()}", probes=[p.name for p in probes], combos=[],
+                  runs=[dict(command=command, date=time.strftime("%Y-%m-%d"), combos=[c["name"] for c in combos])])
     try:
         for i, combo in enumerate(combos, 1):
-            env = root / f"env{i}"
+            env, began = root / f"env{i}", time.time()
             py, secs, error = make_env(env, combo["versions"])
             row = dict(combo, install_seconds=secs, probes={})
             say(f"[{i}/{len(combos)}] {combo['name']}: " + " ".join(f"{k} {v}" for k, v in combo["versions"].items()) + f" (installed in {secs:.0f} s)")
@@ -341,14 +353,30 @@ def run_matrix(combos:list, # from `grid`
                 row["probes"][p.name] = dict(status="FAIL", reason=f"install failed: {error}") if error else run_probe(py, p, str(env))
                 r = row["probes"][p.name]
                 say(f"      {p.name:15} {r['status']:4} {r.get('seconds', 0):6.1f} s  {r.get('reason', '')}")
-            matrix["combos"].append(row)
+            matrix["combos"].append(row | dict(seconds=round(time.time() - began, 1)))
             shutil.rmtree(env, ignore_errors=True)
-            matrix["seconds"] = round(time.time() - start)
+            matrix["runs"][0]["seconds"] = matrix["seconds"] = round(time.time() - start)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(mark(matrix), indent=1) + "\n")
     finally:
         if folder is None: shutil.rmtree(root, ignore_errors=True)
     return matrix
+
+# %% ../nbs/03b_versions.ipynb #f057dc8f
+def merge(old:dict, # the stored matrix
+          new:dict, # a run of some combinations (`run_matrix`)
+          order:list # every combination's name, in the grid's order: combinations of `old` not in it are dropped
+         ) -> dict:
+    "`old` with `new`'s combinations in place of those of the same name, in `order`; `seconds` the sum over combinations; marked again."
+    if old["probes"] != new["probes"]: raise ValueError(f"the runs measured different probes: {old['probes']} and {new['probes']}")
+    byname = {c["name"]: c for c in old["combos"]} | {c["name"]: c for c in new["combos"]}
+    combos = [byname[n] for n in order if n in byname]
+    return mark(dict(new, combos=[dict(c, probes={k: dict(v) for k, v in c["probes"].items()}) for c in combos],
+                     runs=old.get("runs", []) + new["runs"], seconds=round(sum(combo_seconds(c) for c in combos))))
+
+def combo_seconds(combo:dict) -> float:
+    "A combination's wall time: as measured, or (a matrix written before it was) its install and probes added up."
+    return combo.get("seconds") or combo.get("install_seconds", 0) + sum(p.get("seconds", 0) for p in combo["probes"].values())
 
 # %% ../nbs/03b_versions.ipynb #c5e9de48
 COLOURS = dict(PASS="#4c9a2a", DIFF="#e8a33d", FAIL="#c0392b")
@@ -387,11 +415,15 @@ CHANGES = [  # behaviours the matrix found changed: the library and release that
          what="saving optimizer state before the first step: accelerate <= 1.15 hands torch its optimizer wrapper, whose step torch calls "
               "(an fp16 GradScaler steps with it); >= 1.16 the plain torch optimizer",
          fix="upgrade accelerate to {newest}, or save optimizer state only after the first optimizer step"),
+    dict(lib="accelerate", since="1.16.0", probe="hf_trainer", key="fsdp_units", words=("CheckpointWrapper",),
+         what="activation checkpointing: accelerate <= 1.15 makes each CheckpointWrapper and the layer inside it FSDP units (the wrapper "
+              "holding nothing), >= 1.16 shards the wrapper alone",
+         fix="upgrade accelerate to {newest}: one unit per checkpointed layer, no empty wrapper units"),
 ]
 
-def change_of(key:str):
-    "The entry of CHANGES whose key ends a compared key (None: a difference no entry explains yet)."
-    return next((c for c in CHANGES if key.endswith(c["key"]) or f".{c['key']}." in f".{key}."), None)
+def change_of(key:str, probe:str=None):
+    "The entry of CHANGES whose key ends a compared key of `probe` (None: a difference no entry explains yet)."
+    return next((c for c in CHANGES if c.get("probe", probe) == probe and (key.endswith(c["key"]) or f".{c['key']}." in f".{key}.")), None)
 
 # %% ../nbs/03b_versions.ipynb #f35d84ef
 def load_matrix(path=None) -> dict:
@@ -407,7 +439,7 @@ def findings(combo:dict, newest:dict) -> list:
     out = []
     for name, p in combo["probes"].items():
         if p["status"] == "PASS": continue
-        known = [c for c in (change_of(k) for k, _, _ in p.get("diff", [])) if c]
+        known = [c for c in (change_of(k, name) for k, _, _ in p.get("diff", [])) if c]
         known = [c for i, c in enumerate(known) if c not in known[:i]]
         out.append(dict(probe=name, status=p["status"], reason=p.get("reason"), diff=[f"{k}: {v!r} here, {w!r} on the newest" for k, v, w in p.get("diff", [])[:3]],
                         changes=[c["what"] for c in known], fixes=[c["fix"].format(newest=newest[c["lib"]]) for c in known]))

@@ -37,8 +37,8 @@ def test_the_grid_varies_one_library_at_a_time():
 
 def test_every_accelerate_1_16_change_is_a_diff_of_accelerate_1_15():
     old = next(c for c in M["combos"] if c["name"] == "accelerate 1.15.0")
-    keys = {k for p in old["probes"].values() for k, _, _ in p.get("diff", [])}
-    assert {c["key"] for c in CHANGES} == {change_of(k)["key"] for k in keys if change_of(k)}, keys
+    keys = {(k, name) for name, p in old["probes"].items() for k, _, _ in p.get("diff", [])}
+    assert {c["key"] for c in CHANGES} == {change_of(*k)["key"] for k in keys if change_of(*k)}, keys
     assert differences(dict(a=dict(x_mib=1.0, y=2)), dict(a=dict(x_mib=3.0, y=2))) == []
 
 
@@ -69,7 +69,8 @@ def sentences():
 
 
 def test_every_sentence_on_a_changed_behaviour_names_its_versions():
-    changed = [c for c in CHANGES if any(change_of(k) is c for combo in M["combos"] for p in combo["probes"].values() for k, _, _ in p.get("diff", []))]
+    changed = [c for c in CHANGES if any(change_of(k, name) is c for combo in M["combos"] for name, p in combo["probes"].items()
+                                         for k, _, _ in p.get("diff", []))]
     assert changed
-    bad = [(nb, s[:160]) for nb, s in sentences() for c in changed if any(w in s for w in c["words"]) and not VERSION.search(s)]
+    bad = [(nb, s[:160]) for nb, s in sentences() for c in changed if any(w in s for w in c["words"]) and c["lib"] in s and not VERSION.search(s)]
     assert not bad, bad
