@@ -404,7 +404,7 @@ def _cmd_plan(a):
                           lora_targets=a.lora_targets, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
                           offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
                           edge_units=not a.edges_in_root)
-    emit(p, a.json, plan_gpu.plan_text(p))
+    emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
 
 
 def _settings(text: str, count: int) -> list:

@@ -58,3 +58,9 @@ def test_examples_paths_work_from_another_folder(tmp_path):
     gone = run("plan", "--model", "examples/configs/nope/config.json", cwd=tmp_path, timeout=60)
     assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
     assert "--model='examples/configs/nope/config.json' is not allowed" in gone.stderr and f"the packaged examples are in {EXAMPLES}" in gone.stderr
+
+
+def test_plan_prints_its_notes_in_the_text():
+    "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON."
+    res = run("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", timeout=120)
+    assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
