@@ -91,6 +91,19 @@ def fits_then(fits: dict, fn, *args):
     return fn(*args)
 
 
+def example_path(field: str, value):
+    """`value` as typed where it exists here; an `examples/...` path that does not, the packaged example of that name (`config.EXAMPLES`).
+    A path found in neither is refused, saying where the packaged examples are."""
+    if value is None or Path(value).exists() or ("/" not in str(value) and not str(value).endswith((".json", ".yaml", ".yml"))): return value
+    from fsdp_kit.config import EXAMPLES
+    parts = Path(value).parts
+    if parts[:1] == ("examples",) and EXAMPLES.joinpath(*parts[1:]).exists():
+        print(f"note: {value} is not in this folder: reading the packaged example {EXAMPLES.joinpath(*parts[1:])}", file=sys.stderr)
+        return str(EXAMPLES.joinpath(*parts[1:]))
+    raise bad_value(f"--{field.replace('_', '-')}", value, "an existing file", f"It is not in {os.getcwd()}; the packaged examples are in {EXAMPLES} "
+                    "(examples/configs/..., examples/fsdp_configs/..., examples/doctor/...: an examples/... path finds them from any folder)")
+
+
 def _cmd_env(a):
     from fsdp_kit.launch import environment
     env = environment()
@@ -127,7 +140,7 @@ def _cmd_train(a):
         if a.resume:
             folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
             for note in notes: print(f"  {note}", file=sys.stderr)
-        result = launch(fits_then, fits, scale_train_worker, spec, fault, a.timeout, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
+        result = launch(fits_then, fits, scale_train_worker, spec, fault, a.timeout, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
                         node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts,
                         rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
     s = result.scale
@@ -221,12 +234,14 @@ def _cmd_hf_run(a):
 
 def _cmd_doctor(a):
     "fsdp-kit doctor: the twin of --model run with --fsdp-config through the file's entry point, and the twelve checks."
-    from fsdp_kit.doctor import DoctorSpec, doctor, report_text
+    from fsdp_kit.doctor import DoctorSpec, doctor, report_text, exit_status
     spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, dtype=a.dtype,
                       gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps, gpus=a.gpus,
                       gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
     r = doctor(spec, say=lambda line: print(line, file=sys.stderr, flush=True))
     emit(r, a.json, report_text(r))
+    status = exit_status(r, a.strict)
+    if status: raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
 
 
 def _cmd_slurm(a):
@@ -366,8 +381,9 @@ def _cmd_plan(a):
         return
     if a.validate:
         device, specs = plan_validate.validation_settings(a.nproc)  # the CUDA matrix where CUDA is available
-        print(f"running {len(specs)} settings on {device}, world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
-        result = plan_validate.validate(specs, launcher="torchrun", timeout=a.timeout)
+        specs = [specs[i] for i in _settings(a.settings, len(specs))] if a.settings else specs
+        if not a.quiet: print(f"running {len(specs)} settings on {device}, world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
+        result = plan_validate.validate(specs, launcher="torchrun", timeout=a.timeout, progress=not a.quiet)
         if a.plot:
             import matplotlib
             matplotlib.use("Agg")
@@ -388,7 +404,18 @@ def _cmd_plan(a):
                           lora_targets=a.lora_targets, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
                           offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
                           edge_units=not a.edges_in_root)
-    emit(p, a.json, plan_gpu.plan_text(p))
+    emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
+
+
+def _settings(text: str, count: int) -> list:
+    "0-based indices of `--settings 1-3,7` (1-based, as the validation table numbers them) among `count` settings."
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not (lo.isdigit() and (hi or lo).isdigit()) or not 1 <= int(lo) <= int(hi or lo) <= count:
+            raise bad_value("settings", text, f"settings numbered 1 to {count} on this machine, as 1-3,7")
+        out += range(int(lo) - 1, int(hi or lo))
+    return sorted(set(out))
 
 
 def _plan_precision(a) -> dict:
@@ -409,7 +436,7 @@ def _plan_precision(a) -> dict:
 
 def _cmd_tour(a):
     from fsdp_kit.tour import tour
-    tour(a.out, nproc=a.nproc)
+    tour(a.out, nproc=a.nproc, progress=not a.quiet)
 
 
 def _nproc(text):
@@ -428,12 +455,13 @@ def _seconds(text):
     return x
 
 
-class _Help(argparse.HelpFormatter):
-    "Help that shows each option's default, unless it is off (None, False) or the help already says what the default does."
+class _Help(argparse.RawDescriptionHelpFormatter):
+    "Help that shows every option's default (off for a switch, none where unset), unless the help already says what the default does."
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings: return text
-        return f"{text} (default: %(default)s)"
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS or action.nargs == 0 and action.default is None: return text
+        if action.default is False: return f"{text} (default: off)"
+        return f"{text} (default: none)" if action.default is None else f"{text} (default: %(default)s)"
 
 
 def _mesh_flags(s):
@@ -442,15 +470,28 @@ def _mesh_flags(s):
     s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills the rest")
 
 
+EXIT_CODES = """exit status:
+  0    all clear
+  1    a check failed: a doctor FAIL (a WARN too with doctor --strict), parity outside its bound, a worker that failed
+  2    bad input: one line names the option as typed, the value and what is allowed
+  130  interrupted (SIGINT, Ctrl-C); 143 SIGTERM; 129 SIGHUP: the workers are stopped first
+
+progress (one line per finished unit of work) goes to stderr, results to stdout; --quiet silences progress."""
+
+
 def parser() -> argparse.ArgumentParser:
     "The `fsdp-kit` argument parser."
-    p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.")
+    p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.", epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fsdp_kit import __version__
+    p.add_argument("--version", action="version", version=f"fsdp-kit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name, fn, help, launches=True):
-        s = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        s = sub.add_parser(name, help=help, description=help, formatter_class=_Help, epilog=EXIT_CODES)
         s.set_defaults(fn=fn)
         s.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the result as JSON to PATH (stdout without PATH or with -)")
+        s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (results and errors still print)")
         if launches:
             s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch")
             s.add_argument("--timeout", type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")
@@ -525,6 +566,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-mem-gb", type=float, default=None, help="memory of one of your GPUs, GB")
     s.add_argument("--seed", type=int, default=0, help="seed of the twin's weights and data")
     s.add_argument("--out", metavar="DIR", help="folder for the twin, its run and its log (default: a temporary folder)")
+    s.add_argument("--strict", action="store_true", help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on the doctor)")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
     s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
     s.add_argument("--to-full", dest="out", metavar="OUT", help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder from_pretrained reads")
@@ -572,6 +614,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
     s.add_argument("--export-table", metavar="PATH", help="write every plan of the docs planner page's grid (plan_gpu.PLANNER_GRID) as JSON to PATH; the page shows them without Python")
     s.add_argument("--plot", metavar="PNG", help="with --validate: write predicted vs measured per category here")
+    s.add_argument("--settings", metavar="LIST", help="with --validate: run only these settings of the matrix, numbered from 1 (1-3,7; default: all)")
     s.add_argument("--model", help="a preset (see --list-models; tiny, small) or a config.json path")
     s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")
     s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB")
@@ -628,6 +671,10 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
     return text
 
 
+class CheckFailed(Exception):
+    "The command ran, and what it checked did not hold (a doctor FAIL, parity outside its bound, a measured claim): exit 1."
+
+
 class Interrupted(BaseException):
     "SIGTERM or SIGHUP reached the command: unwind (stopping torchrun and its workers) and exit 128 + the signal number."
     def __init__(self, signum): self.signum = signum
@@ -654,11 +701,13 @@ def main(argv=None):
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         check_json_dest(getattr(args, "json", None))
+        for field in ("model", "fsdp_config"):
+            if isinstance(getattr(args, field, None), str): setattr(args, field, example_path(field, getattr(args, field)))
         args.fn(args)
     except KitError as e:
         print(f"fsdp-kit {args.command}: error: {option_message(e, sub, argv)}", file=sys.stderr)
         sys.exit(2)
-    except WorkerError as e:
+    except (WorkerError, CheckFailed) as e:
         print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -43,9 +43,10 @@ def inject_fault(kind:str):
 class StepWatch:
     "Heartbeats for the watchdog, each step's loss in the run folder, and the injected fault, around `train_loop`."
     def __init__(self, timeout:float, # seconds a step may take before the watchdog ends the run
-                 fault:FaultSpec=None # the fault to inject in the first attempt
+                 fault:FaultSpec=None, # the fault to inject in the first attempt
+                 steps:int=None # with the run's total steps, rank 0 prints `step n/N, loss` after each step (progress)
                 ):
-        self.timeout, self.fault, self.loss, self.hooks = timeout, fault or FaultSpec(), None, []
+        self.timeout, self.fault, self.loss, self.hooks, self.steps = timeout, fault or FaultSpec(), None, [], steps
 
     def start(self, model, first_step:int, saver=None):
         "Arm the watchdog and hook `model`; return the after-step callable for `train_loop`."
@@ -59,6 +60,7 @@ class StepWatch:
         def after_step(done:int):
             if saver is not None: saver(done)
             self.log.write(json.dumps(dict(step=done, loss=self.loss.item())) + "\n"); self.log.flush()
+            if self.steps and self.rank == 0: print(f"step {done}/{self.steps}: loss {self.loss.item():.4f} (rank 0's)", flush=True)  # the command's stderr
             self.beat.beat(done=done)
             f = self.fault
             if f.kind and self.rank == f.rank and done == f.step and attempt() == 0: inject_fault(f.kind)
@@ -84,13 +86,14 @@ def loss_log(run_dir) -> list:
 # %% ../nbs/11_scale.ipynb #08b9e5d1
 def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to survive restarts)
                        fault:FaultSpec=None, # a fault to inject in the first attempt
-                       timeout:float=120 # seconds a step may take before the watchdog ends the run
+                       timeout:float=120, # seconds a step may take before the watchdog ends the run
+                       progress:bool=False # print `step n/N, loss` on rank 0 after each step (a launch puts it on the command's stderr)
                       ):
     "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming from the last checkpoint after a torchrun restart."
     now = attempt()
     if now and spec.ckpt is not None:  # torchrun restarted us: continue from the last complete checkpoint (a variant; the spec stays as given)
         spec = replace(spec, ckpt=replace(spec.ckpt, resume=True))
-    watch = StepWatch(timeout, fault)
+    watch = StepWatch(timeout, fault, spec.steps if progress else None)
     try: result = train_worker(spec, watch)
     finally: watch.stop()  # an exception in the loop must not leave the watchdog armed
     run_dir = os.environ["FSDP_KIT_RUN_DIR"]

@@ -3,7 +3,8 @@
 Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
 `nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single `torchrun` launch
 (`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch. Rank 0 prints each
-shared step's one-line result as that step ends, so the terminal shows progress while the launch runs.
+shared step's one-line result as that step ends, so the terminal shows progress while the launch runs. Every step's lines are progress, on
+stderr (a worker's stdout reaches the command's stderr through the launch); the ten results, one line each, are printed on stdout at the end.
 """
 import json, time
 from dataclasses import asdict
@@ -54,7 +55,7 @@ SUMMARY = dict(train=_train_line, compare=_compare_line, qlora=_qlora_line, cp_e
 _SHARED = tuple(SUMMARY)  # the steps `labs_worker` runs, in this order
 
 
-def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
+def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True) -> dict:
     "Run the shared steps in this process group, in order; {step: (result, seconds)}. Rank 0 prints each step as it starts and its result as it ends."
     import torch.distributed as dist
     from fsdp_kit.train import TrainSpec, train_worker
@@ -72,14 +73,14 @@ def labs_worker(ckpt_folder: str, first: int, total: int) -> dict:
                 hf_trainer=lambda: trainer_worker(HFRunSpec("trainer", steps=4, out=f"{ckpt_folder}/hf_trainer")))  # last: it opens accelerate's CPU gate
     out = {}
     for i, name in enumerate(_SHARED, first):
-        if dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout reaches the terminal
+        if progress and dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout: the command's stderr
         start = time.time()
         out[name] = (work[name](), time.time() - start)
-        if dist.get_rank() == 0: print(f"      {SUMMARY[name](out[name][0])}", flush=True)
+        if progress and dist.get_rank() == 0: print(f"      {SUMMARY[name](out[name][0])}", flush=True)
     return out
 
 
-def _steps(nproc: int):
+def _steps(nproc: int, progress: bool = True):
     "The tour's steps: (title, function returning (json-able data, figure or None, summary line))."
     from fsdp_kit.launch import environment, launch
     from fsdp_kit.mesh import MeshSpec, mesh_worker, plot_mesh
@@ -99,7 +100,7 @@ def _steps(nproc: int):
         if not shared:
             import tempfile, shutil
             folder = tempfile.mkdtemp(prefix="fsdp_kit_tour_ckpt_")
-            try: shared.update(launch(labs_worker, folder, 3, len(steps), nprocs=nproc, launcher="torchrun"))
+            try: shared.update(launch(labs_worker, folder, 3, len(steps), progress, nprocs=nproc, launcher="torchrun"))
             finally: shutil.rmtree(folder, ignore_errors=True)
         return shared[name][0]
 
@@ -137,7 +138,7 @@ def _steps(nproc: int):
         r = run_doctor(DoctorSpec(str(EXAMPLES / "configs" / "qwen2-tiny" / "config.json"), str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml"),
                                   method="qlora", nproc=max(nproc, 2)), say=lambda line: None)
         shutil.rmtree(r.pop("folder"), ignore_errors=True)
-        counts = ", ".join(f"{sum(c['status'] == s for c in r['checks'])} {s}" for s in STATUSES)
+        counts = ", ".join(f"{n} {'not reached' if s == 'SKIP' else s}" for s in STATUSES if (n := sum(c["status"] == s for c in r["checks"])) or s != "SKIP")
         fails = [c["name"] for c in r["checks"] if c["status"] == "FAIL"]
         return r, None, f"the seeds' QLoRA YAML on a Qwen2 twin (accelerate launch, 2 ranks): {counts}; FAIL: {', '.join(fails)}"
 
@@ -157,17 +158,19 @@ def _steps(nproc: int):
     return steps, shared
 
 
-def tour(out: str = "tour", nproc: int = 2) -> dict:
-    "Run every step, writing OUT/<step>.json, OUT/<step>.png, OUT/report.json and OUT/summary.md."
+def tour(out: str = "tour", nproc: int = 2, progress: bool = True) -> dict:
+    "Run every step, writing OUT/<step>.json, OUT/<step>.png, OUT/report.json and OUT/summary.md; progress on stderr, the results on stdout."
+    import sys
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (steps, shared), report, lines = _steps(nproc), {}, ["# fsdp_kit tour", ""]
+    (steps, shared), report, lines = _steps(nproc, progress), {}, ["# fsdp_kit tour", ""]
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     for i, (name, run) in enumerate(steps, 1):
-        if name not in _SHARED: print(f"[{i}/{len(steps)}] {name} ...", flush=True)
+        if name not in _SHARED: say(f"[{i}/{len(steps)}] {name} ...")
         start = time.time()
         data, fig, line = run()
         (out / f"{name}.json").write_text(json.dumps(data, indent=2))
@@ -178,8 +181,10 @@ def tour(out: str = "tour", nproc: int = 2) -> dict:
         seconds = shared[name][1] if name in shared else time.time() - start  # a shared step: its own time inside the launch
         report[name] = dict(data=data, seconds=round(seconds, 2), figure=f"{name}.png" if fig else None)
         lines.append(f"- **{name}** ({seconds:.1f} s): {line}" + (f" ![{name}]({name}.png)" if fig else ""))
-        if name not in _SHARED: print(f"      {line}", flush=True)  # a shared step's line was printed as it ended, by its worker
+        report[name]["line"] = line
+        if name not in _SHARED: say(f"      {line}")  # a shared step's line was printed as it ended, by its worker
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+    for i, (name, r) in enumerate(report.items(), 1): print(f"[{i}/{len(report)}] {name} ({r['seconds']:.1f} s): {r['line']}")
     print(f"wrote {out}/summary.md, report.json and {sum(1 for r in report.values() if r['figure'])} figures")
     return report

@@ -1,5 +1,5 @@
 """The command line: env, and the tour (the kit's main job on its defaults)."""
-import json
+import json, re
 import pytest
 
 pytestmark = pytest.mark.timeout(480)
@@ -44,7 +44,10 @@ def test_tour_writes_figures_and_json(cli, tmp_path):
     assert "the kit's recipe on the same file: the same units True, loss diff" in out.stderr  # the units accelerate made, made by apply_fsdp too
     doctor = {c["name"]: c["status"] for c in report["doctor"]["data"]["checks"]}  # the seeds' QLoRA YAML through accelerate launch
     assert [k for k, v in doctor.items() if v == "FAIL"] == ["fsdp_version", "quant_storage", "saving"] and len(doctor) == 12
-    assert "FAIL: fsdp_version, quant_storage, saving" in out.stdout  # the step prints its line as it ends
+    assert "FAIL: fsdp_version, quant_storage, saving" in out.stdout
+    # one stream each: the ten results on stdout (so `fsdp-kit tour > log` keeps them all), the progress of every step on stderr
+    assert [l.split(" ", 2)[:2] for l in out.stdout.splitlines() if l.startswith("[")] == [[f"[{i}/10]", n] for i, n in enumerate(report, 1)]
+    assert [l for l in out.stderr.splitlines() if re.match(r"\[\d+/10\] ", l)] == [f"[{i}/10] {n} ..." for i, n in enumerate(report, 1)]
     # the steps that share one launch each print their result as they end, not all at once after the launch
     lines = out.stderr.splitlines()
     for i, (name, start) in enumerate([("train", "tiny Llama"), ("compare", "small Llama"), ("qlora", "LoRA on a 4-bit"),

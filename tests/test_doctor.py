@@ -72,7 +72,7 @@ def test_ddp_fallback_fails():
     "its JSON on stdout (checks, twin, versions), the report on stderr."
     res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", "--model", LLAMA, "--fsdp-config", str(HERE / "ddp.yaml"), "--json", "-"],
                          capture_output=True, text=True, timeout=380)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 1 and "fsdp-kit doctor: a check failed (exit 1)" in res.stderr, res.stderr[-3000:]  # a FAIL gates a CI job
     r = json.loads(res.stdout)
     assert set(r) >= {"checks", "twin", "versions"} and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
     assert all(set(c) == {"name", "status", "reason", "fix"} for c in r["checks"])

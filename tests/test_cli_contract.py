@@ -1,0 +1,66 @@
+"""What the command promises a script or a CI job: `--version`, every default in `--help`, progress lines on stderr (one per finished unit
+of work: a training step, a validated setting) apart from the results on stdout, `--quiet`, and `examples/...` paths from any folder."""
+import argparse, re, subprocess, sys
+import pytest
+from fsdp_kit import __version__
+from fsdp_kit.cli import parser, _Help
+from fsdp_kit.config import EXAMPLES
+
+pytestmark = pytest.mark.timeout(240)  # the runs below launch 1-2 ranks for a few seconds each; a hang fails here
+
+
+def run(*args, cwd=None, timeout=200):
+    return subprocess.run([sys.executable, "-m", "fsdp_kit", *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def test_version_prints_the_package_version():
+    res = run("--version", timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == f"fsdp-kit {__version__}", res
+
+
+def test_every_help_shows_every_default():
+    subs = parser()._subparsers._group_actions[0].choices
+    helper = _Help("fsdp-kit")
+    missing = [(name, a.option_strings[0]) for name, s in subs.items() for a in s._actions
+               if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS and "default" not in helper._get_help_string(a)]
+    assert missing == [], missing
+    assert "exit status:" in subs["doctor"].format_help() and "1    a check failed" in subs["plan"].format_help()
+
+
+def test_train_prints_a_step_line_per_step_on_stderr_and_quiet_silences_them():
+    res = run("train", "--steps", 3, "--json", "-")
+    assert res.returncode == 0, res.stderr[-2000:]
+    steps = re.findall(r"^step (\d)/3: loss \d+\.\d{4}", res.stderr, re.M)
+    assert steps == ["1", "2", "3"] and "step 1/3" not in res.stdout, res.stderr
+    quiet = run("train", "--steps", 2, "--quiet")
+    assert quiet.returncode == 0 and "step 1/2" not in quiet.stderr + quiet.stdout and "losses" in quiet.stdout, quiet.stderr
+
+
+def test_plan_validate_prints_a_line_per_setting_with_what_is_left():
+    res = run("plan", "--validate", "--nproc", 1, "--settings", "1-2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = re.findall(r"^setting (\d)/2 (.+?): ([\d.]+) s elapsed, about (\d+) s left$", res.stderr, re.M)
+    assert [l[0] for l in lines] == ["1", "2"] and lines[-1][3] == "0" and float(lines[0][2]) < float(lines[1][2]), res.stderr
+    assert "2 settings, largest |error|" in res.stdout and "setting 1/2" not in res.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "1-99", "x"])
+def test_a_bad_settings_list_is_refused_in_one_line(value):
+    res = run("plan", "--validate", "--nproc", 1, "--settings", value, timeout=60)
+    assert res.returncode == 2 and f"--settings={value!r} is not allowed: settings numbered 1 to" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_examples_paths_work_from_another_folder(tmp_path):
+    res = run("plan", "--model", "examples/configs/qwen2-tiny/config.json", "--gpus", 2, "--gpu-mem-gb", 24, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0 and "(119,360 parameters)" in res.stdout, res.stderr
+    assert f"reading the packaged example {EXAMPLES / 'configs' / 'qwen2-tiny' / 'config.json'}" in res.stderr
+    gone = run("plan", "--model", "examples/configs/nope/config.json", cwd=tmp_path, timeout=60)
+    assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
+    assert "--model='examples/configs/nope/config.json' is not allowed" in gone.stderr and f"the packaged examples are in {EXAMPLES}" in gone.stderr
+
+
+def test_plan_prints_its_notes_in_the_text():
+    "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON."
+    res = run("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", timeout=120)
+    assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
