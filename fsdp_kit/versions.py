@@ -302,7 +302,7 @@ def run_probe(py, probe:Probe, cwd:str) -> dict:
     except subprocess.TimeoutExpired: return dict(status="FAIL", reason=f"ran past its {probe.timeout:g} s limit", seconds=round(time.time() - start, 1))
     seconds = round(time.time() - start, 1)
     at = r.stdout.find("{") if r.stdout.startswith("{") else r.stdout.find("\n{") + 1  # the JSON, after any line a library printed
-    if r.returncode or at < 0 or (at == 0 and not r.stdout.startswith("{")):
+    if r.returncode not in (0, 1) or at < 0 or (at == 0 and not r.stdout.startswith("{")):  # 1 with a report: a check failed, the probe ran
         return dict(status="FAIL", reason=error_line(r.stderr, r.returncode), seconds=seconds)
     data = json.JSONDecoder().raw_decode(r.stdout[at:])[0]
     return dict(status="PASS", seconds=seconds, values=probe.keep(data) if probe.keep else data)
