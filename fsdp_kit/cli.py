@@ -455,6 +455,7 @@ def parser() -> argparse.ArgumentParser:
         if launches:
             s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch")
             s.add_argument("--timeout", type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")
+            s.add_argument("--debug", action="store_true", help="a failed or hung rank: print its whole traceback (default: its frames in the kit's code and yours)")
         return s
 
     add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
@@ -711,7 +712,9 @@ def main(argv=None):
         print(f"fsdp-kit {args.command}: error: {option_message(e, sub, argv)}", file=sys.stderr)
         sys.exit(2)
     except WorkerError as e:
-        print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)
+        debug = getattr(args, "debug", False)
+        print(f"fsdp-kit {args.command}: {e if debug else e.brief()}" + ("" if debug or not e.worker_traceback else "\n(--debug prints the whole trace)"),
+              file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"fsdp-kit {args.command}: interrupted (SIGINT): the workers were stopped", file=sys.stderr)
