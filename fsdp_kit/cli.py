@@ -35,6 +35,12 @@ def check_json_dest(json_dest):
     if json_dest in (None, "-"): return
     path = Path(json_dest)
     if path.is_dir(): raise bad_value("json", json_dest, "a file path (this is a folder)")
+    import stat
+    try: mode = path.lstat().st_mode
+    except OSError: mode = None  # not there yet: it will be a new regular file
+    if mode is not None and not stat.S_ISREG(mode):  # a rename over it would replace the link, the device or the pipe itself
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+        raise bad_value("json", json_dest, f"a regular file or a new path (this is {kind}; --json alone prints to stdout)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"): pass
