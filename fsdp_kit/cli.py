@@ -254,7 +254,10 @@ def _cmd_ckpt(a):
         emit(dict(dir=a.dir, to_full=str(out), files=sorted(p.name for p in out.iterdir())), a.json,
              f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())) + " (AutoModelForCausalLM.from_pretrained reads it)")
         return
-    found = list_checkpoints(a.dir)
+    step = Path(a.dir)
+    if step.name.startswith("step-") and step.name[5:].isdigit():  # one step folder: that checkpoint alone, checked as in its parent's listing
+        found = [c for c in list_checkpoints(step.resolve().parent) if c["name"] == step.name]
+    else: found = list_checkpoints(a.dir)
     rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} bytes" if c["ok"]
             else "DAMAGED: " + "; ".join(c["problems"])) for c in found]
     emit(dict(dir=a.dir, checkpoints=found), a.json, "\n".join(rows) or f"no checkpoints in {a.dir}")
