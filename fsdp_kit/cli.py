@@ -35,6 +35,12 @@ def check_json_dest(json_dest):
     if json_dest in (None, "-"): return
     path = Path(json_dest)
     if path.is_dir(): raise bad_value("json", json_dest, "a file path (this is a folder)")
+    import stat
+    try: mode = path.lstat().st_mode
+    except OSError: mode = None  # not there yet: it will be a new regular file
+    if mode is not None and not stat.S_ISREG(mode):  # a rename over it would replace the link, the device or the pipe itself
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+        raise bad_value("json", json_dest, f"a regular file or a new path (this is {kind}; --json alone prints to stdout)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"): pass
@@ -229,6 +235,7 @@ def _cmd_hf_run(a):
     if r.parity: text += f"\nthe kit's recipe on the same config and data: max loss difference {r.parity['max_loss_diff']:.1e}, {len(r.parity['units'])} units"
     if r.resume: text += f"\nresumed from {r.resume['checkpoint']}: max loss difference {r.resume['max_diff']:.1e}"
     text += "".join(f"\nnote: {n}" for n in r.notes) + f"\n{r.seconds} s"
+    text += f"\nthe run's files are in {a.out}" if a.out else "\nthe run's files were in a temporary folder, removed at exit (--out DIR keeps them)"
     emit(asdict(r), a.json, text)
 
 
@@ -239,7 +246,7 @@ def _cmd_doctor(a):
                       gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps, gpus=a.gpus,
                       gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
     r = doctor(spec, say=lambda line: print(line, file=sys.stderr, flush=True))
-    emit(r, a.json, report_text(r))
+    emit(r, a.json, report_text(r) + (f"\nthe twin, its run and its log are in {a.out}" if a.out else ""))
     status = exit_status(r, a.strict)
     if status: raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
 
@@ -262,7 +269,10 @@ def _cmd_ckpt(a):
         emit(dict(dir=a.dir, to_full=str(out), files=sorted(p.name for p in out.iterdir())), a.json,
              f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())) + " (AutoModelForCausalLM.from_pretrained reads it)")
         return
-    found = list_checkpoints(a.dir)
+    step = Path(a.dir)
+    if step.name.startswith("step-") and step.name[5:].isdigit():  # one step folder: that checkpoint alone, checked as in its parent's listing
+        found = [c for c in list_checkpoints(step.resolve().parent) if c["name"] == step.name]
+    else: found = list_checkpoints(a.dir)
     rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} bytes" if c["ok"]
             else "DAMAGED: " + "; ".join(c["problems"])) for c in found]
     emit(dict(dir=a.dir, checkpoints=found), a.json, "\n".join(rows) or f"no checkpoints in {a.dir}")
@@ -495,6 +505,7 @@ def parser() -> argparse.ArgumentParser:
         if launches:
             s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch")
             s.add_argument("--timeout", type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")
+            s.add_argument("--debug", action="store_true", help="a failed or hung rank: print its whole traceback (default: its frames in the kit's code and yours)")
         return s
 
     add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
@@ -675,6 +686,57 @@ class CheckFailed(Exception):
     "The command ran, and what it checked did not hold (a doctor FAIL, parity outside its bound, a measured claim): exit 1."
 
 
+# Everything a command starts (torchrun's agent and its workers, `accelerate launch`, the TrainingArguments helper) inherits TMPDIR
+# pointing into the command's own temporary folder, which also holds every temporary file of the command. A small janitor process,
+# started first, waits for the command to end, however it ends (SIGKILL included: the pipe it reads closes), then SIGKILLs every
+# process whose environment names that folder and removes it. Processes left to themselves took up to 8.6 s to die (torchrun's agent
+# waiting on its workers), and a helper reparented to PID 1 outlived the command.
+JANITOR = """import os, shutil, signal, sys, time
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)
+sys.stdin.buffer.read()  # returns when the command ends, by any means
+folder = sys.argv[1]
+def scoped():
+    mark, out = folder.encode(), []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try: env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
+        except OSError: continue
+        if pid != str(os.getpid()) and any(v.split(b'=', 1)[-1].startswith(mark) for v in env): out.append(int(pid))
+    return out
+end = time.monotonic() + 2
+while (pids := scoped()) and time.monotonic() < end:
+    for pid in pids:
+        try: os.kill(pid, signal.SIGKILL)
+        except OSError: pass
+    time.sleep(0.02)
+shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+class CommandScope:
+    "A temporary folder for one command and everything it starts, and a janitor that removes it and ends those processes with the command."
+    def __enter__(self):
+        import subprocess
+        self.saved = {k: os.environ.get(k) for k in ("TMPDIR", "FSDP_KIT_COMMAND_DIR")}
+        self.folder = tempfile.mkdtemp(prefix="fsdp_kit_cmd_")
+        read, self.pipe = os.pipe()  # the janitor reads `read` until every copy of `self.pipe` is closed: this process's, at its end
+        self.janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR, self.folder], stdin=read, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "TMPDIR"},
+                                        start_new_session=True)  # a signal to the command's process group leaves it to clean up
+        os.close(read)
+        os.environ.update(TMPDIR=self.folder, FSDP_KIT_COMMAND_DIR=self.folder)  # the mark the janitor finds descendants by
+        self.tempdir, tempfile.tempdir = tempfile.tempdir, self.folder
+        return self.folder
+
+    def __exit__(self, *exc):
+        tempfile.tempdir = self.tempdir
+        for k, v in self.saved.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+        os.close(self.pipe)  # the janitor ends what is left and removes the folder
+        try: self.janitor.wait(5)
+        except Exception: pass
+
+
 class Interrupted(BaseException):
     "SIGTERM or SIGHUP reached the command: unwind (stopping torchrun and its workers) and exit 128 + the signal number."
     def __init__(self, signum): self.signum = signum
@@ -703,12 +765,17 @@ def main(argv=None):
         check_json_dest(getattr(args, "json", None))
         for field in ("model", "fsdp_config"):
             if isinstance(getattr(args, field, None), str): setattr(args, field, example_path(field, getattr(args, field)))
-        args.fn(args)
+        with CommandScope(): args.fn(args)
     except KitError as e:
         print(f"fsdp-kit {args.command}: error: {option_message(e, sub, argv)}", file=sys.stderr)
         sys.exit(2)
-    except (WorkerError, CheckFailed) as e:
+    except CheckFailed as e:
         print(f"fsdp-kit {args.command}: {e}", file=sys.stderr)
+        sys.exit(1)
+    except WorkerError as e:
+        debug = getattr(args, "debug", False)
+        print(f"fsdp-kit {args.command}: {e if debug else e.brief()}" + ("" if debug or not e.worker_traceback else "\n(--debug prints the whole trace)"),
+              file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"fsdp-kit {args.command}: interrupted (SIGINT): the workers were stopped", file=sys.stderr)

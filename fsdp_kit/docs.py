@@ -72,6 +72,21 @@ def _title(nb, fallback: str) -> str:
     return fallback
 
 
+def figure_alts(nb, page_title: str) -> list:
+    "Alt text for each figure of `nb`, in order: the figure's title where its output carries one, else the heading of its section."
+    alts, heading = [], page_title
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            found = re.findall(r"^#{1,4}\s+(.+)$", cell.source, re.M)
+            if found: heading = found[-1].replace("`", "").strip()
+            continue
+        for out in cell.get("outputs", []):
+            if "image/png" not in out.get("data", {}): continue
+            title = out.get("metadata", {}).get("title") or ""
+            alts.append(f"Figure: {title}" if title else f"Figure of the section '{heading}' ({page_title})")
+    return alts
+
+
 def render_notebook(path: Path) -> dict:
     "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and figures that failed `measure.check_figure`."
     import nbformat
@@ -85,6 +100,8 @@ def render_notebook(path: Path) -> dict:
     # escapes the source) and took most of the rendering time: skipped; markdown and HTML outputs are not sanitized either way
     body, _ = HTMLExporter(template_name="basic", filters={"clean_html": lambda html: html}).from_notebook_node(nb)
     body = re.sub(r'<div class="prompt[^"]*">.*?</div>', "", body, flags=re.S)  # no In [ ]: prompts
+    alts = iter(figure_alts(nb, _title(nb, path.stem)))  # nbconvert writes "No description has been provided for this image" on each
+    body = re.sub(r'alt="No description has been provided for this image"', lambda m: f'alt="{html.escape(next(alts, "a figure"))}"', body)
     toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor, text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
     return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, figure_errors=figure_errors, page=page_name(path), source=path.name)
 
@@ -158,6 +175,14 @@ table { border-collapse: collapse; } td, th { border: 1px solid #dde3ee; padding
 .pager { display: flex; justify-content: space-between; margin-top: 40px; border-top: 1px solid #dde3ee; padding-top: 10px; }
 .anchor-link { display: none; }
 .api { border-top: 1px solid #eef1f6; padding-top: 4px; }
+#planner label { display: inline-block; margin: 0 10px 6px 0; }
+input:invalid { outline: 2px solid #c0392b; }
+@media (max-width: 1250px) { aside.toc { display: none; } main { margin-right: 0; } }
+@media (max-width: 760px) {  /* a phone: the sidebar becomes a block above the text, the text takes the whole width */
+  nav.side { position: static; width: auto; max-height: 40vh; border-right: none; border-bottom: 1px solid #dde3ee; }
+  main { margin: 0; padding: 10px 14px 40px; max-width: none; }
+  pre { white-space: pre-wrap; word-break: break-word; }
+}
 """
 
 # Counts the figures that really decoded, so a browser test can read them back from the rendered page.
@@ -173,7 +198,14 @@ const T = JSON.parse(document.getElementById('table').textContent), axes = Objec
 function show() {  // the plan of the chosen setting: its row-major index over the grid's axes, as planner_table wrote them
   let i = 0;
   for (const a of axes) i = i * T.grid[a].length + T.grid[a].map(String).indexOf(document.getElementById(a).value);
-  const p = T.plans[i], mem = parseFloat(document.getElementById('gpu_mem_gb').value), out = document.getElementById('plan');
+  const box = document.getElementById('gpu_mem_gb'), text = box.value.trim(), mem = Number(text), out = document.getElementById('plan');
+  if (text === '' || !Number.isFinite(mem) || mem <= 0) {  // an empty box, -5 or 'abc': say what is allowed, never NaN GB
+    box.setCustomValidity('a number of GB above 0');
+    out.textContent = `gpu_mem_gb=${JSON.stringify(box.value)} is not allowed: the memory of one GPU in GB, a number above 0`;
+    return;
+  }
+  box.setCustomValidity('');
+  const p = T.plans[i];
   if (typeof p === 'string') { out.textContent = p; return; }  // the planner's own one-line refusal
   const [peak, allocated, moment] = p, gb = (b) => (b / T.gb).toFixed(2);
   out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${peak <= mem * T.gb ? 'fits' : 'does NOT fit'} in ${mem} GB (allocated ${gb(allocated)} GB)`;
@@ -192,7 +224,7 @@ def planner_page() -> dict:
     grid = json.loads(stored)["grid"]
     fields = "".join(f'<label>{a} <select id="{a}">' + "".join(f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>' for v in vals)
                      + "</select></label> " for a, vals in grid.items())
-    fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="1" step="1"></label>'
+    fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="0.001" step="any" required></label>'
     body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as <code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
             f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan --export-table</code>); change a field and the plan changes. "
             "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook plan any other setting.</p>"

@@ -6,9 +6,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 
 # %% auto #0
 __all__ = ['PRELOAD', 'default_backend', 'environment', 'fork_traps', 'attempt', 'rank_tag', 'die_with_parent', 'run_worker',
-           'collective_in', 'main_thread_stack', 'Heartbeat', 'rank_files', 'diagnose', 'attempts', 'restarts',
-           'WorkerError', 'collect', 'free_port', 'torchrun_command', 'worker_main', 'agent_command', 'agent_main',
-           'launch', 'check_specs', 'under_torchrun', 'sweep_run_dirs']
+           'collective_in', 'main_thread_stack', 'user_frames', 'Heartbeat', 'rank_files', 'diagnose', 'attempts',
+           'restarts', 'WorkerError', 'collect', 'free_port', 'torchrun_command', 'worker_main', 'agent_command',
+           'agent_main', 'launch', 'check_arg_types', 'check_specs', 'under_torchrun', 'sweep_run_dirs']
 
 # %% ../nbs/10_launch.ipynb #60ef0adc
 import datetime, faulthandler, json, logging, os, pickle, re, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
@@ -156,6 +156,21 @@ def main_thread_stack(stack:str) -> str:
     blocks = re.split(r"\n\s*\n(?=(?:Current thread|Thread) 0x)", stack.strip())
     return blocks[-1] if "most recent call first" in stack else stack
 
+# %% ../nbs/10_launch.ipynb #2c30fa6a
+def user_frames(stack:str) -> list:
+    "Frames of a Python stack (traceback or faulthandler dump) in the kit's or the user's code, innermost last, as 'path:line in function'."
+    import importlib.util, sysconfig
+    kit = importlib.util.find_spec("fsdp_kit").submodule_search_locations[0]
+    libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    frames = re.findall(r'File "([^"]+)", line (\d+),? in (\S+)', stack)
+    if "most recent call first" in stack: frames = frames[::-1]
+    out = []
+    for path, line, function in frames:
+        if path.startswith(kit) and Path(path).name in ("launch.py", "cli.py", "__main__.py"): continue  # the launcher's plumbing
+        if not path.startswith(kit) and (path.startswith("<") or path.startswith(libs)): continue  # torch, runpy, threading, ...
+        out.append(f"{os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path}:{line} in {function}")
+    return out
+
 # %% ../nbs/10_launch.ipynb #44bcc3c5
 class Heartbeat:
     "This rank's progress through its steps, kept in the run folder; a watchdog thread reports a step that does not finish within `timeout` s, then ends the process."
@@ -225,11 +240,13 @@ def rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
-    if not stuck and not (timed_out and progress): return None  # without heartbeats, the earliest error is all we know
+    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a stack outside any collective
+    silent = sorted(r for r, t in terminated.items() if r not in errors and r not in stuck and not collective_in(main_thread_stack(t)))
+    if not stuck and not (timed_out and (progress or silent)): return None  # otherwise the earliest error is all we know
     stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, "")) or (errors.get(r) or {}).get("traceback") or ""
-              for r in progress | stuck | errors}
+              for r in progress | stuck | errors | dict.fromkeys(silent)}
     most = max((p["started"] for p in progress.values()), default=0)
-    behind = sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r])) or sorted(stuck or timed_out)
+    behind = sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r])) or silent or sorted(stuck or timed_out)
     hung, waiters = behind[0], sorted(r for r in stacks if r not in behind)
     waited_in = sorted({c for r in waiters if (c := collective_in(stacks[r]))})
     p = progress.get(hung, {})
@@ -283,6 +300,11 @@ class WorkerError(RuntimeError):
         also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
         where = f"\n\n--- traceback of rank {rank} ---\n{worker_traceback}" if worker_traceback else ""
         super().__init__(f"rank {rank} failed{also}: {message}{where}")
+
+    def brief(self, limit:int=8) -> str:
+        "The message, then only the last `limit` frames of the rank's traceback in the kit's or the user's code (`user_frames`)."
+        head = str(self).split("\n\n--- traceback of rank", 1)[0]
+        return head + "".join(f"\n  {f}" for f in user_frames(self.worker_traceback)[-limit:])
 
 # %% ../nbs/10_launch.ipynb #50249eca
 def collect(run_dir:str, # the launch's run folder
@@ -508,6 +530,8 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
     if launcher == "notebook" and (nnodes != 1 or max_restarts or rdzv_timeout):
         raise bad_value("launcher", launcher, "'torchrun' with nnodes > 1, max_restarts > 0 or rdzv_timeout")
     if backend not in (None, "gloo", "nccl"): raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
+    if backend == "nccl" and not _has_cuda(): raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
+    check_arg_types(fn, args)
     nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout)
     torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
     if rdzv_endpoint is not None: _check_endpoint(rdzv_endpoint)
@@ -527,6 +551,21 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
         raise KeyboardInterrupt(f"{getattr(fn, '__name__', 'the function')} on {nprocs} process(es) was interrupted "
                                 f"({e.args[0] if e.args else 'SIGINT'}); every worker was stopped") from None
     finally: shutil.rmtree(run_dir, ignore_errors=True)
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+def check_arg_types(fn, args:tuple):
+    "Refuse an argument that is not the dataclass `fn` declares for it (a `QLoRASpec` given to `train_worker`), before anything starts."
+    import dataclasses, inspect, typing
+    try: hints, params = typing.get_type_hints(fn), list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError, NameError): return
+    for param, value in zip(params, args):
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD): break
+        kind = hints.get(param.name)
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind) and not isinstance(value, kind):
+            raise bad_value(param.name, type(value).__name__, f"a {kind.__name__}: {getattr(fn, '__name__', fn)} runs one")
 
 def check_specs(args:tuple, world_size:int):
     "Call `check()` on every argument that has one (`check(world_size)` where it takes the world size), so a bad spec never starts a process."

@@ -143,3 +143,16 @@ def test_the_table_has_unique_ids():
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_in_one_line(case, tmp_path):
     check_case(case, tmp_path)
+
+
+def test_json_onto_a_symlink_or_a_pipe_is_refused_and_left_as_it_was(tmp_path):
+    "--json writes a regular file only: a rename over a symlink (or a device, as root /dev/null) would replace the link itself."
+    import os
+    from tests.badinput import refused
+    (tmp_path / "target.json").write_text("keep")
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    os.mkfifo(tmp_path / "pipe")
+    refused(["env", "--json", tmp_path / "link.json"], "--json=", tmp_path)
+    refused(["env", "--json", tmp_path / "link.json"], "this is a symbolic link", tmp_path)
+    refused(["env", "--json", tmp_path / "pipe"], "this is not a regular file", tmp_path)
+    assert (tmp_path / "link.json").is_symlink() and (tmp_path / "target.json").read_text() == "keep"

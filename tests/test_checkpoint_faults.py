@@ -58,6 +58,7 @@ TRAIN = ["train", "--nproc", 2, "--model", "tiny", "--steps", 4]
 LIST = lambda m: {"ck/step-000002/manifest.json": m, "ck/step-000002/trainer_state.pt": "x"}
 CASES = [
     Case("ckpt-manifest-array", ["ckpt", "{tmp}/ck"], 0, "step-000002: DAMAGED: its manifest.json is an array, not an object", LIST([1, 2])),
+    Case("ckpt-one-damaged-step", ["ckpt", "{tmp}/ck/step-000002"], 0, "step-000002: DAMAGED: its manifest.json is an array, not an object", LIST([1, 2])),
     Case("ckpt-manifest-null", ["ckpt", "{tmp}/ck"], 0, "its manifest.json is null, not an object", LIST("null")),
     Case("ckpt-manifest-not-utf8", ["ckpt", "{tmp}/ck"], 0, "its manifest.json is not valid JSON", LIST(b"\xff\xfe{")),
     Case("ckpt-no-files", ["ckpt", "{tmp}/ck"], 0, "its manifest has no 'files' table", LIST(MANIFEST)),

@@ -47,7 +47,11 @@ def test_a_page_per_notebook_and_figures(site):
     with_figures = [p for p in pages.values() if p["figures"]]
     assert len(with_figures) >= 4, with_figures
     for p in with_figures:
-        assert (out / p["page"]).read_text().count('src="data:image/png;base64,') == p["figures"]
+        text = (out / p["page"]).read_text()
+        assert text.count('src="data:image/png;base64,') == p["figures"]
+        # every figure says what it is to a screen reader: its title, or its section's heading (never nbconvert's "No description")
+        alts = re.findall(r'<img alt="([^"]*)"', text)
+        assert len(alts) >= p["figures"] and all(a.startswith("Figure") for a in alts), (p["page"], alts[:3])
 
 
 def test_headings_become_the_table_of_contents_and_api_has_docments(site):
@@ -340,3 +344,79 @@ def test_every_figure_is_checked_as_it_is_drawn():
             if "check_figure(" not in source and not (calls & checked and not re.search(r"subplots\(|plt\.figure\(", source)):
                 unchecked.append(nb.stem)
     assert unchecked == []
+
+
+# The planner page at a desktop's width and a phone's, in one browser run: two frames, each measured in the page. A line of text
+# is the run of text boxes of one block element at one height; every line but a block's last must hold at least 20 characters
+# (of that element's font), and no text may lie under the sidebar or the table of contents. The memory box refuses what is not a
+# number of GB above 0. The same harness is drawn once more as a screenshot.
+LAYOUT_HARNESS = """<!doctype html><html><body style="margin:0;white-space:nowrap;overflow:hidden"><pre id="out" style="display:none"></pre><script>
+const widths = [1400, 420], results = {}, ctx = document.createElement('canvas').getContext('2d');
+function lines(doc, win) {
+  const narrow = [], under = [];
+  const side = [...doc.querySelectorAll('nav.side, aside.toc')].filter(e => win.getComputedStyle(e).display !== 'none').map(e => e.getBoundingClientRect());
+  for (const block of doc.querySelectorAll('main h1, main h2, main p, main pre, main label, main li, main .pager')) {
+    const style = win.getComputedStyle(block), rows = new Map();
+    ctx.font = `${style.fontSize} ${style.fontFamily}`;
+    const ch = ctx.measureText('abcdefghijklmnopqrstuvwxyz').width / 26;
+    const walker = doc.createTreeWalker(block, NodeFilter.SHOW_TEXT);
+    for (let n; (n = walker.nextNode());) {
+      if (!n.textContent.trim()) continue;
+      const range = doc.createRange(); range.selectNodeContents(n);
+      for (const r of range.getClientRects()) {
+        if (r.width === 0) continue;
+        const key = Math.round(r.top), row = rows.get(key) || {left: r.left, right: r.right};
+        rows.set(key, {left: Math.min(row.left, r.left), right: Math.max(row.right, r.right)});
+        for (const s of side) if (r.left < s.right && r.right > s.left && r.top < s.bottom && r.bottom > s.top) under.push(n.textContent.trim().slice(0, 40));
+      }
+    }
+    const sorted = [...rows.entries()].sort((a, b) => a[0] - b[0]);
+    sorted.slice(0, -1).forEach(([top, row]) => { const chars = (row.right - row.left) / ch;
+      if (chars < 20) narrow.push(`${block.tagName} '${block.textContent.trim().slice(0, 40)}' line at ${top}px: ${chars.toFixed(1)} characters`); });
+  }
+  return {narrow, under: [...new Set(under)], scroll: doc.documentElement.scrollWidth <= win.innerWidth + 1};
+}
+function memory(doc) {
+  const box = doc.getElementById('gpu_mem_gb'), seen = {};
+  for (const v of ['', '-5', '24']) { box.value = v; box.dispatchEvent(new Event('input', {bubbles: true})); seen[v] = doc.getElementById('plan').textContent; }
+  return seen;
+}
+let left = widths.length;
+for (const w of widths) {
+  const frame = document.createElement('iframe');
+  frame.style.cssText = `width:${w}px;height:900px;border:0;vertical-align:top`;
+  frame.addEventListener('load', () => {
+    const doc = frame.contentDocument, win = frame.contentWindow;
+    results[w] = Object.assign(lines(doc, win), w === widths[0] ? {memory: memory(doc)} : {});
+    if (--left === 0) document.getElementById('out').textContent = JSON.stringify(results);
+  });
+  frame.src = 'planner.html';
+  document.body.appendChild(frame);
+}
+</script></body></html>"""
+
+
+def test_planner_page_reads_at_1400_and_420_px_and_refuses_a_bad_memory(site, tmp_path):
+    exe = _browser()
+    out, _ = site
+    harness = out / "_layout.html"
+    harness.write_text(LAYOUT_HARNESS)
+    png = tmp_path / "planner-1400-and-420.png"
+    try:
+        dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom", harness.as_uri())
+        _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--window-size=1830,900",
+                f"--screenshot={png}", harness.as_uri())
+    finally: harness.unlink()
+    found = re.search(r'<pre id="out"[^>]*>(.*)</pre>', dom)
+    assert found and found.group(1), dom[-2000:]
+    r = json.loads(html.unescape(found.group(1)))
+    for width in ("1400", "420"):
+        assert r[width]["narrow"] == [], (width, r[width]["narrow"][:5])
+        assert r[width]["under"] == [], (width, r[width]["under"][:5])
+        assert r[width]["scroll"], f"the page scrolls sideways at {width} px"
+    m = r["1400"]["memory"]
+    assert "NaN" not in json.dumps(m) and m[""] == 'gpu_mem_gb="" is not allowed: the memory of one GPU in GB, a number above 0', m
+    assert m["-5"].startswith('gpu_mem_gb="-5" is not allowed') and m["24"].startswith("per-GPU peak ") and " in 24 GB" in m["24"], m
+    from PIL import Image
+    shot = Image.open(png).convert("L")
+    assert shot.size == (1830, 900) and len(set(shot.crop((0, 0, 1400, 900)).getdata())) > 2 and len(set(shot.crop((1400, 0, 1820, 900)).getdata())) > 2

@@ -1,7 +1,7 @@
 """`fsdp-kit doctor` on 2 CPU ranks, for real: for each of its twelve checks a config/model pair that makes it FAIL (or WARN) and one
 that makes it PASS, each named with the upstream behaviour it reproduces; the command's JSON; hand-written config.json files of two
 public architectures (Qwen2-0.5B, tied; Llama-2-7B, untied); and bad input refused in one line with exit 2."""
-import json, subprocess, sys
+import json, os, subprocess, sys
 from pathlib import Path
 import pytest
 from fsdp_kit.config import EXAMPLES
@@ -70,9 +70,12 @@ def test_tied_embedding_in_its_own_unit_fails():
 def test_ddp_fallback_fails():
     "accelerate launch with distributed_type MULTI_GPU runs DDP (MULTI_CPU here) and ignores the fsdp_config section. Run through the command:"
     "its JSON on stdout (checks, twin, versions), the report on stderr."
+    from tests.conftest import left_behind, private_tmp
+    tmp = private_tmp()  # its own TMPDIR: the twin's folder and every process are gone 1 s after the end
     res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", "--model", LLAMA, "--fsdp-config", str(HERE / "ddp.yaml"), "--json", "-"],
-                         capture_output=True, text=True, timeout=380)
+                         capture_output=True, text=True, timeout=380, env=os.environ | {"TMPDIR": str(tmp)})
     assert res.returncode == 1 and "fsdp-kit doctor: a check failed (exit 1)" in res.stderr, res.stderr[-3000:]  # a FAIL gates a CI job
+    assert not (left := left_behind(tmp)), left
     r = json.loads(res.stdout)
     assert set(r) >= {"checks", "twin", "versions"} and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
     assert all(set(c) == {"name", "status", "reason", "fix"} for c in r["checks"])

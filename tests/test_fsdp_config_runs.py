@@ -1,6 +1,6 @@
 """Every setting of an FSDP config reaches `fully_shard` through `apply_fsdp`: a run's units and memory move as the setting says,
 and `fsdp-kit train` runs the users' own config files."""
-import json, re, subprocess, sys
+import json, os, re, subprocess, sys
 from dataclasses import asdict
 from pathlib import Path
 import pytest
@@ -115,14 +115,18 @@ def test_flags_override_the_file_and_say_so(tmp_path):
 def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
     "The QLoRA and CP-eval commands shard with the user's file too (the QLoRA lab's compute dtype is the storage's, and says so)."
     configs = ROOT / "examples" / "fsdp_configs"
-    run = lambda *args: subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True)
-    cp = run("cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json", "--json", tmp_path / "cp.json")
-    qlora = run("qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json",
+    from tests.conftest import left_behind, private_tmp
+    tmps = [private_tmp(), private_tmp()]  # one TMPDIR per command, to find what each leaves behind
+    run = lambda tmp, *args: subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, env=os.environ | {"TMPDIR": str(tmp)})
+    cp = run(tmps[0], "cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json", "--json", tmp_path / "cp.json")
+    qlora = run(tmps[1], "qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json",
                 "--adapter-dir", tmp_path / "adapter")
     for proc in (cp, qlora):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-3000:]
+    for tmp in tmps:  # 1 s after each ended: no temporary folder, no process
+        assert not (left := left_behind(tmp)), left
     r = json.loads((tmp_path / "cp.json").read_text())
     assert r["config"]["activation_checkpointing"] and r["config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert len(r["units"]) == 5 and r["loss_diff"] < 1e-5

@@ -66,8 +66,25 @@ def test_hang_in_a_collective_fails_after_the_timeout():
         launch(hangs_on_rank_0, nprocs=2, timeout=5)
     elapsed = time.time() - start
     assert 4 < elapsed < 60
-    assert info.value.rank == 0 and "Timed out" in str(info.value)
+    # rank 0's all_reduce timed out; rank 1, which never joined, is the one named, with where it was and what rank 0 waited in
+    assert info.value.rank == 1 and "rank 1 hung; rank(s) 0 waited for it in all_reduce. Rank 1 was in hangs_on_rank_0" in str(info.value)
+    brief = info.value.brief()  # the user's frames only (a forked rank's stack starts in the caller's: this test), innermost last
+    assert brief.splitlines()[-1] == "  tests/helpers.py:32 in hangs_on_rank_0" and "site-packages" not in brief and "fsdp_kit/launch.py" not in brief, brief
     time.sleep(0.5)
+    assert _children() == []
+
+
+def test_nccl_without_a_gpu_and_a_spec_of_another_type_are_refused_in_one_line():
+    from fsdp_kit.train import train_worker
+    from fsdp_kit.qlora import QLoRASpec
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(KitError, match=r"backend='nccl' is not allowed: 'gloo' or None on a machine without a CUDA GPU"):
+            launch(rank_info, nprocs=2, backend="nccl")
+    with pytest.raises(KitError, match=r"spec='QLoRASpec' is not allowed: a TrainSpec: train_worker runs one"):
+        launch(train_worker, QLoRASpec(), nprocs=2)
+    with pytest.raises(KitError, match=r"spec='dict' is not allowed: a TrainSpec"):
+        launch(train_worker, dict(model="tiny"), nprocs=2, launcher="torchrun")
     assert _children() == []
 
 

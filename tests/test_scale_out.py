@@ -22,6 +22,7 @@ def _watched(args, tmp, name, deadline):
         while proc.poll() is None:
             try: seen.update(psutil.Process(proc.pid).children(recursive=True))  # torchrun and its workers, as they come
             except psutil.NoSuchProcess: pass
+            if len(seen) >= 4 and "workers" not in box: box["workers"] = time.monotonic() - start  # the janitor, torchrun, 2 workers
             if time.monotonic() - start > deadline: os.killpg(proc.pid, signal.SIGKILL); box["killed"] = True
             time.sleep(0.2)
         box["seconds"] = time.monotonic() - start
@@ -33,6 +34,7 @@ def _watched(args, tmp, name, deadline):
         assert "killed" not in box, f"fsdp-kit {' '.join(map(str, args))} still running after {deadline} s"
         time.sleep(1)
         alive = [p for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        wait.workers_started = box.get("workers")
         return proc.returncode, (tmp / f"{name}.err").read_text(), box["seconds"], alive
     return wait
 
@@ -88,3 +90,8 @@ def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang
     assert code == 1 and seconds < 120 and alive == [], (seconds, err[-3000:])
     assert "rank 1 hung: it finished step 2 but did not start step 3; rank(s) 0 waited for it in foreach_all_gather" in err, err[-3000:]
     assert "(no progress for 15 s). Rank 1 was in inject_fault" in err, err[-3000:]
+    # the hung rank's own frames (the kit's and the user's code), not torch's and runpy's; the whole trace only with --debug
+    assert len(err.strip().splitlines()) <= 15 and "Traceback" not in err and "runpy" not in err, err[-3000:]
+    assert "fsdp_kit/scale.py:40 in inject_fault" in err and "(--debug prints the whole trace)" in err, err[-3000:]
+    # ended within --timeout + 10 s of the workers' start (the fault comes two tiny steps later)
+    assert hang.workers_started is not None and seconds - hang.workers_started < 15 + 10, (seconds, hang.workers_started)
