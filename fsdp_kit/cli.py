@@ -482,9 +482,9 @@ def _mesh_flags(s):
 
 EXIT_CODES = """exit status:
   0    all clear
-  1    a check failed: a doctor FAIL (a WARN too with doctor --strict), parity outside its bound, a worker that failed
+  1    a check failed: a doctor FAIL (a WARN too with doctor --strict), or a rank that failed
   2    bad input: one line names the option as typed, the value and what is allowed
-  130  interrupted (SIGINT, Ctrl-C); 143 SIGTERM; 129 SIGHUP: the workers are stopped first
+  130  interrupted (SIGINT, Ctrl-C); 143 SIGTERM; 129 SIGHUP: every process the command started is stopped first
 
 progress (one line per finished unit of work) goes to stderr, results to stdout; --quiet silences progress."""
 

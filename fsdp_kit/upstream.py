@@ -127,6 +127,9 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
     import builtins
     helper = transformers_helper()
+    if helper.poll() is not None:  # it ended (a command's janitor ends what the command started): start another
+        transformers_helper.cache_clear()
+        helper = transformers_helper()
     helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
     line = helper.stdout.readline()
     if not line: raise ChildProcessError(f"the TrainingArguments helper process ended (exit status {helper.poll()})")

@@ -74,7 +74,11 @@ def test_the_table_is_large_and_its_ids_unique():
     assert len(CASES) >= 50 and len({c.id for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("model", [*PRESETS, *sorted(str(p) for p in EXAMPLES.glob("*/config.json")), str(EXAMPLES / "qwen2-tiny")])
+GPU_SIZED = ("llama-3.2-1b",)  # plan --validate's CUDA matrix: 1.2 B parameters, ~23 GB per host at these defaults, at the edge of this machine's 24
+
+
+@pytest.mark.parametrize("model", [*PRESETS, *sorted(str(p) for p in EXAMPLES.glob("*/config.json") if p.parent.name not in GPU_SIZED),
+                                   str(EXAMPLES / "qwen2-tiny")])
 def test_good_models_pass_at_the_commands_defaults(model):
     assert check_model(model) == model
     for batch, seq_len in ((4, 64), (2, 64), (2, 128)):  # train and qlora, compare, cp-eval (4 rows over 2 ranks)

@@ -115,7 +115,7 @@ CLI_BAD = [
     (("--reshard", "maybe"), "reshard='maybe' is not allowed"),
     (("--policies", "SIZE_BASED_WRAP", "--min-num-params", "100000000"), "--min-num-params=100000000 is not allowed"),
     (("--model", "nope"), "model='nope' is not allowed"),
-    (("--fsdp-config", "no/such.yaml"), "fsdp_config='no/such.yaml' is not allowed"),
+    (("--fsdp-config", "no/such.yaml"), "--fsdp-config='no/such.yaml' is not allowed"),
     (("--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--gradient-checkpointing"), "together with gradient checkpointing is refused"),
     (("--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--model", "examples/configs/qwen2-tiny/config.json"),
      "transformer_layer_cls_to_wrap='LlamaDecoderLayer' is not allowed: a layer class of Qwen2ForCausalLM"),
