@@ -564,6 +564,7 @@ def check_arg_types(fn, args:tuple):
     for param, value in zip(params, args):
         if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD): break
         kind = hints.get(param.name)
+        if value is None and param.default is None: continue  # an optional spec left out (scale_train_worker's fault)
         if isinstance(kind, type) and dataclasses.is_dataclass(kind) and not isinstance(value, kind):
             raise bad_value(param.name, type(value).__name__, f"a {kind.__name__}: {getattr(fn, '__name__', fn)} runs one")
 

@@ -13,7 +13,7 @@ __all__ = ['LIBS', 'MATRIX', 'STATUS', 'DEPTH', 'PROBES', 'NOISY', 'ECHOES', 'CO
 
 # %% ../nbs/03b_versions.ipynb #f2d40bf5
 import json, os, re, subprocess, sys, time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from .config import EXAMPLES
 

@@ -85,6 +85,11 @@ def test_nccl_without_a_gpu_and_a_spec_of_another_type_are_refused_in_one_line()
         launch(train_worker, QLoRASpec(), nprocs=2)
     with pytest.raises(KitError, match=r"spec='dict' is not allowed: a TrainSpec"):
         launch(train_worker, dict(model="tiny"), nprocs=2, launcher="torchrun")
+    from fsdp_kit.launch import check_arg_types
+    from fsdp_kit.scale import scale_train_worker
+    from fsdp_kit.train import TrainSpec
+    check_arg_types(scale_train_worker, (TrainSpec(), None, 60))  # an optional spec left out is no wrong type (11_scale passes fault=None)
+    with pytest.raises(KitError, match=r"fault='TrainSpec' is not allowed: a FaultSpec"): check_arg_types(scale_train_worker, (TrainSpec(), TrainSpec()))
     assert _children() == []
 
 

@@ -1,7 +1,7 @@
 "The versions matrix: its stored file, the grid, the environments, the doctor's verdict, and every version-dependent sentence of the lessons naming its version."
 import json, re
 import pytest
-from fsdp_kit.versions import (LIBS, MATRIX, PROBES, STATUS, CHANGES, grid, minors, supported_oldest, load_matrix, versions_verdict, make_env,
+from fsdp_kit.versions import (LIBS, PROBES, STATUS, CHANGES, grid, minors, supported_oldest, load_matrix, versions_verdict, make_env,
                                installed, change_of, differences)
 from tests.conftest import ROOT
 
