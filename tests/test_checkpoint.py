@@ -78,8 +78,10 @@ def _tree(pid):
 def _kill_mid_save(args, ck, deadline=120):
     "Start `fsdp-kit train ARGS`, wait until a save is in progress (a .tmp- folder), SIGKILL every process of it; return the killed steps."
     import psutil
+    own_tmp = Path(ck).parent / "tmpdir"  # every process dies here, the command's janitor too: its temporary folder stays there, not in the session's
+    own_tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=os.environ | {"TMPDIR": str(own_tmp)})
     start = time.monotonic()
     try:
         while True:
