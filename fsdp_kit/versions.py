@@ -439,11 +439,11 @@ CHANGES = [  # what the matrix found changed: the library, its minor releases wi
 ]
 
 
-def change_of(key:str, probe:str=None, version:str=None):
-    "The entry of CHANGES for a compared key of `probe` that differs at `version` of its library (None: a difference no entry explains)."
+def change_of(key:str, probe:str=None, versions:dict=None):
+    "The entry of CHANGES for a compared key of `probe` that differs at these `versions` (None: a difference no entry explains)."
     minor = lambda v: ".".join(v.split(".")[:2])
     return next((c for c in CHANGES if c.get("probe", probe) == probe and (key.endswith(c["key"]) or f".{c['key']}." in f".{key}.")
-                 and (version is None or minor(version) in c["old"])), None)
+                 and (versions is None or minor(versions[c["lib"]]) in c["old"])), None)
 
 # %% ../nbs/03b_versions.ipynb #f35d84ef
 def load_matrix(path=None) -> dict:
@@ -459,7 +459,7 @@ def findings(combo:dict, newest:dict) -> list:
     out = []
     for name, p in combo["probes"].items():
         if p["status"] == "PASS": continue
-        known = [c for c in (change_of(k, name, combo["versions"].get(lib)) for k, _, _ in p.get("diff", []) for lib in LIBS) if c]
+        known = [c for c in (change_of(k, name, combo["versions"]) for k, _, _ in p.get("diff", [])) if c]
         known = [c for i, c in enumerate(known) if c not in known[:i]]
         out.append(dict(probe=name, status=p["status"], reason=p.get("reason"), diff=[f"{k}: {v!r} here, {w!r} on the newest" for k, v, w in p.get("diff", [])[:3]],
                         changes=[c["what"] for c in known], fixes=[c["fix"].format(newest=newest[c["lib"]]) for c in known]))
