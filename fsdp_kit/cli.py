@@ -683,7 +683,7 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
 
 
 class CheckFailed(Exception):
-    "The command ran, and what it checked did not hold (a doctor FAIL, parity outside its bound, a measured claim): exit 1."
+    "The command ran, and what it checked did not hold (a doctor FAIL, or a WARN under --strict): exit 1."
 
 
 # Everything a command starts (torchrun's agent and its workers, `accelerate launch`, the TrainingArguments helper) inherits TMPDIR

@@ -27,7 +27,7 @@ def environment() -> dict:
     "Versions of the stack, device type, backend and GPU count, as a JSON-ready dict."
     import importlib.metadata as md, platform, torch
     versions = {}
-    for name in ("torch", "transformers", "accelerate", "peft", "bitsandbytes"):
+    for name in ("torch", "transformers", "accelerate", "peft", "trl", "bitsandbytes"):
         try: versions[name] = md.version(name)
         except md.PackageNotFoundError: versions[name] = None
     cuda = torch.cuda.is_available()

@@ -23,9 +23,9 @@ MATRIX = EXAMPLES / "versions" / "matrix.json"  # the stored matrix the lesson a
 STATUS = ("PASS", "DIFF", "FAIL")
 
 def installed() -> dict:
-    "The versions of torch and of each library in `LIBS` this interpreter imports."
-    import importlib.metadata as md
-    return {k: md.version(k) for k in ("torch",) + LIBS}
+    "The versions of torch and of each library in `LIBS` this interpreter imports (from `launch.environment`, the stack every report names)."
+    from fsdp_kit.launch import environment
+    return {k: environment()["versions"][k] for k in ("torch",) + LIBS}
 
 def vtuple(v:str) -> tuple:
     "A release's number as a tuple of ints, for ordering (pre-release tags dropped)."

@@ -167,7 +167,7 @@ def test_torchrun_command_refuses_bad_values(kwargs, field):
 def test_environment_reports_versions_and_backend():
     env = environment()
     assert env["backend"] == ("nccl" if env["device_type"] == "cuda" else "gloo")
-    assert set(env["versions"]) == {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
+    assert set(env["versions"]) == {"torch", "transformers", "accelerate", "peft", "trl", "bitsandbytes"}
     assert env["versions"]["torch"].startswith("2.")
 
 
