@@ -1,5 +1,7 @@
 "One owner per concept: no `_name` crosses a module, no import cycle, and no layer imports a higher one (lazy imports count)."
 import ast
+
+import pytest
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent/"fsdp_kit"
@@ -77,6 +79,7 @@ def test_the_checks_can_fail():
     tree = ast.parse("def f():\n    from fsdp_kit.qlora import _x, y\n    from . import plan\nimport fsdp_kit.train\n")
     assert sorted(_imports(tree)) == [("plan", [], 3), ("qlora", ["_x", "y"], 2), ("train", [], 4)]
 
+@pytest.mark.skipif(not PENDING, reason="PENDING is empty: no allowed import waits to be removed")
 def test_pending_imports_are_still_there():
     mods = _modules()
     gone = [pair for pair in PENDING if pair[1] not in {dep for dep, _, _ in _imports(mods[pair[0]])}]
