@@ -1,4 +1,4 @@
-"One owner per concept: no `_name` crosses a module, no import cycle, and no layer imports a higher one (lazy imports count)."
+"One owner per concept: no `_name` crosses a module, no import cycle, no layer imports a higher one (lazy imports count); pyflakes finds nothing."
 import ast
 
 import pytest
@@ -99,3 +99,22 @@ def test_the_wheel_ships_every_example_file(tmp_path):
     examples = [str(p.relative_to(src)) for p in sorted((src / "fsdp_kit" / "examples").rglob("*")) if p.is_file()]
     assert len(examples) > 20 and [f for f in examples if f not in shipped] == []
     assert "fsdp_kit/examples/fsdp_configs/transformers_fsdp_config.json" in shipped and "fsdp_kit/examples/sft_lora.py" in shipped
+
+
+def _pyflakes(paths:list) -> tuple:
+    "pyflakes over `paths`: (number of findings, their text)."
+    import io
+    from pyflakes.api import checkRecursive
+    from pyflakes.reporter import Reporter
+    out = io.StringIO()
+    return checkRecursive([str(p) for p in paths], Reporter(out, out)), out.getvalue()
+
+def test_pyflakes_finds_nothing():
+    "An unused import, an undefined name or a redefinition in the package, the tests or the benchmarks fails the build."
+    n, text = _pyflakes([PKG, PKG.parent/"tests", PKG.parent/"benchmarks"])
+    assert n == 0, text
+
+def test_pyflakes_check_can_fail(tmp_path):
+    (tmp_path/"bad.py").write_text("import os\nprint(undefined_name)\n")
+    n, text = _pyflakes([tmp_path])
+    assert n == 2 and "'os' imported but unused" in text and "undefined name 'undefined_name'" in text
