@@ -354,6 +354,9 @@ def peft_worker(spec:PeftSpec) -> dict:
     for method in METHODS:
         out["methods"][method], model = method_run(method, spec.steps, spec.seed, spec.lr)
         if method == "modules_to_save": out["modules_to_save"] = modules_to_save_round_trip(model, folder, spec.seed)
+        if method == "prompt_tuning":  # peft's own refusal, on the sharded model
+            try: model.set_requires_grad("default", False); out["prompt_set_requires_grad"] = "accepted"
+            except TypeError as e: out["prompt_set_requires_grad"] = f"TypeError: {e}"
     out["freeze"] = [freeze_probe(r, spec.seed, spec.lr) for r in (True, False)]
     base, qlora = base_checkpoint(HFRunSpec(seed=spec.seed), folder), QLoRASpec(quant_storage="bfloat16")
     out["qdora"], model = method_run("dora", spec.steps, spec.seed, spec.lr, lambda: load_base(base, qlora), qlora.config)
