@@ -12,7 +12,7 @@ __all__ = ['METHODS', 'FSDP2_JSON', 'FSDP1_JSON', 'SEED_COMMANDS', 'SEED_DIFF', 
 
 # %% ../nbs/05b_peft.ipynb #02016a84
 import os, shutil, warnings
-from dataclasses import dataclass, field, replace, asdict
+from dataclasses import dataclass, replace
 from .errors import bad_value, require_whole, require_positive, require_seed
 from .config import FSDPConfig
 from .models import model_config, build_model, synthetic_tokens, rank_rows
