@@ -21,6 +21,24 @@ def bars(ax) -> list:
             for c in ax.containers for p in c if isinstance(p, Rectangle)]
 
 
+def test_ddp_fsdp_draws_each_category_and_the_bytes_sent():
+    from fsdp_kit.train import plot_ddp_fsdp
+    ddp = dict(unsharded_params=4 * MiB, unsharded_grads=4 * MiB, optimizer_state=8 * MiB, activations=23 * MiB, temporaries=4 * MiB)
+    fsdp = dict(sharded_params=2 * MiB, all_gather_buffers=0.5 * MiB, optimizer_state=4 * MiB, activations=23 * MiB, temporaries=4 * MiB)
+    held = {"DDP": ddp | {"total": sum(ddp.values())}, "FSDP2": fsdp | {"total": sum(fsdp.values())}}
+    sent = {"DDP": {"all_reduce": 3.82 * MiB}, "FSDP2": {"all_gather": 3.57 * MiB, "reduce_scatter": 1.91 * MiB}}
+    fig = plot_ddp_fsdp(held, sent)
+    left, right = fig.axes
+    stacks = {}
+    for x, y, w, h in bars(left): stacks.setdefault(round(x + w / 2), []).append((y, h))
+    assert sorted(h for _, h in stacks[0] if h) == sorted(v / MiB for v in ddp.values())  # every DDP category, as tall as its bytes
+    assert sorted(h for _, h in stacks[1] if h) == sorted(v / MiB for v in fsdp.values())
+    assert [round(sum(h for _, h in stacks[i]), 6) for i in (0, 1)] == [43.0, 33.5]
+    right_bars = [(round(x + w / 2), h) for x, _, w, h in bars(right) if h]
+    assert right_bars == [(1, 3.57), (1, 1.91), (0, 3.82)]  # all-gather and reduce-scatter stacked for FSDP2, the all-reduce for DDP
+    assert "DDP 43.00 / FSDP2 33.50" in left.get_title() and "DDP 3.82 / FSDP2 5.48 (1.43x)" in right.get_title()
+
+
 def test_collectives_draw_each_call_at_its_time_on_one_clock():
     from fsdp_kit.measure import plot_collectives
     def step(clock, shift):
