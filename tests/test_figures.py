@@ -39,6 +39,24 @@ def test_ddp_fsdp_draws_each_category_and_the_bytes_sent():
     assert "DDP 43.00 / FSDP2 33.50" in left.get_title() and "DDP 3.82 / FSDP2 5.48 (1.43x)" in right.get_title()
 
 
+def test_cp_layout_draws_each_rank_at_its_positions_and_its_work():
+    import torch
+    from fsdp_kit.cp import shard_sequence, plot_cp_layout, causal_pairs
+    tokens = torch.arange(8)[None]
+    layouts = {"head-tail, cp=2": [shard_sequence(tokens, 2, r)[0].tolist() for r in range(2)], "contiguous, cp=2": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    assert layouts["head-tail, cp=2"] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    fig = plot_cp_layout(layouts)
+    seq, work = fig.axes
+    cells = [(round(x + w / 2), round(y + h / 2)) for x, y, w, h in bars(seq)]  # (position, row)
+    assert cells == [(p, 0) for p in (0, 1, 6, 7, 2, 3, 4, 5)] + [(p, 1) for p in range(8)]  # rank 0's tokens, then rank 1's, row by row
+    colors = [matplotlib.colors.to_hex(p.get_facecolor()) for c in seq.containers for p in c]
+    assert colors == ["#1f77b4"] * 4 + ["#ff7f0e"] * 4 + ["#1f77b4"] * 4 + ["#ff7f0e"] * 4  # C0 for rank 0, C1 for rank 1
+    assert [w for _, _, w, _ in bars(work)] == [18, 18, 10, 26]  # query-key pairs: 1+2+7+8 and 3+4+5+6, then 1+2+3+4 against 5+6+7+8
+    assert [causal_pairs(p) for p in layouts["contiguous, cp=2"]] == [10, 26]
+    texts = [t.get_text().strip() for t in work.texts]
+    assert texts == ["18 / 18", "10 / 26"]
+
+
 def test_collectives_draw_each_call_at_its_time_on_one_clock():
     from fsdp_kit.measure import plot_collectives
     def step(clock, shift):
