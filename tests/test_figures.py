@@ -57,6 +57,20 @@ def test_cp_layout_draws_each_rank_at_its_positions_and_its_work():
     assert texts == ["18 / 18", "10 / 26"]
 
 
+def test_merge_layouts_draw_the_bytes_held_and_what_the_merge_left():
+    from fsdp_kit.lora import plot_merge_layouts
+    layouts = [dict(layout="fully_shard", bytes_held=8192, full_bytes=16384, merge="no error", vs_one_process_merge=0.0, vs_unmerged=0.181),
+               dict(layout="fully_shard, kept", bytes_held=16384, full_bytes=16384, merge="no error", vs_one_process_merge=0.181, vs_unmerged=0.0),
+               dict(layout="FSDP1", bytes_held=0, full_bytes=16384, merge="RuntimeError: The tensor has a non-zero number of elements"),
+               dict(layout="FSDP1, orig params", bytes_held=111104, full_bytes=16384, merge="RuntimeError: inconsistent tensor size")]
+    held, left = plot_merge_layouts(layouts).axes
+    whole, storage = held.containers
+    assert [p.get_width() for p in storage] == [8, 16, 0, 108.5] and [p.get_width() for p in whole] == [16] * 4  # KiB
+    widths = [[round(p.get_width(), 6) for p in c] for c in left.containers]
+    assert widths == [[0.0, 0.181], [0.181, 0.0]]  # only the two layouts whose merge ran: vs one process's merge, vs the unmerged weights
+    assert [t.get_text().strip() for t in left.texts] == ["0 / 0.181", "0.181 / 0", "RuntimeError at the merge", "RuntimeError at the merge"]
+
+
 def test_collectives_draw_each_call_at_its_time_on_one_clock():
     from fsdp_kit.measure import plot_collectives
     def step(clock, shift):
