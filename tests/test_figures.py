@@ -57,6 +57,28 @@ def test_cp_layout_draws_each_rank_at_its_positions_and_its_work():
     assert texts == ["18 / 18", "10 / 26"]
 
 
+def unit_rows(tail_reshard=False) -> list:
+    "`unit_table` rows of the tiny Llama as accelerate and the kit shard it: innermost first, the tail one group of two modules."
+    return [dict(module="lm_head", cls="Linear", parameters=16384, reshard_after_forward=tail_reshard, group=0),
+            dict(module="model.norm", cls="LlamaRMSNorm", parameters=64, reshard_after_forward=tail_reshard, group=0),
+            dict(module="model.layers.1", cls="LlamaDecoderLayer", parameters=46208, reshard_after_forward=True, group=1),
+            dict(module="model.layers.0", cls="LlamaDecoderLayer", parameters=46208, reshard_after_forward=True, group=2),
+            dict(module="model.embed_tokens", cls="Embedding", parameters=16384, reshard_after_forward=True, group=3),
+            dict(module="", cls="LlamaForCausalLM", parameters=0, reshard_after_forward=None, group=None)]
+
+
+def test_unit_layouts_draw_each_unit_in_model_order():
+    from fsdp_kit.hf_run import plot_unit_layouts
+    fig = plot_unit_layouts({"Trainer": unit_rows(), "kit": unit_rows(), "native": unit_rows(tail_reshard=True)})
+    (ax,) = fig.axes
+    heights = [(round(x + w / 2), y, h) for x, y, w, h in bars(ax)]
+    column = [(0, 0, 16384), (0, 16384, 46208), (0, 62592, 46208), (0, 108800, 16448)]  # embeddings, layer 0, layer 1, tail
+    assert heights == column + [(1, y, h) for _, y, h in column] + [(2, y, h) for _, y, h in column]
+    hatched = [bool(p.get_hatch()) for c in ax.containers for p in c]
+    assert hatched == [False, False, False, True] * 2 + [False] * 4  # the tail kept after forward, except where it reshards
+    assert "16,384 + 46,208 + 46,208 + 16,448" in ax.get_title() and "the same in all" not in ax.get_title()  # one run reshards its tail
+
+
 def test_merge_layouts_draw_the_bytes_held_and_what_the_merge_left():
     from fsdp_kit.lora import plot_merge_layouts
     layouts = [dict(layout="fully_shard", bytes_held=8192, full_bytes=16384, merge="no error", vs_one_process_merge=0.0, vs_unmerged=0.181),
