@@ -6,9 +6,10 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/cp.html.md"""
 
 # %% auto #0
 __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'check_mask', 'nearest_lengths', 'check_seq_len',
-           'check_sizes', 'shard_sequence', 'unshard_sequence', 'allgather_attention', 'ring_attention',
-           'cp_attention_forward', 'cp_attention_mask', 'use_cp_attention', 'CPSpec', 'eval_batch', 'shift_labels',
-           'token_loss_sum', 'CPEvalResult', 'cp_eval_worker', 'attention_sweep_worker', 'plot_attention_sweep']
+           'check_sizes', 'shard_sequence', 'unshard_sequence', 'causal_pairs', 'plot_cp_layout', 'allgather_attention',
+           'ring_attention', 'cp_attention_forward', 'cp_attention_mask', 'use_cp_attention', 'CPSpec', 'eval_batch',
+           'shift_labels', 'token_loss_sum', 'CPEvalResult', 'cp_eval_worker', 'attention_sweep_worker',
+           'plot_attention_sweep']
 
 # %% ../nbs/06_cp.ipynb #18908165
 import os, statistics, time
@@ -95,6 +96,36 @@ def unshard_sequence(shards:list, # every cp rank's slice, in cp-rank order
     import torch
     halves = [s.chunk(2, dim) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
+
+# %% ../nbs/06_cp.ipynb #4f90517c
+def causal_pairs(positions:list) -> int:
+    "Query-key pairs causal attention computes for the tokens at `positions` of a sequence: each sees itself and every earlier token."
+    return sum(p + 1 for p in positions)
+
+def plot_cp_layout(layouts:dict # label -> the positions each cp rank holds, in cp-rank order (what `shard_sequence` returns per rank)
+                  ):
+    "Each layout a row of tokens coloured by the rank that holds them, beside each rank's causal attention work (`causal_pairs`)."
+    import matplotlib.pyplot as plt
+    from fsdp_kit.measure import check_figure
+    fig, (seq, work) = plt.subplots(1, 2, figsize=(9.5, 0.9 * len(layouts) + 1.6), layout="constrained", width_ratios=(3, 2))
+    named = set()
+    for row, shards in enumerate(layouts.values()):
+        for rank, positions in enumerate(shards):
+            seq.bar(positions, 0.8, bottom=row - 0.4, width=0.92, color=f"C{rank}", label=None if rank in named else f"cp rank {rank}")
+            named.add(rank)
+            for p in positions: seq.text(p, row, str(rank), ha="center", va="center", color="white", fontsize=9)
+        pairs = [causal_pairs(positions) for positions in shards]
+        work.barh([row + (rank - (len(shards) - 1) / 2) * 0.8 / len(shards) for rank in range(len(shards))], pairs,
+                  height=0.8 / len(shards), color=[f"C{rank}" for rank in range(len(shards))])
+        work.text(max(pairs), row, " " + " / ".join(map(str, pairs)), va="center", fontsize=9)
+    for ax in (seq, work): ax.set_yticks(range(len(layouts)), list(layouts), fontsize=9); ax.invert_yaxis()
+    tokens = max(p for shards in layouts.values() for s in shards for p in s) + 1
+    seq.set(xlabel="position in the sequence", title=f"which cp rank holds each of {tokens} tokens", xticks=range(0, tokens, 2))
+    work.set(xlabel="query-key pairs (causal)", title="attention work of each rank")
+    work.set_yticklabels([]); work.set_xlim(0, 1.6 * work.get_xlim()[1])
+    handles, names = seq.get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncol=len(names), fontsize=9)
+    return check_figure(fig)
 
 # %% ../nbs/06_cp.ipynb #0eb2cdb2
 def _repeat_kv(x, groups:int):

@@ -7,8 +7,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 # %% auto #0
 __all__ = ['WORKFLOWS', 'DEFAULT_CONFIGS', 'SFT_RUN_LIMIT', 'HFRunSpec', 'HFRunResult', 'unit_table', 'param_groups',
            'fsdp_facts', 'confirm_fsdp2', 'base_checkpoint', 'trainer_arguments', 'trainer_losses', 'quiet_trainer',
-           'full_state_dict', 'kit_parity', 'trainer_worker', 'word_corpus', 'word_tokenizer', 'accelerate_file',
-           'sft_command', 'run_command', 'run_sft', 'native_worker', 'run_workflow']
+           'full_state_dict', 'kit_parity', 'trainer_worker', 'native_model', 'native_units', 'plot_unit_layouts',
+           'word_corpus', 'word_tokenizer', 'accelerate_file', 'sft_command', 'run_command', 'run_sft', 'native_worker',
+           'run_workflow']
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c001
 import json, os, subprocess, sys, time, warnings
@@ -286,6 +287,55 @@ def trainer_worker(spec:HFRunSpec) -> HFRunResult:
     result.resume = _resume(spec, base, folder, losses)
     return result
 
+# %% ../nbs/09a_hf_run.ipynb #9f194754
+def native_model(spec:HFRunSpec, folder:Path):
+    "`spec`'s base model loaded by transformers' own FSDP2, `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`."
+    import torch, torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    base = base_checkpoint(spec, folder)
+    sharded = DistributedConfig(fsdp_size=dist.get_world_size())
+    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, distributed_config=sharded)
+
+def native_units(spec:HFRunSpec) -> list:
+    "The units (`unit_table` rows) `native_model` makes of `spec`'s model as it loads, on every rank (no training)."
+    from fsdp_kit.ranks import quiet_libraries, shared_tempdir
+    quiet_libraries()
+    model = native_model(spec, Path(spec.out or shared_tempdir("fsdp_kit_hf_native_")))
+    return confirm_fsdp2(model, "from_pretrained(distributed_config=...)")["units"]
+
+# %% ../nbs/09a_hf_run.ipynb #954f00f7
+def _model_order(units:list) -> list:
+    "`param_groups(units)` in the model's order (`unit_table` lists the innermost unit first, so reversed it follows the model)."
+    order = [u["module"].replace("._checkpoint_wrapped_module", "") for u in reversed(units)]
+    return sorted(param_groups(units), key=lambda g: min(order.index(m) for m in g["modules"]))
+
+def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per FSDP unit: module, parameters, reshard_after_forward, group)
+                     ):
+    "One column per run: a block per unit with weights (`param_groups`), as tall as its parameters, hatched if kept after forward."
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from fsdp_kit.measure import check_figure
+    fig, ax = plt.subplots(figsize=(9.5, 5.4), layout="constrained")
+    styles = {True: dict(facecolor="#dddddd"), False: dict(facecolor="#bbccee", hatch="//")}  # by reshard_after_forward
+    for col, units in enumerate(layouts.values()):
+        bottom = 0
+        for g in _model_order(units):
+            ax.bar(col, g["parameters"], bottom=bottom, width=0.6, edgecolor="black", **styles[g["reshard_after_forward"]])
+            ax.text(col, bottom + g["parameters"] / 2, f"{' + '.join(g['modules'])}: {g['parameters']:,}", ha="center", va="center",
+                    fontsize=9, bbox=dict(facecolor="white", edgecolor="none", pad=1))
+            bottom += g["parameters"]
+    ax.set_xticks(range(len(layouts)), [f"{label}\n{len(units)} FSDP modules, {len(param_groups(units))} with weights"
+                                        for label, units in layouts.items()], fontsize=9)
+    first = next(iter(layouts.values()))
+    sizes, same = [g["parameters"] for g in _model_order(first)], all(param_groups(u) == param_groups(first) for u in layouts.values())
+    ax.set(ylabel="parameters", title=f"the units each entry point made of one {sum(sizes):,}-parameter model:\n"
+                                      + " + ".join(f"{n:,}" for n in sizes) + (f", the same in all {len(layouts)}" if same else ""))
+    ax.legend([Patch(edgecolor="black", **styles[True]), Patch(edgecolor="black", **styles[False])],
+              ["freed after forward (reshard_after_forward=True)", "kept after forward (False)"], fontsize=9, loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), ncol=2)
+    return check_figure(fig)
+
 # %% ../nbs/09a_hf_run.ipynb #a1f0c011
 def word_corpus(rows:int=96, seed:int=0) -> list:
     "Short English-like sentences from a few dozen words: a text data set made here, nothing downloaded."
@@ -392,14 +442,13 @@ def _native_plan(model) -> dict:
 
 def native_worker(spec:HFRunSpec) -> HFRunResult:
     "transformers' own FSDP2: `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`, then the Trainer on that model."
-    import torch, torch.distributed as dist
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer
-    from transformers.distributed import DistributedConfig
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier
     quiet_libraries(); warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
     folder = Path(spec.out or shared_tempdir("fsdp_kit_hf_native_"))
-    base, world = base_checkpoint(spec, folder), dist.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=world))
+    model = native_model(spec, folder)
+    base, world = model.name_or_path, dist.get_world_size()  # the folder base_checkpoint saved the model to
     facts = confirm_fsdp2(model, "from_pretrained(distributed_config=...)")
     args = trainer_arguments(spec, str(folder / "native"), None)
     data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)

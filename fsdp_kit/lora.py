@@ -7,7 +7,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/lora.html.md"""
 # %% auto #0
 __all__ = ['LINEARS', 'MERGE_LAYOUTS', 'lora_targets', 'lora_config', 'add_lora', 'plain_key', 'save_adapter', 'check_adapter',
            'global_loss', 'adapter_round_trip', 'base_shards', 'train_steps', 'merge_probe', 'merge_and_save',
-           'merge_worker']
+           'merge_worker', 'plot_merge_layouts']
 
 # %% ../nbs/05a_lora.ipynb #c1f0fe4d
 import os, shutil, tempfile
@@ -269,3 +269,33 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
         result |= dict(unmerge_max_diff=restored.item(), merged_max_abs=merged_max, unmerge_bound=torch.finfo(torch.float32).eps * merged_max,
                        losses_after_unmerge=went_on, losses_never_merged=never_merged, layouts=layouts)
     return result
+
+# %% ../nbs/05a_lora.ipynb #be7784ff
+def plot_merge_layouts(layouts:list # `merge_probe` results, one per layout
+                      ):
+    "Per layout: the bytes of the base weight a rank held when `merge_adapter()` ran, and what the merge left (differences, or the error)."
+    import matplotlib.pyplot as plt
+    from fsdp_kit.measure import check_figure
+    fig, (held, left) = plt.subplots(1, 2, figsize=(9.5, 4), layout="constrained", sharey=True)
+    rows = range(len(layouts))
+    held.barh(rows, [r["full_bytes"] / 2**10 for r in layouts], fill=False, edgecolor="black", linestyle="--", label="the whole weight")
+    held.barh(rows, [r["bytes_held"] / 2**10 for r in layouts], height=0.5, color="#4477aa", label="this rank's storage")
+    for i, r in enumerate(layouts):
+        held.text(max(r["bytes_held"], r["full_bytes"]) / 2**10, i, f" {r['bytes_held']:,}", va="center", fontsize=9)
+    held.set_yticks(rows, [r["layout"] for r in layouts], fontsize=9); held.invert_yaxis()
+    held.set(xlabel="KiB (the labels: bytes)",
+             title=f"q_proj's base weight at the merge\n(the whole weight: {layouts[0]['full_bytes']:,} bytes)")
+    held.set_xlim(0, 1.45 * max(max(r["bytes_held"], r["full_bytes"]) for r in layouts) / 2**10)
+    held.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    merged = [(i, r) for i, r in enumerate(layouts) if r["merge"] == "no error"]
+    for shift, key, color, label in ((-0.2, "vs_one_process_merge", "#ee6677", "|weight - one process's merge|"),
+                                     (0.2, "vs_unmerged", "#ccbb44", "|weight - unmerged|")):
+        left.barh([i + shift for i, _ in merged], [r[key] for _, r in merged], height=0.4, color=color, label=label)
+    for i, r in enumerate(layouts):
+        if r["merge"] != "no error": left.text(0, i, " " + r["merge"].split(":")[0] + " at the merge", va="center", fontsize=9)
+        else: left.text(max(r["vs_one_process_merge"], r["vs_unmerged"]), i, f" {r['vs_one_process_merge']:.3g} / {r['vs_unmerged']:.3g}",
+                        va="center", fontsize=9)
+    left.set(xlabel="largest difference over every merged weight", title="what the merge left: the two differences")
+    left.set_xlim(0, 1.6 * max([max(r["vs_one_process_merge"], r["vs_unmerged"]) for _, r in merged] + [1e-3]))
+    left.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    return check_figure(fig)

@@ -6,9 +6,10 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
 # %% auto #0
 __all__ = ['CATEGORIES', 'GATHER_OPS', 'SCATTER_OPS', 'QUIET_WARNINGS', 'FIGURE_MAX_WIDTH_IN', 'FIGURE_MIN_FONT_PT',
-           'unit_tracker', 'comm_counter', 'StepMeasurement', 'peak_by_category', 'quiet_hook_warnings', 'measure_step',
-           'step_timing', 'busy_note', 'first_step_tracker', 'FigureCheckError', 'wrap_label', 'figure_problems',
-           'check_figure', 'plot_timeline', 'plot_categories', 'gpu_records', 'record_label', 'stored_gpu_lines']
+           'COLLECTIVE_COLORS', 'unit_tracker', 'comm_counter', 'StepMeasurement', 'peak_by_category',
+           'quiet_hook_warnings', 'measure_step', 'step_timing', 'busy_note', 'first_step_tracker', 'FigureCheckError',
+           'wrap_label', 'figure_problems', 'check_figure', 'plot_timeline', 'plot_categories', 'collective_timeline',
+           'plot_collectives', 'gpu_records', 'record_label', 'stored_gpu_lines']
 
 # %% ../nbs/04a_measure.ipynb #1771caf5
 import os, statistics, time, warnings
@@ -109,7 +110,7 @@ def _nbytes(x) -> int:
 
 # %% ../nbs/04a_measure.ipynb #37b9742d
 def comm_counter():
-    "A dispatch mode that counts the collectives `CommDebugMode` counts, by op, and adds up the bytes of each collective's full buffer (`.get_comm_counts()`, `.bytes`)."
+    "A dispatch mode counting the collectives `CommDebugMode` counts and their buffer bytes (`.get_comm_counts()`, `.bytes`, `.log`)."
     import torch
     from collections import Counter
     from torch.distributed.tensor import DTensor
@@ -120,21 +121,22 @@ def comm_counter():
         supports_higher_order_operators = True
         def __init__(self):
             super().__init__()
-            self.counts, self.bytes = Counter(), Counter()
+            self.counts, self.bytes, self.log = Counter(), Counter(), []  # log: (perf_counter at the call, kind, bytes), in call order
         def __enter__(self):
-            self.counts.clear(); self.bytes.clear()
+            self.counts.clear(); self.bytes.clear(); self.log.clear()
             return super().__enter__()
         def get_comm_counts(self): return dict(self.counts)
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator): return func(*args, **kwargs)
             if any(t is DTensor for t in types): return NotImplemented  # DTensor runs its local ops, collectives included, through this mode again
-            out = func(*args, **kwargs)
+            called, out = time.perf_counter(), func(*args, **kwargs)
             packet = func._overloadpacket
             if packet in registry:
                 self.counts[NATIVE_TO_PY_MAPPING.get(packet, packet)] += 1
                 if packet in c10d_collective_ops and len(args) >= 2:
-                    self.bytes[_kind(packet.__name__)] += max(_nbytes(args[0]), _nbytes(args[1]))
+                    kind, nbytes = _kind(packet.__name__), max(_nbytes(args[0]), _nbytes(args[1]))
+                    self.bytes[kind] += nbytes; self.log.append((called, kind, nbytes))
             return out
     return CommCounter()
 
@@ -394,6 +396,55 @@ def plot_categories(peaks:dict, ax=None, title:str="peak memory per rank, by cat
     if legend_below: ax.legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     else: ax.legend(fontsize=9, bbox_to_anchor=(1.01, 1), loc="upper left")
     return check_figure(ax.figure) if own else ax.figure
+
+# %% ../nbs/04a_measure.ipynb #5bdc6c58
+def collective_timeline(forward, # forward(): the loss of one batch, on a model sharded with fully_shard
+                        optim # its optimizer: its step and zero_grad end the training step
+                       ) -> dict:
+    "One training step: its collectives in call order (kind, bytes, start in seconds, phase), when each phase began, its start's clock."
+    counter = comm_counter()
+    with quiet_hook_warnings(), counter:
+        start = time.perf_counter()
+        loss = forward()
+        backward = time.perf_counter()
+        loss.backward()
+        optimizer = time.perf_counter()
+        optim.step(); optim.zero_grad()
+        end = time.perf_counter()
+    phases = dict(forward=0.0, backward=backward - start, optimizer=optimizer - start, end=end - start)
+    def phase(t): return next(p for p in ("optimizer", "backward", "forward") if t >= phases[p])
+    events = [dict(kind=kind, bytes=nbytes, start_s=t - start, phase=phase(t - start)) for t, kind, nbytes in counter.log]
+    return dict(clock_s=start, phases=phases, events=events)
+
+# %% ../nbs/04a_measure.ipynb #28c12c93
+COLLECTIVE_COLORS = {"all_gather": "#4477aa", "reduce_scatter": "#ee6677", "all_reduce": "#228833"}  # the kit's collective figures
+
+def plot_collectives(ranks:list # `collective_timeline` of one step, one per rank, in rank order
+                    ):
+    "One lane per rank on a shared clock: each collective a bar at its call, as tall as its buffer (MiB), on the step's shaded phases."
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 1.5 + 1.4 * len(ranks)), sharex=True, layout="constrained", squeeze=False)
+    width = max(s["phases"]["end"] for s in ranks) * 1e3 / 150  # of a bar, in ms
+    zero = min(step["clock_s"] for step in ranks)  # perf_counter is one monotonic clock for all processes of a machine: one time axis
+    for rank, (ax, step) in enumerate(zip(axes[:, 0], ranks)):
+        shift = (step["clock_s"] - zero) * 1e3
+        p = {k: v * 1e3 + shift for k, v in step["phases"].items()}
+        for (name, lo, hi), color in zip((("forward", p["forward"], p["backward"]), ("backward", p["backward"], p["optimizer"]),
+                                          ("optimizer step", p["optimizer"], p["end"])), ("#eef3fa", "#f3e6ff", "#e6f7ea")):
+            ax.axvspan(lo, hi, color=color, zorder=0, label=name if rank == 0 else None)
+        for kind, color in COLLECTIVE_COLORS.items():
+            mine = [e for e in step["events"] if e["kind"] == kind]
+            if not mine: continue
+            ax.bar([e["start_s"] * 1e3 + shift for e in mine], [e["bytes"] / 2**20 for e in mine], width=width, color=color, align="edge",
+                   label=f"{kind.replace('_', '-')} (one per call)" if rank == 0 else None)
+        ax.set_ylabel(f"rank {rank}\nMiB", fontsize=10)
+    counts = {k: sum(e["kind"] == k for e in ranks[0]["events"]) for k in COLLECTIVE_COLORS}
+    moved = {k: sum(e["bytes"] for e in ranks[0]["events"] if e["kind"] == k) / 2**20 for k in COLLECTIVE_COLORS}
+    said = [f"{counts[k]} {k.replace('_', '-')}{'s' * (counts[k] != 1)} ({moved[k]:.2f} MiB)" for k in COLLECTIVE_COLORS if counts[k]]
+    axes[0, 0].set_title(f"one step on {len(ranks)} ranks: per rank " + ", ".join(said), fontsize=11)
+    axes[-1, 0].set_xlabel("ms from the first rank's start of the step")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=9)
+    return check_figure(fig)
 
 # %% ../nbs/04a_measure.ipynb #e069ed99
 def gpu_records(folder=None # a folder of gpu_check records; None: the package's examples/gpu
