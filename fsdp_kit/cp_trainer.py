@@ -49,7 +49,7 @@ class PromptRows(TokenRows):
         return dict(input_ids=row["input_ids"], labels=labels)
 
 def counting_trainer():
-    "A Trainer subclass whose `prediction_step` counts the batch's valid tokens before and inside the CP context, then runs the Trainer's own."
+    "A Trainer whose `prediction_step` counts the batch's valid tokens before and inside the CP context, then runs the Trainer's own."
     from transformers import Trainer
     class CountingTrainer(Trainer):
         counts = []
@@ -93,7 +93,8 @@ def trainer_eval(spec:CPTrainerSpec, base:str, folder:Path, cp:int) -> dict:
     world = dist.get_world_size()
     args = trainer_arguments(HFRunSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, seed=spec.seed), str(folder / f"cp{cp}"),
                              str(EXAMPLES / "fsdp_configs" / "transformers_fsdp_config.json"),
-                             parallelism_config=ParallelismConfig(dp_shard_size=world // cp, cp_size=cp), log_level="error", log_level_replica="error")
+                             parallelism_config=ParallelismConfig(dp_shard_size=world // cp, cp_size=cp),
+                             log_level="error", log_level_replica="error")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
     rows = PromptRows(model.config.vocab_size, spec.rows, spec.seq_len, world // cp, spec.batch, spec.seed, prompt=spec.prompt)
     trainer = quiet_trainer(counting_trainer()(model=model, args=args, eval_dataset=rows))
@@ -110,7 +111,8 @@ def cp_trainer_worker(spec:CPTrainerSpec) -> dict:
     from fsdp_kit.hf import enable_cpu_fsdp
     from fsdp_kit.hf_run import HFRunSpec, base_checkpoint
     quiet_libraries(); enable_cpu_fsdp(say=False)
-    for text in ("OMP_NUM_THREADS", "Slicing a flattened dim"): warnings.filterwarnings("ignore", message=text)  # accelerate's and torch's notes
+    for text in ("OMP_NUM_THREADS", "Slicing a flattened dim"):  # accelerate's and torch's notes
+        warnings.filterwarnings("ignore", message=text)
     folder = Path(shared_tempdir("fsdp_kit_cp_trainer_"))
     base = base_checkpoint(HFRunSpec(model=spec.model, seed=spec.seed), folder)
     return dict(reference_loss=one_process_loss(base, spec, dist.get_world_size()),

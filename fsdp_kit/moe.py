@@ -9,7 +9,6 @@ __all__ = ['MOE_MODEL', 'LAYOUTS', 'NATIVE_SETTINGS', 'moe_configs', 'expert_pla
            'native_moe_worker']
 
 # %% ../nbs/09b_moe.ipynb #ba262c3f
-import warnings
 from dataclasses import replace
 from .errors import bad_value, one_line
 from .config import FSDPConfig, EXAMPLES
@@ -86,5 +85,6 @@ def native_moe_worker(spec, # a CompareSpec: the model, seed, batch and seq_len
     if dist.get_rank() == 0: build_model(model_config(spec.model), spec.seed).save_pretrained(base)
     barrier()
     tokens = synthetic_tokens(model_config(spec.model).vocab_size, spec.batch, spec.seq_len, 0, spec.seed)
-    with torch.no_grad(): reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(input_ids=tokens, labels=tokens).loss.item()
+    one = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad(): reference = one(input_ids=tokens, labels=tokens).loss.item()
     return dict(world_size=dist.get_world_size(), reference_loss=reference, runs=[native_run(base, s, tokens) for s in settings])
