@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/models.html.md"""
 
 # %% auto #0
 __all__ = ['PRESETS', 'read_config_json', 'model_config', 'try_config', 'model_label', 'check_model', 'build_model',
-           'decoder_layers', 'model_checkpointing', 'count_params', 'synthetic_tokens', 'rank_rows']
+           'decoder_layers', 'expert_modules', 'model_checkpointing', 'count_params', 'synthetic_tokens', 'rank_rows']
 
 # %% ../nbs/01a_models.ipynb #dd2fe9c2
 import json, re
@@ -64,7 +64,7 @@ def try_config(config, # a transformers config
                model:str="config", # what to call it in messages
                keys:dict=None # the keys the user gave, to name in messages (default: all of config's)
               ):
-    "Run transformers' `validate()`, build the model on the meta device and run a 1 x 8-token forward with loss there; refuse what fails."
+    "Run transformers' `validate()`, build the model on the meta device and run a 1 x 8-token forward there (MoE: built only); refuse what fails."
     import copy, torch
     key = config.to_json_string()
     if key in _TRIED: return config
@@ -76,7 +76,9 @@ def try_config(config, # a transformers config
     except Exception as e: raise _config_error(model, keys, e, "drawing token ids in [0, vocab_size)", ("vocab_size",)) from None
     try:
         with torch.random.fork_rng(devices=[]): meta = build_model(copy.deepcopy(config), device="meta")  # leaves the RNG and config as they were
-        with torch.no_grad(): meta(input_ids=tokens.to("meta"), labels=tokens.to("meta"), use_cache=True)  # a cache skips the packed-sequence check, which reads values
+        if not expert_modules(meta):  # MoE routes each token by its values, which the meta device does not hold: built, not run
+            with torch.no_grad():  # a cache skips the packed-sequence check, which reads values
+                meta(input_ids=tokens.to("meta"), labels=tokens.to("meta"), use_cache=True)
     except Exception as e: raise _config_error(model, keys, e, "building the model and a 1 x 8-token forward on the meta device") from None
     if not decoder_layers(meta):
         raise _config_error(model, keys, KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard"), "looking for decoder layers", ("num_hidden_layers",))
@@ -113,6 +115,10 @@ def decoder_layers(model) -> list:
     "The model's repeated blocks: modules whose class (or the class `fully_shard` subclassed) is in `model._no_split_modules`."
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
+
+def expert_modules(model) -> list:
+    "(qualified name, module) of each module holding a mixture-of-experts layer's experts: parameters of 3 dims, the expert dim first."
+    return [(n, m) for n, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 def model_checkpointing(model) -> bool:
     "Whether the model's own (transformers') gradient checkpointing is on (`is_activation_checkpointing` since transformers 5)."

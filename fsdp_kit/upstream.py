@@ -80,12 +80,13 @@ def launch_args(path:str) -> list:
     return ["--config_file", str(path)] + ([] if int(data.get("num_processes", -1)) > 0 else ["--num_processes", "2"])
 
 # %% ../nbs/03a_upstream.ipynb #b5472ad1
-def launch_env(path:str # an accelerate config file
+def launch_env(path:str, # an accelerate config file
+               flags:list=() # more `accelerate launch` options, as typed (["--use_parallelism_config", "--parallelism_config_cp_size", "2"])
               ) -> dict:
-    "The environment `accelerate launch --config_file path train.py` starts its workers with, from accelerate's own launch code."
+    "The environment `accelerate launch --config_file path [flags] train.py` starts its workers with, from accelerate's own launch code."
     from accelerate.commands.launch import launch_command_parser, _validate_launch_command
     from accelerate.utils.launch import prepare_multi_gpu_env
-    args = launch_command_parser().parse_args(launch_args(path) + ["train.py"])
+    args = launch_command_parser().parse_args(launch_args(path) + list(flags) + ["train.py"])
     with environ(clean_environ()):
         args, _, _ = _validate_launch_command(args)
         if not args.use_fsdp or args.cpu: return {}
