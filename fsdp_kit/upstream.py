@@ -102,8 +102,9 @@ def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
         return args.fsdp_plugin_args, args.mixed_precision
 
 @functools.cache
-def transformers_helper():
-    "One helper process per kit process for TrainingArguments: importing it takes seconds and imports peft and bitsandbytes, which must stay out of a process that forks workers."
+def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR): that command's janitor ends it, so the next gets its own
+                       ):
+    "One helper process per kit process and command for TrainingArguments: importing it takes seconds, and imports peft and bitsandbytes."
     import subprocess, sys
     env = {**clean_environ(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a worker's helper stays out of its process group
     return subprocess.Popen([sys.executable, "-c", "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"],
@@ -127,10 +128,11 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
                        ) -> tuple:
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
     import builtins
-    helper = transformers_helper()
-    if helper.poll() is not None:  # it ended (a command's janitor ends what the command started): start another
+    scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # a helper of an earlier command may still be alive, its janitor not done yet
+    helper = transformers_helper(scope)
+    if helper.poll() is not None:  # it ended: start another
         transformers_helper.cache_clear()
-        helper = transformers_helper()
+        helper = transformers_helper(scope)
     helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
     line = helper.stdout.readline()
     if not line: raise ChildProcessError(f"the TrainingArguments helper process ended (exit status {helper.poll()})")
