@@ -8,11 +8,10 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 __all__ = ['POLICIES', 'PRECISION', 'MIXED_PRECISION', 'STATE_DICT_TYPES', 'SHARDING_STRATEGIES', 'SHARDING_BY_NUMBER',
            'NOT_APPLYING', 'NO_OP', 'WHY_UPSTREAM', 'FIELD_KEYS', 'KNOWN_KEYS', 'LAUNCH_NOTES', 'ACCELERATE_OWN',
            'EXAMPLES', 'FSDPConfig', 'to_bool', 'to_reshard', 'to_class_list', 'from_transformers',
-           'accelerate_top_level', 'from_accelerate', 'parse_fsdp_file', 'load_fsdp_config', 'layer_class_names',
-           'check_for_model']
+           'accelerate_top_level', 'from_accelerate', 'load_fsdp_config', 'layer_class_names', 'check_for_model']
 
 # %% ../nbs/03_config.ipynb #878b95bd
-import difflib, json
+import copy, difflib, functools, json
 from dataclasses import dataclass, field
 from pathlib import Path
 from .errors import KitError, bad_value
@@ -147,7 +146,7 @@ KNOWN_KEYS = sorted([*FIELD_KEYS, *NOT_APPLYING, "sharding_strategy", "version"]
 # %% ../nbs/03_config.ipynb #83217054
 def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
     "Set `cfg`'s fields from FSDP2 `keys` (without the fsdp_ prefix), explaining the rest; returns {field: (key, value)} for the fields set."
-    given = {}
+    given, unknown = {}, []
     for key, value in keys.items():
         if key in FIELD_KEYS:
             name, convert = FIELD_KEYS[key]
@@ -161,12 +160,19 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
         elif key in NO_OP: cfg.notes.append(f"{key}={value!r} is not applied by the kit: {NOT_APPLYING[key]}")
         elif key in NOT_APPLYING: cfg.notes.append(f"{key}={value!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
         elif key.startswith("xla"): raise bad_value(key, value, "no XLA keys: the kit runs FSDP2 on torch.distributed, not torch_xla")
-        elif key != "version":  # upstream runs the file and never reads the key: the kit runs it too, and says so loudly
-            near = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
-            cfg.notes.append(f"IGNORED: unknown key {key!r} in {cfg.source or 'the FSDP config'}: {'accelerate' if accelerate else 'transformers'} "
-                             "never reads it, so it changes nothing there or here" + (f"; did you mean {near[0]!r}?" if near else ""))
+        elif key != "version": unknown.append(key)  # upstream runs the file and never reads the key: the kit runs it too, and says so loudly
+    cfg.notes += _unknown_notes(unknown, cfg.source or "the FSDP config", "accelerate" if accelerate else "transformers")
     cfg.check()
     return given
+
+def _unknown_notes(keys:list, source:str, upstream:str, each:int=5) -> list:
+    "An IGNORED note per unknown key, with the nearest known one; past `each` keys, one note that counts them all."
+    if len(keys) > each:
+        return [f"IGNORED: {len(keys):,} unknown keys in {source} ({', '.join(map(repr, keys[:3]))}, ...): {upstream} never reads them, "
+                "so they change nothing there or here"]
+    near = {k: difflib.get_close_matches(k, KNOWN_KEYS, n=1) for k in keys}
+    return [f"IGNORED: unknown key {k!r} in {source}: {upstream} never reads it, so it changes nothing there or here"
+            + (f"; did you mean {near[k][0]!r}?" if near[k] else "") for k in keys]
 
 # %% ../nbs/03_config.ipynb #75b4bc87
 def _check_version(value, source:str) -> int:
@@ -269,6 +275,26 @@ def _launch_notes(config:dict, cfg:FSDPConfig):
     rest = [f"{k}={v!r}" for k, v in config.items() if k not in ACCELERATE_OWN or (k in LAUNCH_NOTES and k not in said)]
     if rest: cfg.notes.append("launch settings the kit does not use (it starts its own processes): " + ", ".join(rest))
 
+def _top_level_type(hint) -> tuple:
+    "(a test, what it allows) for a type of accelerate's `ClusterConfig` field; None where the kit reads the key itself."
+    import enum, typing
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+    if typing.get_origin(base) is list: return lambda v: isinstance(v, list), "a list"
+    if base is dict: return lambda v: isinstance(v, dict), "a mapping"
+    if base is bool: return lambda v: isinstance(v, bool) or str(v).strip().lower() in ("true", "false", "yes", "no", "1", "0"), "true or false"
+    if base is int: return lambda v: not isinstance(v, (bool, float)) and str(v).strip().lstrip("-").isdigit(), "a whole number"
+    if base is str: return lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool), "a text value"
+    if isinstance(base, type) and issubclass(base, enum.Enum): return lambda v: str(v) in {e.value for e in base}, f"one of {', '.join(e.value for e in base)}"
+
+def _check_top_level_types(config:dict, source:str):
+    "Refuse a top-level key whose value is not of the type accelerate's `ClusterConfig` declares for it (null is read as unset)."
+    import typing
+    from accelerate.commands.config.config_args import ClusterConfig
+    for key, hint in typing.get_type_hints(ClusterConfig).items():
+        kind = _top_level_type(hint) if key in config and config[key] is not None else None
+        if kind and not kind[0](config[key]): raise bad_value(key, config[key], f"{kind[1]} in {source} (accelerate's ClusterConfig.{key})")
+
 def from_accelerate(config:dict, # the parsed accelerate config YAML
                     source:str="accelerate config" # where it came from, for messages
                    ) -> FSDPConfig:
@@ -278,7 +304,9 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     unknown = sorted(set(config) - allowed)
     if unknown:
         near = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
-        raise KitError(f"unknown key {unknown[0]!r} in {source}" + (f"; did you mean {near[0]!r}?" if near else ""))
+        raise KitError(f"unknown key {unknown[0]!r} in {source}" + (f" (and {len(unknown) - 1:,} more)" if len(unknown) > 1 else "")
+                       + (f"; did you mean {near[0]!r}?" if near else "") + ": accelerate refuses a file with keys its ClusterConfig lacks")
+    _check_top_level_types(config, source)
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
         raise bad_value("distributed_type", kind, f"FSDP in {source}", "with any other value accelerate runs without sharding (DDP or one process)")
@@ -288,36 +316,27 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     _launch_notes(config, cfg)
     return _read(config, section, True, cfg)
 
-# %% ../nbs/03_config.ipynb #9e5c11d7
-def parse_fsdp_file(path:Path) -> dict:
-    "The mapping in a JSON or YAML file, with errors that name the file."
-    import yaml
-    if not path.exists(): raise bad_value("fsdp_config", str(path), "an existing .json or .yaml file")
-    if not path.is_file(): raise bad_value("fsdp_config", str(path), "a .json or .yaml file", "it is a folder" if path.is_dir() else "it is not a regular file")
-    try: text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e: raise bad_value("fsdp_config", str(path), "a .json or .yaml text file", f"byte {e.start} is not UTF-8 (a binary file?)") from None
-    except OSError as e: raise bad_value("fsdp_config", str(path), "a readable .json or .yaml file", e.strerror or str(e)) from None
-    if not text.strip(): raise bad_value("fsdp_config", str(path), "a .json or .yaml file with FSDP keys", "the file is empty")
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
-    except yaml.YAMLError as e: raise KitError(f"{path} is not valid YAML: {str(e).splitlines()[0]} ({getattr(e, 'problem_mark', '')})".replace("\n", " ")) from None
-    if not isinstance(data, dict): raise KitError(f"{path} holds a {type(data).__name__}, not a mapping of FSDP keys")
-    if any(not isinstance(k, str) for k in data): raise KitError(f"{path}: key {next(k for k in data if not isinstance(k, str))!r} is not a name: keys must be text")
-    return data
-
 # %% ../nbs/03_config.ipynb #b3cb6831
 def load_fsdp_config(path:str # a transformers fsdp_config .json or an accelerate config .yaml
                     ) -> FSDPConfig:
-    "Read an FSDP config file in either upstream format."
+    "Read an FSDP config file in either upstream format (once per version of the file: a copy each call)."
+    from fsdp_kit.upstream import parse_fsdp_file
     path = Path(path)
-    data = parse_fsdp_file(path)
-    from fsdp_kit.upstream import is_accelerate_config
+    parse_fsdp_file(path)  # refuses a file the kit will not read: missing, too large, binary, aliases
+    stat = path.stat()
+    return copy.deepcopy(_loaded(str(path), stat.st_mtime_ns, stat.st_size))
+
+@functools.lru_cache(maxsize=16)
+def _loaded(path:str, mtime_ns:int, size:int) -> FSDPConfig:
+    "`load_fsdp_config`'s reading, kept for the version of the file: the upstream reading in it takes seconds."
+    from fsdp_kit.upstream import is_accelerate_config, parse_fsdp_file
+    data = parse_fsdp_file(Path(path))
     read = from_accelerate if is_accelerate_config(data) else from_transformers
-    try: return read(data, source=str(path))
-    except KitError as e:
-        if str(path) in str(e): raise
-        raise KitError(f"{path}: {e}") from None
+    try: return read(data, source=path)
+    except KitError as e:  # a value read from the file: named with the file and its key, never as a command-line option
+        err = e if path in str(e) else KitError(f"{path}: {e}")
+        err.source = path
+        raise err from None
 
 # %% ../nbs/03_config.ipynb #d7ee5dcb
 import importlib.resources

@@ -112,7 +112,7 @@ def test_malformed_files_name_the_file(tmp_path):
     (tmp_path / "broken.yaml").write_text("fsdp_config: [unclosed\n  x: 1")
     with pytest.raises(KitError, match=r"broken.yaml is not valid YAML"):
         load_fsdp_config(tmp_path / "broken.yaml")
-    with pytest.raises(KitError, match=r"fsdp_config='.*missing.json' is not allowed: an existing"):
+    with pytest.raises(KitError, match=r"fsdp_config_file='.*missing.json' is not allowed: an existing"):
         load_fsdp_config(tmp_path / "missing.json")
 
 
