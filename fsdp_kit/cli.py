@@ -236,15 +236,19 @@ def _cmd_hf(a):
     emit(out, a.json, text.rstrip())
 
 
-def check_upstream_can_run(path: str):
+def check_upstream_can_run(path: str, workflow: str):
     """Read the file the upstream runner will read, in this process and before any launch: the kit's reading refuses what it cannot use
-    (named with the file and its key), and a file its entry point refuses (`upstream_reading`) is refused here, not inside the workers."""
+    (named with the file and its key), and a file its entry point refuses (`upstream_reading`) is refused here, not inside the workers;
+    so is a file from which the Trainer would build FSDP1 (the trainer workflow checks FSDP2 on every rank; sft and qlora convert it)."""
     from fsdp_kit.config import load_fsdp_config
     from fsdp_kit.upstream import upstream_reading
     load_fsdp_config(path)
     up = upstream_reading(path)
-    if "refused" in up:
-        err = KitError(f"{path}: {up['entry_point']} refuses this file: {up['refused']}")
+    why = f"{up['entry_point']} refuses this file: {up['refused']}" if "refused" in up else None
+    if workflow == "trainer" and up.get("fsdp_version") == 1:
+        why = f"{up['entry_point']} builds FSDP1 from it (fsdp_version 1): the trainer workflow runs FSDP2; set \"version\": 2 in the file"
+    if why:
+        err = KitError(f"{path}: {why}")
         err.source = path
         raise err
 
@@ -256,7 +260,7 @@ def _cmd_hf_run(a, start: float):
     check_out_dir("--out", a.out)
     spec = HFRunSpec(a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
                      seed=a.seed, check_parity=a.run == "trainer").check()
-    if spec.workflow != "native": check_upstream_can_run(spec.config_path())  # native never reads the file (DistributedConfig decides)
+    if spec.workflow != "native": check_upstream_can_run(spec.config_path(), spec.workflow)  # native never reads the file (DistributedConfig decides)
     r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout, progress_from=None if a.quiet else start)
     text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
             f"{r.world_size} ranks, {r.distributed_type}); MixedPrecisionPolicy {r.mixed_precision_policy}\n"

@@ -300,6 +300,9 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
                    ) -> FSDPConfig:
     "An `FSDPConfig` from an accelerate config (the YAML `accelerate config` writes), read as `accelerate launch --config_file` reads it."
     if not isinstance(config, dict): raise bad_value("accelerate config", type(config).__name__, f"a YAML mapping in {source}")
+    section = config.get("fsdp_config") or {}
+    if not isinstance(section, dict): raise bad_value("fsdp_config", section, f"a mapping of fsdp_ keys under fsdp_config: in {source}", f"it is of type {type(section).__name__}")
+    _check_version(_strip_prefix(section).get("version", 1), source)  # before accelerate's import, which takes seconds
     allowed = accelerate_top_level()
     unknown = sorted(set(config) - allowed)
     if unknown:
@@ -310,8 +313,6 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
         raise bad_value("distributed_type", kind, f"FSDP in {source}", "with any other value accelerate runs without sharding (DDP or one process)")
-    section = config.get("fsdp_config") or {}
-    if not isinstance(section, dict): raise bad_value("fsdp_config", section, f"a mapping of fsdp_ keys under fsdp_config: in {source}", f"it is of type {type(section).__name__}")
     cfg = FSDPConfig(source=source)
     _launch_notes(config, cfg)
     return _read(config, section, True, cfg)

@@ -180,6 +180,8 @@ def file_rows() -> list:
                files={"p.yaml": YAML.replace("'no'", "fp8")}),
           Case("hf-check-file-is-a-folder", ["hf", "--fsdp-config", "{tmp}/d.json", "--check"], 2, "--fsdp-config=", files={"d.json": None}),
           Case("hf-check-missing-file", ["hf", "--fsdp-config", "{tmp}/none.json", "--check"], 2, "--fsdp-config='")]
+    c += [Case("hf-run-fsdp1-json", ["hf", "--fsdp-config", "{tmp}/v1.json", "--run", "trainer"], 2, "builds FSDP1 from it (fsdp_version 1)",
+               files={"v1.json": GOOD | {"version": 1}})]  # the Trainer would build FSDP1; on CPU accelerate >= 1.16 stops it inside the workers
     # output folders: checked before any work
     HF = ["hf", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--run", "trainer"]
     DOCTOR = ["doctor", "--model", QWEN, "--fsdp-config", "examples/fsdp_configs/accelerate_fsdp_qlora.yaml"]
@@ -214,3 +216,21 @@ def test_json_onto_a_symlink_or_a_pipe_is_refused_and_left_as_it_was(tmp_path):
     refused(["env", "--json", tmp_path / "link.json"], "this is a symbolic link", tmp_path)
     refused(["env", "--json", tmp_path / "pipe"], "this is not a regular file", tmp_path)
     assert (tmp_path / "link.json").is_symlink() and (tmp_path / "target.json").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name", ["size", "aliases", "three-million-keys"])
+def test_huge_or_expanding_files_are_refused_fast(name, tmp_path):
+    "A 50 MB config (was parsed 11 times: over 300 s), a JSON of 3 million unknown keys (a note per key: over 300 s) and a billion-laughs YAML"
+    "(MemoryError) are refused by the command in one line, exit 2, before anything is parsed at length."
+    import json, subprocess, sys, time
+    path = tmp_path / ("laughs.yaml" if name == "aliases" else "big.json")
+    if name == "aliases": path.write_text(LAUGHS)
+    elif name == "size": path.write_text(json.dumps(GOOD | {"pad": "x" * 50_000_000}))
+    else: path.write_text(json.dumps(GOOD)[:-1] + "".join(f', "k{i}": 0' for i in range(3_000_000)) + "}")  # 44 MB
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "hf", "--fsdp-config", str(path), "--run", "trainer" if path.suffix == ".json" else "sft"],
+                         capture_output=True, text=True, timeout=60)
+    seconds = time.monotonic() - start
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "a YAML file without aliases" in res.stderr if name == "aliases" else "a file of at most 1,048,576 bytes" in res.stderr
+    assert seconds < 10, f"refused after {seconds:.1f} s"  # 0.13-0.2 s measured on 2 shared cores; the bound leaves room for a loaded machine
