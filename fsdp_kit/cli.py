@@ -260,7 +260,7 @@ def _cmd_hf_run(a, start: float):
     check_out_dir("--out", a.out)
     spec = HFRunSpec(a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
                      seed=a.seed, check_parity=a.run == "trainer").check()
-    if spec.workflow != "native": check_upstream_can_run(spec.config_path(), spec.workflow)  # native never reads the file (DistributedConfig decides)
+    if spec.workflow != "native": check_upstream_can_run(spec.config_path(), spec.workflow)  # native never reads it
     r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout, progress_from=None if a.quiet else start)
     text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
             f"{r.world_size} ranks, {r.distributed_type}); MixedPrecisionPolicy {r.mixed_precision_policy}\n"
@@ -279,7 +279,8 @@ def _cmd_doctor(a):
     spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, dtype=a.dtype,
                       gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps, gpus=a.gpus,
                       gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
-    r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True))
+    import time
+    r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True), progress_from=time.time())
     emit(r, a.json, report_text(r) + (f"\nthe twin, its run and its log are in {a.out}" if a.out else ""))
     status = exit_status(r, a.strict)
     if status: raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
@@ -700,8 +701,8 @@ OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "np
 
 
 def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:
-    """The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`), in the spelling
-    the user typed (`--seq=` for the old `--seq`). A value read from a file (`error.source`) keeps the file and its key as they are."""
+    """The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`), in the
+    spelling the user typed (`--seq=` for the old `--seq`). A value read from a file (`error.source`) keeps the file and its key."""
     if getattr(error, "source", None): return str(error)
     typed = {}  # dest -> the spelling in argv, old ones included
     for a in sub._actions:

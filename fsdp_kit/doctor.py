@@ -61,9 +61,11 @@ class DoctorSpec:
         if self.gpu_mem_gb is not None: require_positive("gpu_mem_gb", self.gpu_mem_gb)
         if (self.gpus is None) != (self.gpu_mem_gb is None): raise bad_value("gpus", self.gpus, "given together with gpu_mem_gb (the planner needs both)")
         path = Path(self.fsdp_config)
-        if path.suffix not in (".json", ".yaml", ".yml"): raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate .yaml or a transformers fsdp_config .json file")
+        if path.suffix not in (".json", ".yaml", ".yml"):
+            raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate .yaml or a transformers fsdp_config .json file")
         data = parse_fsdp_file(path)
-        load_fsdp_config(path)  # the kit's reading refuses, before any run, a value upstream could not use (named with the file and its key)
+        if not self.is_yaml() or str(data.get("distributed_type", "FSDP")).upper() == "FSDP":  # a DDP file is a finding (ddp_fallback)
+            load_fsdp_config(path)  # refuses, before any run, a value upstream could not use (named with the file and its key)
         if self.is_yaml() and self.mixed_precision is not None:
             raise bad_value("mixed_precision", self.mixed_precision, "not given with an accelerate YAML: its mixed_precision key says it")
         if self.is_yaml() and "fsdp_config" not in data and "distributed_type" not in data:
@@ -695,13 +697,15 @@ def _container_crash(ctx) -> Check:
     return Check("wrap", "FAIL", reason, f"{key}, without min_num_params{tried}")
 
 # %% ../nbs/12_doctor.ipynb #d0c70014
-def doctor(spec:DoctorSpec, say=print) -> dict:
+def doctor(spec:DoctorSpec, say=print,
+           progress_from:float=None # the command's start (`time.time()`): a line through `say` per finished unit of work (None: no lines)
+          ) -> dict:
     "Check `spec`, run the twin through the file's entry point, run every check; {checks, twin, versions, scale, seen}."
     from fsdp_kit.config import load_fsdp_config
-    from fsdp_kit.upstream import parse_fsdp_file
-    from fsdp_kit.upstream import upstream_reading
-    from fsdp_kit.ranks import progress
+    from fsdp_kit.upstream import parse_fsdp_file, upstream_reading
+    from fsdp_kit.ranks import progress as line
     start = time.time()
+    progress = lambda n, total, unit: progress_from is not None and line("doctor", n, total, progress_from, unit, say)
     spec.check()
     folder = spec.out or tempfile.mkdtemp(prefix="fsdp_kit_doctor_")
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -709,20 +713,20 @@ def doctor(spec:DoctorSpec, say=print) -> dict:
     try: ctx["notes"] = load_fsdp_config(spec.fsdp_config).notes
     except KitError as e: ctx["notes"], ctx["read_error"] = [], str(e)
     ctx["scale"] = scale(spec)
-    progress("doctor", 1, 3, start, "the file read as its entry point reads it", say)
+    progress(1, 3, "the file read as its entry point reads it")
     up = ctx["upstream"]
     size_based = up.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and up.get("min_num_params")
     ctx["sizes"] = wrap_sizes(spec.model, up.get("min_num_params") if size_based else None)
     ctx["layer_params"] = ctx["sizes"]["layer"]
     ran = run_twin(spec, folder, say, variant=lambda twin: scaled_file(spec, up, ctx["sizes"], twin, folder) if size_based else (None, []))
     fixing = any(k in (ran["seen"].get("error") or "") for k in FIXES)  # a run that stopped on a known error runs again with the fix
-    progress("doctor", 2, 3 + fixing, start, "the twin's run", say)
+    progress(2, 3 + fixing, "the twin's run")
     ctx["fix_run"] = try_fix(spec, folder, ran["seen"], say)
-    if fixing: progress("doctor", 3, 4, start, "the twin's run with the fix", say)
+    if fixing: progress(3, 4, "the twin's run with the fix")
     ctx |= dict(twin=ran["twin"], seen=ran["seen"], twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
                 others_dtype=spec.load_dtype(), user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
     checks = run_checks(ctx)
-    progress("doctor", 3 + fixing, 3 + fixing, start, "the checks", say)
+    progress(3 + fixing, 3 + fixing, "the checks")
     from fsdp_kit.versions import installed, versions_verdict
     versions = installed()
     return dict(checks=[asdict(c) for c in checks], stopped_by=stopped_by(ctx["seen"], checks), fix_run=ctx["fix_run"], twin=ran["twin"],

@@ -224,7 +224,8 @@ def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
     with tempfile.TemporaryDirectory() as tmp: out["trainer"] = _with_trainer(cfg, build_model(config), tmp)
     done("trainer")
     with enable_cpu_fsdp(say=False):  # the same two calls with accelerate's FSDP branch open on CPU
-        out["accelerate_cpu_fsdp"] = _with_accelerate(cfg, build_model(config), cpu=not torch.cuda.is_available()); done("accelerate_cpu_fsdp")
+        out["accelerate_cpu_fsdp"] = _with_accelerate(cfg, build_model(config), cpu=not torch.cuda.is_available())
+        done("accelerate_cpu_fsdp")
         with tempfile.TemporaryDirectory() as tmp: out["trainer_cpu_fsdp"] = _with_trainer(cfg, build_model(config), tmp)
         done("trainer_cpu_fsdp")
     kit, _ = apply_fsdp(build_model(config), cfg, fsdp_mesh(build_mesh()))

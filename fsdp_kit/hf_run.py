@@ -50,7 +50,8 @@ class HFRunSpec:
         for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
         if self.workflow == "trainer" and self.steps < 2: raise bad_value("steps", self.steps, "2 or more for trainer: it resumes half-way")
         path = Path(self.config_path())
-        if not path.is_file(): raise bad_value("fsdp_config_file", self.fsdp_config, "an existing transformers .json or accelerate .yaml file")
+        if not path.is_file():
+            raise bad_value("fsdp_config_file", self.fsdp_config, "an existing transformers .json or accelerate .yaml file")
         want = (".json",) if self.workflow in ("trainer", "native") else (".yaml", ".yml")
         if path.suffix not in want: raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
                                                     "trainer and native read a transformers fsdp_config JSON; sft and qlora an accelerate YAML")
@@ -459,7 +460,7 @@ def run_workflow(spec:HFRunSpec, # which workflow, on which config file
                         "(the model stays unsharded); trainer, sft and qlora run FSDP2 on 1 rank")
     start = time.time()
     if spec.workflow in ("sft", "qlora"): result = run_sft(spec, nproc, SFT_RUN_LIMIT, progress_from)
-    else: result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, progress_from, nprocs=nproc, launcher="torchrun",
-                          timeout=timeout)
+    else: result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, progress_from, nprocs=nproc,
+                          launcher="torchrun", timeout=timeout)
     result.seconds = round(time.time() - start, 1)
     return result

@@ -86,6 +86,7 @@ def progress(what:str, # the work, e.g. 'hf --check'
     import time
     elapsed = time.time() - start
     import torch.distributed as dist
-    line = f"{what} {done}/{total}{' ' + unit if unit else ''}: {elapsed:.1f} s elapsed, about {elapsed / max(done, 1) * (total - done):.0f} s left"
+    left = elapsed / max(done, 1) * (total - done)  # at this pace
+    line = f"{what} {done}/{total}{' ' + unit if unit else ''}: {elapsed:.1f} s elapsed, about {left:.0f} s left"
     if not dist.is_initialized() or dist.get_rank() == 0: (say or (lambda text: print(text, flush=True)))(line)
     return line

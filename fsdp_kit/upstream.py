@@ -50,14 +50,16 @@ def _parsed(path:str, mtime_ns:int, size:int):
     import yaml
     path = Path(path)
     try: text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e: raise _refuse(path, "a .json or .yaml text file", f"byte {e.start} is not UTF-8 (a binary file?)") from None
+    except UnicodeDecodeError as e:
+        raise _refuse(path, "a .json or .yaml text file", f"byte {e.start} is not UTF-8 (a binary file?)") from None
     except OSError as e: raise _refuse(path, "a readable .json or .yaml file", e.strerror or str(e)) from None
     if not text.strip(): raise _refuse(path, "a .json or .yaml file with FSDP keys", "the file is empty")
     if "\0" in text: raise _refuse(path, "a .json or .yaml text file", f"byte {text.index(chr(0))} is NUL (a binary file?)")
     try: return json.loads(text) if path.suffix == ".json" else _yaml_mapping(path, text)
     except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except yaml.YAMLError as e: raise KitError(_yaml_error(path, text, e)) from None
-    except RecursionError: raise _refuse(path, "a config of keys and plain values", "it nests lists or mappings deeper than Python's parser goes") from None
+    except RecursionError:
+        raise _refuse(path, "a config of keys and plain values", "it nests lists or mappings deeper than Python's parser goes") from None
 
 def _yaml_error(path:Path, text:str, e) -> str:
     "One line for a YAML syntax error: what the parser found and where (a tab says so: YAML indents with spaces)."
@@ -74,10 +76,12 @@ def parse_fsdp_file(path:Path) -> dict:
     if not path.is_file(): raise _refuse(path, "a .json or .yaml file", "it is a folder" if path.is_dir() else "it is not a regular file")
     stat = path.stat()
     if stat.st_size > MAX_CONFIG_BYTES:
-        raise _refuse(path, f"a file of at most {MAX_CONFIG_BYTES:,} bytes (FSDP configs are a few hundred)", f"it has {stat.st_size:,} bytes")
+        raise _refuse(path, f"a file of at most {MAX_CONFIG_BYTES:,} bytes (FSDP configs are a few hundred)",
+                      f"it has {stat.st_size:,} bytes")
     data = _parsed(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     if not isinstance(data, dict): raise KitError(f"{path} holds a {type(data).__name__}, not a mapping of FSDP keys")
-    if any(not isinstance(k, str) for k in data): raise KitError(f"{path}: key {next(k for k in data if not isinstance(k, str))!r} is not a name: keys must be text")
+    if any(not isinstance(k, str) for k in data):
+        raise KitError(f"{path}: key {next(k for k in data if not isinstance(k, str))!r} is not a name: keys must be text")
     return copy.deepcopy(data)
 
 # %% ../nbs/03a_upstream.ipynb #a9683782
