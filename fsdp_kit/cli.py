@@ -47,6 +47,18 @@ def check_json_dest(json_dest):
     except OSError as e: raise bad_value("json", json_dest, "a file path that can be written", e.strerror or str(e)) from None
 
 
+def check_out_dir(option: str, folder):
+    "Refuse an output folder that cannot be made or written (under a file, read-only), before any work; nothing is created."
+    if folder is None: return
+    path = Path(folder)
+    if path.exists() and not path.is_dir(): raise bad_value(option, folder, "a folder path (this is a file)")
+    here = next(p for p in (path, *path.parents) if p.exists())  # the nearest that exists ("." or "/" at worst)
+    if here.exists() and not here.is_dir(): raise bad_value(option, folder, f"a folder path ({here} is a file)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=here, prefix=".fsdp_kit_out.", suffix=".probe"): pass
+    except OSError as e: raise bad_value(option, folder, "a folder that can be written", f"{here}: {e.strerror or e}") from None
+
+
 def emit(data, json_dest, text: str = ""):
     "Write `data` as JSON to `json_dest` ('-' for stdout, None for none) and print `text` where it won't mix with JSON."
     if _rank() != 0: return  # under a user's torchrun every rank runs this command: rank 0 speaks for the job
@@ -199,7 +211,9 @@ def fsdp_config(a, **flags):
 
 
 def _cmd_hf(a):
-    if a.run: return _cmd_hf_run(a)
+    import time
+    start = time.time()  # progress lines count from here
+    if a.run: return _cmd_hf_run(a, start)
     from fsdp_kit.config import load_fsdp_config
     from fsdp_kit.hf import training_arguments, accelerate_config, accelerate_yaml, hf_worker
     from fsdp_kit.upstream import upstream_reading, FIELDS
@@ -217,18 +231,37 @@ def _cmd_hf(a):
             + upstream_text + "".join(f"note: {n}\n" for n in cfg.notes))
     if a.check:
         from fsdp_kit.launch import launch
-        out["check"] = launch(hf_worker, cfg, a.model, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+        out["check"] = launch(hf_worker, cfg, a.model, None if a.quiet else start, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
         text += "\n".join(out["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit"))
     emit(out, a.json, text.rstrip())
 
 
-def _cmd_hf_run(a):
+def check_upstream_can_run(path: str, workflow: str):
+    """Read the file the upstream runner will read, in this process and before any launch: the kit's reading refuses what it cannot use
+    (named with the file and its key), and a file its entry point refuses (`upstream_reading`) is refused here, not inside the workers;
+    so is a file from which the Trainer would build FSDP1 (the trainer workflow checks FSDP2 on every rank; sft and qlora convert it)."""
+    from fsdp_kit.config import load_fsdp_config
+    from fsdp_kit.upstream import upstream_reading
+    load_fsdp_config(path)
+    up = upstream_reading(path)
+    why = f"{up['entry_point']} refuses this file: {up['refused']}" if "refused" in up else None
+    if workflow == "trainer" and up.get("fsdp_version") == 1:
+        why = f"{up['entry_point']} builds FSDP1 from it (fsdp_version 1): the trainer workflow runs FSDP2; set \"version\": 2 in the file"
+    if why:
+        err = KitError(f"{path}: {why}")
+        err.source = path
+        raise err
+
+
+def _cmd_hf_run(a, start: float):
     "fsdp-kit hf --run WORKFLOW: one Hugging Face workflow on --nproc ranks (trainer, native: torchrun; sft, qlora: accelerate launch)."
     from fsdp_kit.hf_run import HFRunSpec, run_workflow
     if a.check: raise KitError("--check and --run: pick one (--check compares accelerate, the Trainer and the kit; --run runs one workflow)")
+    check_out_dir("--out", a.out)
     spec = HFRunSpec(a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
                      seed=a.seed, check_parity=a.run == "trainer").check()
-    r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout)
+    if spec.workflow != "native": check_upstream_can_run(spec.config_path(), spec.workflow)  # native never reads it
+    r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout, progress_from=None if a.quiet else start)
     text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
             f"{r.world_size} ranks, {r.distributed_type}); MixedPrecisionPolicy {r.mixed_precision_policy}\n"
             f"losses {' '.join(f'{l:.4f}' for l in r.losses)}\nsaved {r.saved} -> loaded with {r.loaded_with}: {r.load_check}")
@@ -242,10 +275,12 @@ def _cmd_hf_run(a):
 def _cmd_doctor(a):
     "fsdp-kit doctor: the twin of --model run with --fsdp-config through the file's entry point, and the twelve checks."
     from fsdp_kit.doctor import DoctorSpec, doctor, report_text, exit_status
+    check_out_dir("--out", a.out)
     spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, dtype=a.dtype,
                       gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps, gpus=a.gpus,
                       gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
-    r = doctor(spec, say=lambda line: print(line, file=sys.stderr, flush=True))
+    import time
+    r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True), progress_from=time.time())
     emit(r, a.json, report_text(r) + (f"\nthe twin, its run and its log are in {a.out}" if a.out else ""))
     status = exit_status(r, a.strict)
     if status: raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
@@ -261,7 +296,7 @@ def _cmd_slurm(a):
 def _cmd_ckpt(a):
     from fsdp_kit.checkpoint import list_checkpoints, to_full
     from pathlib import Path
-    if not Path(a.dir).is_dir(): raise KitError(f"ckpt={a.dir!r} is not allowed: an existing checkpoint folder")
+    if not Path(a.dir).is_dir(): raise bad_value("DIR", a.dir, "an existing checkpoint folder (fsdp-kit ckpt DIR)")
     if a.out:
         from fsdp_kit.ranks import quiet_libraries
         quiet_libraries()  # no progress bars from save_pretrained
@@ -579,7 +614,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", metavar="DIR", help="folder for the twin, its run and its log (default: a temporary folder)")
     s.add_argument("--strict", action="store_true", help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on the doctor)")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
-    s.add_argument("dir", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
+    s.add_argument("dir", metavar="DIR", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
     s.add_argument("--to-full", dest="out", metavar="OUT", help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder from_pretrained reads")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
@@ -662,11 +697,13 @@ def parser() -> argparse.ArgumentParser:
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
 OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
                 "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run",
-                "ce_chunks": "chunked-ce"}
+                "ce_chunks": "chunked-ce", "fsdp_config_file": "fsdp-config"}
 
 
 def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:
-    "The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`), in the spelling the user typed (`--seq=` for the old `--seq`)."
+    """The error's message with each `field=` of a spec written as the option of `sub` that sets it (`seq_len=` -> `--seq-len=`), in the
+    spelling the user typed (`--seq=` for the old `--seq`). A value read from a file (`error.source`) keeps the file and its key."""
+    if getattr(error, "source", None): return str(error)
     typed = {}  # dest -> the spelling in argv, old ones included
     for a in sub._actions:
         for opt in a.option_strings:
@@ -674,6 +711,8 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
     shown = [a for a in sub._actions if a.help != argparse.SUPPRESS and any(o.startswith("--") for o in a.option_strings)]  # a hidden old spelling names nothing
     options = {a.dest: typed.get(a.dest, next(o for o in a.option_strings if o.startswith("--"))) for a in shown}
     options |= {field: options[dest.replace("-", "_")] for field, dest in OPTION_NAMES.items() if dest.replace("-", "_") in options}
+    options |= {a.dest: a.metavar for a in sub._actions if not a.option_strings and a.metavar}  # a positional, as its usage shows it (DIR)
+    if "dir" in options and "ckpt" not in options: options["ckpt"] = options["dir"]  # fsdp-kit ckpt DIR: the library calls it ckpt
     options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
     text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
     for a in shown:  # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it

@@ -46,7 +46,8 @@ class DoctorSpec:
     def is_yaml(self) -> bool: return Path(self.fsdp_config).suffix in (".yaml", ".yml")
     def check(self) -> "DoctorSpec":
         "Refuse settings the doctor cannot run, naming the option; the model and the FSDP file must be readable."
-        from fsdp_kit.config import parse_fsdp_file
+        from fsdp_kit.config import load_fsdp_config
+        from fsdp_kit.upstream import parse_fsdp_file
         from fsdp_kit.models import model_config, read_config_json
         if self.method not in METHODS: raise bad_value("method", self.method, f"one of {', '.join(METHODS)}")
         if self.quant_storage is not None and self.quant_storage not in STORAGE_DTYPES:
@@ -60,12 +61,15 @@ class DoctorSpec:
         if self.gpu_mem_gb is not None: require_positive("gpu_mem_gb", self.gpu_mem_gb)
         if (self.gpus is None) != (self.gpu_mem_gb is None): raise bad_value("gpus", self.gpus, "given together with gpu_mem_gb (the planner needs both)")
         path = Path(self.fsdp_config)
-        if path.suffix not in (".json", ".yaml", ".yml"): raise bad_value("fsdp_config", self.fsdp_config, "an accelerate .yaml or a transformers fsdp_config .json file")
+        if path.suffix not in (".json", ".yaml", ".yml"):
+            raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate .yaml or a transformers fsdp_config .json file")
         data = parse_fsdp_file(path)
+        if not self.is_yaml() or str(data.get("distributed_type", "FSDP")).upper() == "FSDP":  # a DDP file is a finding (ddp_fallback)
+            load_fsdp_config(path)  # refuses, before any run, a value upstream could not use (named with the file and its key)
         if self.is_yaml() and self.mixed_precision is not None:
             raise bad_value("mixed_precision", self.mixed_precision, "not given with an accelerate YAML: its mixed_precision key says it")
         if self.is_yaml() and "fsdp_config" not in data and "distributed_type" not in data:
-            raise bad_value("fsdp_config", self.fsdp_config, "an accelerate config (distributed_type, fsdp_config) in a .yaml file")
+            raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate config (distributed_type, fsdp_config) in a .yaml file")
         user = read_config_json(Path(self.model))
         from transformers import CONFIG_MAPPING, __version__
         if user["model_type"] not in CONFIG_MAPPING:
@@ -78,7 +82,7 @@ class DoctorSpec:
     def precision(self) -> str:
         "The mixed precision the run asks for: the YAML's mixed_precision key, or the JSON's TrainingArguments flag."
         if not self.is_yaml(): return self.mixed_precision or "no"
-        from fsdp_kit.config import parse_fsdp_file
+        from fsdp_kit.upstream import parse_fsdp_file
         return str(parse_fsdp_file(Path(self.fsdp_config)).get("mixed_precision") or "no")
 
     def load_dtype(self) -> str:
@@ -312,7 +316,7 @@ def twin_command(spec:DoctorSpec, folder:str, port:int) -> tuple:
 def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
     "A copy of the FSDP file `path` in `folder` with `changes` set and `drop` removed, each key spelled as the file spells it."
     import yaml
-    from fsdp_kit.config import parse_fsdp_file
+    from fsdp_kit.upstream import parse_fsdp_file
     source, data = Path(path), parse_fsdp_file(Path(path))
     is_yaml = source.suffix in (".yaml", ".yml")
     section = data.setdefault("fsdp_config", {}) if is_yaml else data
@@ -693,11 +697,15 @@ def _container_crash(ctx) -> Check:
     return Check("wrap", "FAIL", reason, f"{key}, without min_num_params{tried}")
 
 # %% ../nbs/12_doctor.ipynb #d0c70014
-def doctor(spec:DoctorSpec, say=print) -> dict:
+def doctor(spec:DoctorSpec, say=print,
+           progress_from:float=None # the command's start (`time.time()`): a line through `say` per finished unit of work (None: no lines)
+          ) -> dict:
     "Check `spec`, run the twin through the file's entry point, run every check; {checks, twin, versions, scale, seen}."
-    from fsdp_kit.config import load_fsdp_config, parse_fsdp_file
-    from fsdp_kit.upstream import upstream_reading
+    from fsdp_kit.config import load_fsdp_config
+    from fsdp_kit.upstream import parse_fsdp_file, upstream_reading
+    from fsdp_kit.ranks import progress as line
     start = time.time()
+    progress = lambda n, total, unit: progress_from is not None and line("doctor", n, total, progress_from, unit, say)
     spec.check()
     folder = spec.out or tempfile.mkdtemp(prefix="fsdp_kit_doctor_")
     Path(folder).mkdir(parents=True, exist_ok=True)
@@ -705,15 +713,20 @@ def doctor(spec:DoctorSpec, say=print) -> dict:
     try: ctx["notes"] = load_fsdp_config(spec.fsdp_config).notes
     except KitError as e: ctx["notes"], ctx["read_error"] = [], str(e)
     ctx["scale"] = scale(spec)
+    progress(1, 3, "the file read as its entry point reads it")
     up = ctx["upstream"]
     size_based = up.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and up.get("min_num_params")
     ctx["sizes"] = wrap_sizes(spec.model, up.get("min_num_params") if size_based else None)
     ctx["layer_params"] = ctx["sizes"]["layer"]
     ran = run_twin(spec, folder, say, variant=lambda twin: scaled_file(spec, up, ctx["sizes"], twin, folder) if size_based else (None, []))
+    fixing = any(k in (ran["seen"].get("error") or "") for k in FIXES)  # a run that stopped on a known error runs again with the fix
+    progress(2, 3 + fixing, "the twin's run")
     ctx["fix_run"] = try_fix(spec, folder, ran["seen"], say)
+    if fixing: progress(3, 4, "the twin's run with the fix")
     ctx |= dict(twin=ran["twin"], seen=ran["seen"], twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
                 others_dtype=spec.load_dtype(), user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
     checks = run_checks(ctx)
+    progress(3 + fixing, 3 + fixing, "the checks")
     from fsdp_kit.versions import installed, versions_verdict
     versions = installed()
     return dict(checks=[asdict(c) for c in checks], stopped_by=stopped_by(ctx["seen"], checks), fix_run=ctx["fix_run"], twin=ran["twin"],

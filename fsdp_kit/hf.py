@@ -206,23 +206,28 @@ def _with_trainer(cfg:FSDPConfig, model, out_dir:str) -> dict:
 
 # %% ../nbs/09_hf.ipynb #b3e58210
 def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
-              model:str="tiny" # a preset or config.json path
+              model:str="tiny", # a preset or config.json path
+              progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per path it finished (None: no lines)
              ) -> dict:
     "Give `cfg` to accelerate and to the Trainer (as they are, then with `enable_cpu_fsdp`) and to the kit; report what each did (rank 0 returns)."
     import tempfile, warnings
     import torch, torch.distributed as dist
-    from fsdp_kit.ranks import quiet_libraries
+    from fsdp_kit.ranks import quiet_libraries, progress
     from fsdp_kit.models import model_config, build_model
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
     quiet_libraries(); warnings.filterwarnings("ignore")  # before the Trainer imports peft and bitsandbytes
     config = model_config(model)
     out = dict(world_size=dist.get_world_size(), backend=dist.get_backend())
-    out["accelerate"] = _with_accelerate(cfg, build_model(config))
+    done = lambda key: progress_from is not None and progress("hf --check", len(out) - 2, 5, progress_from, key)  # a line per finished path
+    out["accelerate"] = _with_accelerate(cfg, build_model(config)); done("accelerate")
     with tempfile.TemporaryDirectory() as tmp: out["trainer"] = _with_trainer(cfg, build_model(config), tmp)
+    done("trainer")
     with enable_cpu_fsdp(say=False):  # the same two calls with accelerate's FSDP branch open on CPU
         out["accelerate_cpu_fsdp"] = _with_accelerate(cfg, build_model(config), cpu=not torch.cuda.is_available())
+        done("accelerate_cpu_fsdp")
         with tempfile.TemporaryDirectory() as tmp: out["trainer_cpu_fsdp"] = _with_trainer(cfg, build_model(config), tmp)
+        done("trainer_cpu_fsdp")
     kit, _ = apply_fsdp(build_model(config), cfg, fsdp_mesh(build_mesh()))
-    out["kit"] = fsdp_report(kit, "fsdp_kit.wrap.apply_fsdp")
+    out["kit"] = fsdp_report(kit, "fsdp_kit.wrap.apply_fsdp"); done("kit")
     return out

@@ -51,9 +51,10 @@ class HFRunSpec:
         for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
         if self.workflow == "trainer" and self.steps < 2: raise bad_value("steps", self.steps, "2 or more for trainer: it resumes half-way")
         path = Path(self.config_path())
-        if not path.is_file(): raise bad_value("fsdp_config", self.fsdp_config, "an existing transformers .json or accelerate .yaml file")
+        if not path.is_file():
+            raise bad_value("fsdp_config_file", self.fsdp_config, "an existing transformers .json or accelerate .yaml file")
         want = (".json",) if self.workflow in ("trainer", "native") else (".yaml", ".yml")
-        if path.suffix not in want: raise bad_value("fsdp_config", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
+        if path.suffix not in want: raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
                                                     "trainer and native read a transformers fsdp_config JSON; sft and qlora an accelerate YAML")
         return self
 
@@ -250,10 +251,17 @@ def _reload_full(saved:str, trained:dict) -> dict:
     loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
     return dict(max_weight_diff=_max_diff(loaded, trained), tensors=len(trained), files=sorted(p.name for p in Path(saved).iterdir()))
 
-def trainer_worker(spec:HFRunSpec) -> HFRunResult:
+def trainer_worker(spec:HFRunSpec,
+                   progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
+                  ) -> HFRunResult:
     "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save FULL and reload, resume a SHARDED checkpoint; the kit beside it."
     import torch, torch.distributed as dist
-    from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects
+    from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects, progress
+    phases = ["trained", "evaluated, saved and loaded back"] + ["the kit's recipe", "bf16 beside the kit"] * spec.check_parity + ["resumed"]
+    finished = []
+    def done(phase:str):
+        finished.append(phase)
+        if progress_from is not None: progress("hf --run trainer", len(finished), len(phases), progress_from, phase)
     from fsdp_kit.hf import enable_cpu_fsdp
     quiet_libraries(); enable_cpu_fsdp()  # quiet first: importing the Trainer imports peft and bitsandbytes, which log as they load
     from transformers import AutoModelForCausalLM, Trainer
@@ -270,6 +278,7 @@ def trainer_worker(spec:HFRunSpec) -> HFRunResult:
                                      eval_dataset=TokenRows(vocab, 2 * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed + 1)))
     trainer.train()
     facts, losses = confirm_fsdp2(trainer.model_wrapped, "Trainer"), trainer_losses(trainer)
+    done('trained')
     eval_loss, trained = trainer.evaluate()["eval_loss"], full_state_dict(trainer.model_wrapped)
     saved = str(folder / "final")
     trainer.save_model(saved)  # FULL_STATE_DICT in the file: one safetensors file, written by rank 0
@@ -279,12 +288,16 @@ def trainer_worker(spec:HFRunSpec) -> HFRunResult:
                          activation_checkpointing=facts["activation_checkpointing"], eval_loss=eval_loss,
                          distributed_type=str(trainer.accelerator.distributed_type), loading=loading)
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
+    done('evaluated, saved and loaded back')
     if spec.check_parity:
         parity = kit_parity(spec, base, losses)
         full = parity.pop("full")  # rank 0 holds the gathered state dicts (cpu_offload), the other ranks empty ones
         if dist.get_rank() == 0: parity["max_param_diff"] = _max_diff(full, trained)
+        done("the kit's recipe")
         result.parity = parity | dict(bf16=_bf16_pair(spec, base, folder))
+        done('bf16 beside the kit')
     result.resume = _resume(spec, base, folder, losses)
+    done('resumed')
     return result
 
 # %% ../nbs/09a_hf_run.ipynb #9f194754
@@ -373,9 +386,10 @@ def _prepare_sft(spec:HFRunSpec, folder:Path) -> tuple:
 def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
     "The YAML `accelerate launch` gets (converted by `accelerate to-fsdp2` when the file is FSDP1), its command-line overrides, and notes."
     import yaml, torch
+    from fsdp_kit.upstream import parse_fsdp_file
     source, notes, overrides = Path(path), [], ["--num_processes", str(nproc)]
-    cfg = yaml.safe_load(source.read_text())
-    if cfg.get("fsdp_config", {}).get("fsdp_version", 1) == 1:
+    cfg = parse_fsdp_file(source)  # parsed once per command, the checks of the kit's reading included
+    if (cfg.get("fsdp_config") or {}).get("fsdp_version", 1) == 1:
         from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2  # what `accelerate to-fsdp2 --config_file F --output_file T` runs
         from fsdp_kit.upstream import quiet
         with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)  # its log lines on dropped keys: the notes say what was converted
@@ -383,7 +397,7 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
         notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: converted as `accelerate to-fsdp2` "
                      f"does, to {source}")
     if cfg.get("num_processes") != nproc: notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
-    if cfg["fsdp_config"].get("fsdp_offload_params") and not torch.cuda.is_available():
+    if (cfg.get("fsdp_config") or {}).get("fsdp_offload_params") and not torch.cuda.is_available():
         overrides += ["--fsdp_offload_params", "false"]
         notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an accelerator; on CPU the parameters "
                      "already live in host memory, so --fsdp_offload_params false")
@@ -416,20 +430,27 @@ def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
     if proc.returncode: raise KitError(f"{what} failed (exit {proc.returncode}); its output is in {log}:\n{out[-3000:]}")
     return out
 
-def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600) -> HFRunResult:
+def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
+            progress_from:float=None # the command's start (`time.time()`): a line on stderr per finished phase (None: no lines)
+           ) -> HFRunResult:
     "Run examples/sft_lora.py under `accelerate launch` with `spec`'s YAML (LoRA, or QLoRA for workflow qlora); its result."
     import tempfile
     from fsdp_kit.launch import free_port
+    from fsdp_kit.ranks import progress
+    say = lambda line: print(line, file=sys.stderr, flush=True)
+    done = lambda n, phase: progress_from is not None and progress(f"hf --run {spec.workflow}", n, 2, progress_from, phase, say)
     spec.check()
     folder = Path(spec.out or tempfile.mkdtemp(prefix=f"fsdp_kit_hf_{spec.workflow}_"))
     folder.mkdir(parents=True, exist_ok=True)
     base, data = _prepare_sft(spec, folder)
+    done(1, "base model, tokenizer and data saved")
     config_file, overrides, notes = accelerate_file(spec.config_path(), folder, nproc)
     cmd = sft_command(spec, config_file, overrides, base, data, str(folder / spec.workflow), free_port())
     (folder / "tmp").mkdir(exist_ok=True)  # torchrun's log folders stay in the run's folder
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),  # the script imports this kit
                         "TMPDIR": str(folder / "tmp")}
     run_command(cmd, env, folder / f"{spec.workflow}.log", timeout, "accelerate launch")
+    done(2, "accelerate launch trained, saved and loaded back")
     result = HFRunResult(**json.loads((folder / spec.workflow / "result.json").read_text()))
     result.notes = notes + result.notes
     return result
@@ -440,21 +461,26 @@ def _native_plan(model) -> dict:
     plan = getattr(model, "_fsdp_plan", None) or getattr(model.config, "base_model_fsdp_plan", None) or {}
     return dict(plan) if isinstance(plan, dict) else {"plan": str(plan)}
 
-def native_worker(spec:HFRunSpec) -> HFRunResult:
+def native_worker(spec:HFRunSpec,
+                  progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
+                 ) -> HFRunResult:
     "transformers' own FSDP2: `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`, then the Trainer on that model."
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer
-    from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier
+    from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, progress
+    done = lambda n, phase: progress_from is not None and progress("hf --run native", n, 3, progress_from, phase)
     quiet_libraries(); warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
     folder = Path(spec.out or shared_tempdir("fsdp_kit_hf_native_"))
     model = native_model(spec, folder)
     base, world = model.name_or_path, dist.get_world_size()  # the folder base_checkpoint saved the model to
     facts = confirm_fsdp2(model, "from_pretrained(distributed_config=...)")
+    done(1, "sharded by from_pretrained")
     args = trainer_arguments(spec, str(folder / "native"), None)
     data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
     trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
     trainer.train()
     confirm_fsdp2(trainer.model, "Trainer on the natively sharded model")
+    done(2, "trained")
     trained, saved = full_state_dict(trainer.model), str(folder / "final")
     if dist.get_rank() == 0: AutoModelForCausalLM.from_pretrained(base).save_pretrained(saved, state_dict=trained)
     barrier()
@@ -464,6 +490,7 @@ def native_worker(spec:HFRunSpec) -> HFRunResult:
     result.notes += [f"fsdp_plan: {json.dumps(_native_plan(model))}",
                      f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and the model's fsdp_plan decide the units"]
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
+    done(3, "saved and loaded back")
     return result
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c013
@@ -471,7 +498,8 @@ SFT_RUN_LIMIT = 600  # seconds an `accelerate launch` run may take in all (the k
 
 def run_workflow(spec:HFRunSpec, # which workflow, on which config file
                  nproc:int=2, # ranks
-                 timeout:float=120 # seconds a collective may wait (trainer, native); sft and qlora stop after SFT_RUN_LIMIT in all
+                 timeout:float=120, # seconds a collective may wait (trainer, native); sft and qlora stop after SFT_RUN_LIMIT in all
+                 progress_from:float=None # the command's start (`time.time()`): a line per finished phase on stderr (None: no lines)
                 ) -> HFRunResult:
     "Run one workflow on `nproc` processes: trainer and native through the kit's torchrun launcher, sft and qlora through `accelerate launch`."
     from fsdp_kit.launch import launch
@@ -480,7 +508,8 @@ def run_workflow(spec:HFRunSpec, # which workflow, on which config file
         raise bad_value("nproc", nproc, "2 or more for native: transformers' DistributedConfig does nothing at world size 1 "
                         "(the model stays unsharded); trainer, sft and qlora run FSDP2 on 1 rank")
     start = time.time()
-    if spec.workflow in ("sft", "qlora"): result = run_sft(spec, nproc, SFT_RUN_LIMIT)
-    else: result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, nprocs=nproc, launcher="torchrun", timeout=timeout)
+    if spec.workflow in ("sft", "qlora"): result = run_sft(spec, nproc, SFT_RUN_LIMIT, progress_from)
+    else: result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, progress_from, nprocs=nproc,
+                          launcher="torchrun", timeout=timeout)
     result.seconds = round(time.time() - start, 1)
     return result

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['decide_on_rank0', 'barrier', 'shared_tempdir', 'mean_over_ranks', 'all_gather_tensors', 'gather_objects',
-           'quiet_libraries']
+           'quiet_libraries', 'progress']
 
 # %% ../nbs/10a_ranks.ipynb #94ff491e
 import logging, tempfile, warnings
@@ -73,3 +73,20 @@ def quiet_libraries():
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+# %% ../nbs/10a_ranks.ipynb #b7e1c0a2
+def progress(what:str, # the work, e.g. 'hf --check'
+             done:int, # units finished so far
+             total:int, # units in all
+             start:float, # `time.time()` when the work began
+             unit:str='', # what was just finished
+             say=None # a function given the line (None: print it on stdout, which a launch puts on the command's stderr)
+            ) -> str:
+    "Print, on rank 0, `what n/N unit`, the time since `start` and an estimate of what is left at this pace; return the line."
+    import time
+    elapsed = time.time() - start
+    import torch.distributed as dist
+    left = elapsed / max(done, 1) * (total - done)  # at this pace
+    line = f"{what} {done}/{total}{' ' + unit if unit else ''}: {elapsed:.1f} s elapsed, about {left:.0f} s left"
+    if not dist.is_initialized() or dist.get_rank() == 0: (say or (lambda text: print(text, flush=True)))(line)
+    return line

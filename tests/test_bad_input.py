@@ -118,18 +118,81 @@ def rows():
           Case("slurm-not-train", [*S, "--", "plan"], 2, "train ..."),
           Case("slurm-node-options", [*S, "--", "train", "--nnodes", "2"], 2, "no node options"),
           Case("slurm-no-nodes", ["slurm", "--gpus-per-node", "8"], 2, "the following arguments are required: --nodes"),
-          Case("hf-missing-file", ["hf", "--fsdp-config", "{tmp}/none.json"], 2, "none.json"),
+          Case("hf-missing-file", ["hf", "--fsdp-config", "{tmp}/none.json"], 2, "--fsdp-config='"),
           Case("hf-no-file", ["hf"], 2, "the following arguments are required: --fsdp-config"),
           Case("hf-run-unknown", [*HF, "--run", "dpo"], 2, "--run='dpo' is not allowed: one of trainer, sft, qlora, native"),
           Case("hf-run-sft-json", [*HF, "--run", "sft"], 2, "is not allowed: a .yaml or .yml file for sft"),
           Case("hf-run-trainer-1-step", [*HF, "--run", "trainer", "--steps", "1"], 2, "--steps=1 is not allowed: 2 or more for trainer"),
           Case("hf-run-and-check", [*HF, "--run", "trainer", "--check"], 2, "--check and --run: pick one"),
           Case("hf-run-native-1-rank", [*HF, "--run", "native", "--nproc", "1"], 2, "--nproc=1 is not allowed: 2 or more for native"),
-          Case("ckpt-missing-folder", ["ckpt", "{tmp}/none"], 2, "an existing checkpoint folder"),
+          Case("ckpt-missing-folder", ["ckpt", "{tmp}/none"], 2, "error: DIR='"),
           Case("ckpt-a-file", ["ckpt", "{tmp}/f"], 2, "an existing checkpoint folder", files={"f": "x"}),
           Case("no-command", [], 2, "the following arguments are required: command"),
           Case("unknown-command", ["trian"], 2, "invalid choice: 'trian'"),
           Case("env-unknown-option", ["env", "--nproc", "2"], 2, "unrecognized arguments: --nproc")]
+    c += file_rows()
+    return c
+
+
+QWEN = "examples/configs/qwen2-tiny/config.json"
+GOOD = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+YAML = "distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_version: 2\n"
+LAUGHS = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"  fsdp_{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefghijklmno", "bcdefghijklmnop"))  # 9**16 strings once expanded
+BROKEN = {  # a file the upstream runners would read, and a phrase of its one-line refusal; name -> (file, contents, phrase)
+    "size": ("big.json", GOOD | {"pad": "x" * 2_000_000}, "a file of at most 1,048,576 bytes"),
+    "unknown-keys": ("keys.json", {f"k{i}": 0 for i in range(100_000)} | GOOD, "a file of at most 1,048,576 bytes"),  # 1.5 MB
+    "aliases": ("laughs.yaml", LAUGHS, "a YAML file without aliases (*name)"),
+    "binary": ("bin.yaml", bytes(range(256)) * 4, "(a binary file?)"),
+    "nul": ("nul.json", b'{"version": 2}\0\0', "is NUL (a binary file?)"),
+    "empty": ("empty.yaml", "\n \n", "the file is empty"),
+    "tabs": ("tabs.yaml", "distributed_type: FSDP\nfsdp_config:\n\tfsdp_version: 2\n", "(a tab: YAML indents with spaces)"),
+    "deep": ("deep.json", '{"version": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "deeper than Python's parser goes"),
+    "version-json": ("v3.json", GOOD | {"version": 3}, "version=3 is not allowed: 1 or 2"),
+    "version-yaml": ("v3.yaml", YAML.replace("fsdp_version: 2", "fsdp_version: 3"), "version=3 is not allowed: 1 or 2"),
+    "type-bool": ("offload.json", GOOD | {"cpu_offload": "maybe"}, "offload.json: cpu_offload='maybe' is not allowed: true or false"),
+    "type-list": ("classes.json", GOOD | {"transformer_layer_cls_to_wrap": 5}, "classes.json: transformer_layer_cls_to_wrap=5 is not"),
+    "type-top-level": ("procs.yaml", YAML + "num_processes: many\n", "num_processes='many' is not allowed: a whole number"),
+    "type-section": ("section.yaml", "distributed_type: FSDP\nfsdp_config: [1, 2]\n", "fsdp_config=[1, 2] is not allowed: a mapping"),
+    "unknown-top-level": ("top.yaml", YAML + "fsdp_confg: {}\n", "unknown key 'fsdp_confg'"),
+}
+COMMANDS = {  # the commands that hand a file to an upstream runner, with {file} for its path
+    "hf-check": ["hf", "--fsdp-config", "{file}", "--check"],
+    "hf-run": ["hf", "--fsdp-config", "{file}", "--run", "trainer"],
+    "hf-run-sft": ["hf", "--fsdp-config", "{file}", "--run", "sft"],
+    "doctor": ["doctor", "--model", QWEN, "--fsdp-config", "{file}"],
+}
+
+
+def file_rows() -> list:
+    "Each broken file given to each command that hands it to an upstream runner: refused in the parent, one line, exit 2."
+    c = []
+    for cmd, argv in COMMANDS.items():
+        for name, (file, content, phrase) in BROKEN.items():
+            if cmd == "hf-run-sft" and file.endswith(".json") or cmd == "hf-run" and file.endswith(".yaml"): continue  # refused by suffix
+            c.append(Case(f"{cmd}-file-{name}", [a.replace("{file}", f"{{tmp}}/{file}") for a in argv], 2, phrase, files={file: content}))
+    # a value read from a file names the file and its key, never an option of the command (compare has --reshard and --min-num-params)
+    c += [Case("compare-file-reshard", ["compare", "--fsdp-config", "{tmp}/r.json"], 2, "r.json: reshard_after_forward='sometimes' is not",
+               files={"r.json": GOOD | {"reshard_after_forward": "sometimes"}}),
+          Case("compare-file-min-num-params", ["compare", "--fsdp-config", "{tmp}/m.json"], 2, "m.json: min_num_params=-5 is not allowed",
+               files={"m.json": GOOD | {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": -5}}),
+          Case("train-file-mixed-precision", ["train", "--fsdp-config", "{tmp}/p.yaml"], 2, "p.yaml: mixed_precision='fp8' is not allowed",
+               files={"p.yaml": YAML.replace("'no'", "fp8")}),
+          Case("hf-check-file-is-a-folder", ["hf", "--fsdp-config", "{tmp}/d.json", "--check"], 2, "--fsdp-config=",
+               files={"d.json": None}),
+          Case("hf-check-missing-file", ["hf", "--fsdp-config", "{tmp}/none.json", "--check"], 2, "--fsdp-config='")]
+    # the Trainer would build FSDP1 from this file; on CPU accelerate 1.16.0 stopped it inside the workers
+    c += [Case("hf-run-fsdp1-json", ["hf", "--fsdp-config", "{tmp}/v1.json", "--run", "trainer"], 2, "builds FSDP1 from it",
+               files={"v1.json": GOOD | {"version": 1}})]
+    # output folders: checked before any work
+    HF = ["hf", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--run", "trainer"]
+    DOCTOR = ["doctor", "--model", QWEN, "--fsdp-config", "examples/fsdp_configs/accelerate_fsdp_qlora.yaml"]
+    c += [Case("hf-run-out-under-a-file", [*HF, "--out", "{tmp}/f/out"], 2, "--out='", files={"f": "x"}),
+          Case("hf-run-out-is-a-file", [*HF, "--out", "{tmp}/f"], 2, "a folder path (this is a file)", files={"f": "x"}),
+          Case("hf-run-out-read-only", [*HF, "--out", "/proc/fsdp_kit_out"], 2,
+               "--out='/proc/fsdp_kit_out' is not allowed: a folder that can be written"),  # /proc takes no files, even from root
+          Case("doctor-out-under-a-file", [*DOCTOR, "--out", "{tmp}/f/out"], 2, "--out='", files={"f": "x"}),
+          Case("doctor-out-read-only", [*DOCTOR, "--out", "/proc/fsdp_kit_out"], 2, "a folder that can be written")]
     return c
 
 
@@ -156,3 +219,22 @@ def test_json_onto_a_symlink_or_a_pipe_is_refused_and_left_as_it_was(tmp_path):
     refused(["env", "--json", tmp_path / "link.json"], "this is a symbolic link", tmp_path)
     refused(["env", "--json", tmp_path / "pipe"], "this is not a regular file", tmp_path)
     assert (tmp_path / "link.json").is_symlink() and (tmp_path / "target.json").read_text() == "keep"
+
+
+@pytest.mark.parametrize("name", ["size", "aliases", "three-million-keys"])
+def test_huge_or_expanding_files_are_refused_fast(name, tmp_path):
+    """A 50 MB config (was parsed 11 times: over 300 s), a JSON of 3 million unknown keys (a note per key: over 300 s) and a
+    billion-laughs YAML (MemoryError) are refused by the command in one line, exit 2, before anything is parsed at length."""
+    import json, subprocess, sys, time
+    path = tmp_path / ("laughs.yaml" if name == "aliases" else "big.json")
+    if name == "aliases": path.write_text(LAUGHS)
+    elif name == "size": path.write_text(json.dumps(GOOD | {"pad": "x" * 50_000_000}))
+    else: path.write_text(json.dumps(GOOD)[:-1] + "".join(f', "k{i}": 0' for i in range(3_000_000)) + "}")  # 44 MB
+    start = time.monotonic()
+    workflow = "trainer" if path.suffix == ".json" else "sft"
+    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "hf", "--fsdp-config", str(path), "--run", workflow],
+                         capture_output=True, text=True, timeout=60)
+    seconds = time.monotonic() - start
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "a YAML file without aliases" in res.stderr if name == "aliases" else "a file of at most 1,048,576 bytes" in res.stderr
+    assert seconds < 10, f"refused after {seconds:.1f} s"  # 0.3-0.4 s measured on 2 shared cores (load 10); room for a busier machine

@@ -83,5 +83,8 @@ def test_ddp_fallback_fails():
     assert s["ddp_fallback"][0] == "FAIL" and s["ddp_fallback"][1].startswith("DistributedDataParallel")
     assert s["fsdp_version"][0] == "FAIL" and "does not run FSDP with this file" in s["fsdp_version"][1]
     assert "FAIL  ddp_fallback" in res.stderr and "3 FAIL" in res.stderr  # the report on stderr beside the JSON
+    steps = [l.split(":")[0] for l in res.stderr.splitlines() if l.startswith("doctor ")]  # progress: a line per finished unit of work
+    assert steps == ["doctor 1/3 the file read as its entry point reads it", "doctor 2/3 the twin's run", "doctor 3/3 the checks"], \
+        res.stderr[-2000:]
     v = r["versions_verdict"]  # the installed releases against the stored versions matrix
     assert v["status"] in ("PASS", "WARN", "FAIL") and v["installed"] == {k: r["versions"][k] for k in LIBS} and f"{v['status']:4}  versions" in res.stderr

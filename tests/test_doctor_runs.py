@@ -65,6 +65,9 @@ def test_size_policy_crash_is_a_wrap_fail_with_its_cause_and_the_fix_it_ran(tmp_
     assert [k for k, (st, _) in s.items() if st == "SKIP"] == unreached and [k for k, (st, _) in s.items() if st == "FAIL"] == ["wrap"]
     assert f"not reached, the run stopped here: {', '.join(unreached)}" in res.stderr and "1 FAIL, 5 not reached" in res.stderr
     assert any(n.startswith("min_num_params 100,000 -> ") for n in r["twin"]["notes"])  # scaled, so the twin's units are Qwen2-0.5B's
+    steps = [l.split(":")[0] for l in res.stderr.splitlines() if l.startswith("doctor ")]  # a unit more once the run stops: the fix's run
+    assert steps == ["doctor 1/3 the file read as its entry point reads it", "doctor 2/4 the twin's run", "doctor 3/4 the twin's run with the fix",
+                     "doctor 4/4 the checks"], res.stderr[-2000:]
 
 
 def test_strict_fails_on_a_warn_only_report():

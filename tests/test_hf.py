@@ -56,7 +56,7 @@ RUNS = dict(native=("transformers_fsdp_config.json", 4), sft=("accelerate_fsdp_l
 
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
-    "fsdp-kit hf --run WORKFLOW, once per workflow for the whole module: (result JSON, stdout, seconds)."
+    "fsdp-kit hf --run WORKFLOW, once per workflow for the whole module: (result JSON, stdout, seconds, stderr)."
     import time
     from tests.conftest import run_cli
     done = {}
@@ -67,7 +67,7 @@ def hf_run(tmp_path_factory):
             res = run_cli("hf", "--fsdp-config", FSDP_CONFIGS / name, "--run", workflow, "--nproc", 2, "--steps", steps,
                           "--out", folder / "out", "--json", folder / "result.json", timeout=400)
             assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-            done[workflow] = json.loads((folder / "result.json").read_text()), res.stdout, time.time() - start
+            done[workflow] = json.loads((folder / "result.json").read_text()), res.stdout, time.time() - start, res.stderr
         return done[workflow]
     return run
 
@@ -75,13 +75,17 @@ def hf_run(tmp_path_factory):
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("workflow", list(RUNS))
 def test_workflow_shards_on_every_rank_and_its_output_loads(hf_run, workflow):
-    r, stdout, _ = hf_run(workflow)
+    r, stdout, _, stderr = hf_run(workflow)
     assert r["workflow"] == workflow and r["world_size"] == 2 and r["sharded"] is True and r["param_type"] == "DTensor"
     assert len(r["per_rank"]) == 2 and all(p["sharded"] and p["local_parameters"] * 2 == p["parameters"] for p in r["per_rank"])
     assert r["fsdp_units"] == len(r["units"]) >= 4  # decoder layers, embeddings, the tail and the root
     assert set(r["mixed_precision_policy"]) == {"param_dtype", "reduce_dtype", "output_dtype"}
     assert len(r["losses"]) == RUNS[workflow][1] and all(math.isfinite(l) for l in r["losses"])
     assert Path(r["saved"]).is_dir() and "FSDP2 on every rank" in stdout
+    steps = [l for l in stderr.splitlines() if l.startswith(f"hf --run {workflow} ")]  # progress on stderr: a line per finished phase
+    n = 3 if workflow == "native" else 2
+    assert [l.split(" ")[3] for l in steps] == [f"{i}/{n}" for i in range(1, n + 1)], stderr[-2000:]
+    assert steps[-1].endswith("about 0 s left"), steps
     if workflow == "native":  # transformers' own FSDP2 path: accelerate stays on its CPU branch, the units are the model's fsdp_plan
         assert r["loaded_with"] == "AutoModelForCausalLM.from_pretrained" and r["load_check"]["max_weight_diff"] == 0
         assert r["distributed_type"] == "DistributedType.MULTI_CPU" and any(n.startswith("fsdp_plan:") for n in r["notes"])
@@ -94,8 +98,8 @@ def test_workflow_shards_on_every_rank_and_its_output_loads(hf_run, workflow):
 
 @pytest.mark.timeout(450)
 def test_qlora_shards_the_packed_4bit_base_in_its_storage_dtype(hf_run):
-    r, _, _ = hf_run("qlora")
+    r, _, _, _ = hf_run("qlora")
     assert r["mixed_precision_policy"]["param_dtype"] == "bfloat16"
     assert any("Linear4bit" in n and "bfloat16" in n for n in r["notes"])
-    sft, _, _ = hf_run("sft")
+    sft, _, _, _ = hf_run("sft")
     assert r["per_rank"][0]["parameters"] < sft["per_rank"][0]["parameters"]  # 4-bit weights, packed

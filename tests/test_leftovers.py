@@ -26,9 +26,23 @@ def _tree(pid) -> set:
 
 
 def test_hf_check_leaves_nothing():
-    "hf --check reads the file with TrainingArguments in a helper process: it ends with the command, not 2.5 s later."
+    """hf --check reads the file with TrainingArguments in a helper process: it ends with the command, not 2.5 s later. Its progress:
+    a line on stderr per path it ran (accelerate, the Trainer, both with accelerate's FSDP branch opened on CPU, the kit)."""
     res = run_cli("hf", "--fsdp-config", JSON, "--check")  # run_cli fails if anything is left 1 s after the end
     assert res.returncode == 0 and "fsdp_kit.wrap.apply_fsdp: FSDP2" in res.stdout, res.stderr[-2000:]
+    lines = [l for l in res.stderr.splitlines() if l.startswith("hf --check ")]
+    assert [l.split(":")[0] for l in lines] == ["hf --check 1/5 accelerate", "hf --check 2/5 trainer", "hf --check 3/5 accelerate_cpu_fsdp",
+                                                "hf --check 4/5 trainer_cpu_fsdp", "hf --check 5/5 kit"], res.stderr[-2000:]
+    assert all(" s elapsed, about " in l and l.endswith(" s left") for l in lines) and "hf --check" not in res.stdout
+
+
+def test_a_failed_hf_run_leaves_nothing():
+    """A Trainer run that fails inside its workers (the JSON names LlamaDecoderLayer, the model is a Qwen2) exits 1 naming the cause,
+    and leaves no temporary folder and no process 1 s after it ends (run_cli); --quiet prints no progress line."""
+    res = run_cli("hf", "--fsdp-config", JSON, "--run", "trainer", "--model", ROOT / "examples" / "configs" / "qwen2-tiny" / "config.json",
+                  "--steps", 2, "--batch", 1, "--seq-len", 16, "--quiet")
+    assert res.returncode == 1 and "LlamaDecoderLayer" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "hf --run" not in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", COMMANDS)
