@@ -244,11 +244,11 @@ def summary(results: dict) -> dict:
         if value is not None: rows[name] = dict(ratio=round(value, 4), target=target, met=value <= target, ci95=ci)
     t, w, l, o, g, lay = (results.get(k, {}) for k in ("train", "same_window", "launch", "overhead", "gpu", "layout"))
     if t.get("throughput_ratio") is not None:  # a throughput: higher is better, so its target is a floor
-        rows["train throughput, fsdp-kit train / plain loop, same units (alternating runs)"] = dict(
+        rows["train throughput, kit / plain loop, same units (alternating)"] = dict(
             ratio=round(t["throughput_ratio"], 4), target=t["target"], met=t["throughput_ratio"] >= t["target"],
             ci95=t["throughput_ratio_ci95"], at_least=True)
     if lay.get("ratio") is not None:
-        rows["train step, accelerate's units / per layer (plain loop, alternating runs)"] = dict(
+        rows["train step, accelerate's units / per layer (plain loop)"] = dict(
             ratio=round(lay["ratio"], 4), target=None, met=None, ci95=lay["ratio_ci95"])
     add("train step, kit / plain (same window, step by step)", w.get("ratio"), 1.02, w.get("ratio_ci95"))
     add("first collective, launch() from a script / torchrun", l.get("first_collective_ratio_script"), 1.1)

@@ -62,9 +62,9 @@ def test_summary_marks_each_target():
                               launch=dict(first_collective_ratio_script=0.5, first_collective_ratio_notebook=1.2, exit_ratio_script=0.6),
                               labs=dict(nbval_seconds={"a.ipynb": 30.0, "b.ipynb": 130.0}, nbval_total_seconds=160.0)))
     met = {name: row["met"] for name, row in rows.items()}
-    assert met["train throughput, fsdp-kit train / plain loop, same units (alternating runs)"] is False  # a floor: 0.98 < 0.99
-    assert rows["train throughput, fsdp-kit train / plain loop, same units (alternating runs)"]["at_least"] is True
-    assert met["train step, accelerate's units / per layer (plain loop, alternating runs)"] is None  # shown, no target
+    assert met["train throughput, kit / plain loop, same units (alternating)"] is False  # a floor: 0.98 < 0.99
+    assert rows["train throughput, kit / plain loop, same units (alternating)"]["at_least"] is True
+    assert met["train step, accelerate's units / per layer (plain loop)"] is None  # shown, no target
     assert met["train step, kit / plain (same window, step by step)"] is True
     assert met["first collective, launch() in a notebook kernel / torchrun"] is False
     assert met["slowest notebook under nbval, seconds"] is False and met["all notebooks under nbval, seconds"] is True
