@@ -3,9 +3,11 @@
     python benchmarks/run.py --json examples/benchmarks/results.json
 
 Each comparison alternates its two sides (A, B, B, A, ...) so that machine noise hits both, and reports the median of
-the per-pair ratios with a bootstrap 95% interval. The train step is compared twice: whole `fsdp-kit train` runs against
-whole plain-loop runs, and, because a shared machine drifts more between runs than the kit could add, step by step inside
-one job (`same_window.py`). Where CUDA is available it adds tokens/s and MFU in bf16. Writes the machine it ran on, and a
+the per-pair ratios with a bootstrap 95% interval. The train step is compared twice, both sides in the same FSDP units:
+whole `fsdp-kit train` runs against whole plain-loop runs (`step_cost.py`), and, because a shared machine drifts more
+between runs than the kit could add, step by step inside one job (`same_window.py`). What the layout itself costs
+(accelerate's units against pytorch/examples') is measured apart, on the plain loop alone
+(`step_cost.py`). Where CUDA is available it adds tokens/s and MFU in bf16. Writes the machine it ran on, and a
 summary of every ratio against its target. About 9 minutes on 2 CPU cores (4 without --skip-labs' part).
 """
 import argparse, datetime, json, os, platform, random, statistics, subprocess, sys, tempfile, time
@@ -43,28 +45,16 @@ def median_ci(values, level=0.95, draws=2000, seed=0) -> list:
     return [meds[int(draws * (1 - level) / 2)], meds[int(draws * (1 + level) / 2) - 1]]
 
 
-def bench_train(pairs: int, model="small", batch=4, seq_len=128, steps=30) -> dict:
-    "fsdp-kit train against the plain loop, alternating which goes first; ratio of median step times per pair."
-    ratios, kit, plain, tokens = [], [], [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        def run_kit():
-            run([PY, "-m", "fsdp_kit", "train", "--nproc", "2", "--model", model, "--batch", batch, "--seq-len", seq_len, "--steps", steps,
-                 "--json", f"{tmp}/kit.json"])
+def bench_train(pairs: int) -> dict:
+    "fsdp-kit train against the plain loop in the same FSDP units (accelerate's, the kit's default), alternating sides (step_cost.py)."
+    from step_cost import own_cost
+    return own_cost(pairs)
 
-        def run_plain():
-            run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/plain_fsdp.py", "--model", model,
-                 "--batch", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--out", f"{tmp}/plain.json"],
-                env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-        for i in range(pairs):
-            for side in ((run_kit, run_plain) if i % 2 == 0 else (run_plain, run_kit)):  # A B, B A, ...: no side always goes first
-                side()
-            k_json = json.load(open(f"{tmp}/kit.json"))
-            k, p = k_json["step_seconds"], json.load(open(f"{tmp}/plain.json"))["step_seconds"]
-            kit.append(k); plain.append(p); ratios.append(k / p); tokens.append(k_json["tokens_per_second"])
-            log(f"train pair {i + 1}/{pairs}: kit {k * 1e3:.1f} ms, plain {p * 1e3:.1f} ms, ratio {k / p:.3f}")
-    return dict(model=model, batch=batch, seq_len=seq_len, steps=steps, kit_step_seconds=kit, plain_step_seconds=plain,
-                kit_tokens_per_second=tokens, ratios=ratios, ratio=statistics.median(ratios), ratio_ci95=median_ci(ratios), target=1.02)
+def bench_layout(pairs: int) -> dict:
+    "The plain loop in accelerate's units against pytorch/examples' (per layer, then the root): what the layout costs (step_cost.py)."
+    from step_cost import layout_cost
+    return layout_cost(pairs)
 
 
 def bench_same_window(rounds: int, model="small", batch=4, seq_len=128) -> dict:
@@ -252,8 +242,14 @@ def summary(results: dict) -> dict:
     rows = {}
     def add(name, value, target, ci=None):
         if value is not None: rows[name] = dict(ratio=round(value, 4), target=target, met=value <= target, ci95=ci)
-    t, w, l, o, g = (results.get(k, {}) for k in ("train", "same_window", "launch", "overhead", "gpu"))
-    add("train step, fsdp-kit train / plain loop (alternating runs)", t.get("ratio"), 1.02, t.get("ratio_ci95"))
+    t, w, l, o, g, lay = (results.get(k, {}) for k in ("train", "same_window", "launch", "overhead", "gpu", "layout"))
+    if t.get("throughput_ratio") is not None:  # a throughput: higher is better, so its target is a floor
+        rows["train throughput, kit / plain loop, same units (alternating)"] = dict(
+            ratio=round(t["throughput_ratio"], 4), target=t["target"], met=t["throughput_ratio"] >= t["target"],
+            ci95=t["throughput_ratio_ci95"], at_least=True)
+    if lay.get("ratio") is not None:
+        rows["train step, accelerate's units / per layer (plain loop)"] = dict(
+            ratio=round(lay["ratio"], 4), target=None, met=None, ci95=lay["ratio_ci95"])
     add("train step, kit / plain (same window, step by step)", w.get("ratio"), 1.02, w.get("ratio_ci95"))
     add("first collective, launch() from a script / torchrun", l.get("first_collective_ratio_script"), 1.1)
     add("first collective, launch() in a notebook kernel / torchrun", l.get("first_collective_ratio_notebook"), 1.1)
@@ -271,11 +267,12 @@ def summary(results: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="examples/benchmarks/results.json")
-    p.add_argument("--pairs", type=int, default=6, help="alternating pairs of fsdp-kit train and the plain loop (default 6)")
+    p.add_argument("--pairs", type=int, default=6,
+                   help="alternating pairs of fsdp-kit train and the plain loop, and of the two layouts (default 6)")
     p.add_argument("--rounds", type=int, default=100, help="rounds of the same-window step comparison (default 100)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of the launch comparison (default 3)")
     p.add_argument("--skip-labs", action="store_true", help="leave out the notebooks under nbval and the tour (about 6 minutes)")
-    p.add_argument("--only", help="run only these parts, comma-separated (train, same_window, launch, overhead, gpu, labs), "
+    p.add_argument("--only", help="run only these parts, comma-separated (train, layout, same_window, launch, overhead, gpu, labs), "
                                   "replacing them in an existing --json file and keeping its other parts")
     a = p.parse_args()
     start = time.time()
@@ -284,7 +281,10 @@ def main():
         results = {**json.loads(Path(a.json).read_text()), "machine": machine()}
     part_seconds = results.setdefault("part_seconds", {})
     import torch
-    steps = [("train", f"train step: fsdp-kit train vs a plain fully_shard loop, {a.pairs} alternating pairs", lambda: bench_train(a.pairs)),
+    steps = [("train", f"train step: fsdp-kit train vs a plain fully_shard loop in the same units, {a.pairs} alternating pairs",
+              lambda: bench_train(a.pairs)),
+             ("layout", f"train step: accelerate's units vs per layer, the plain loop, {a.pairs} alternating pairs",
+              lambda: bench_layout(a.pairs)),
              ("same_window", f"train step: the kit's step vs the plain loop's, alternated for {a.rounds} rounds in one job", lambda: bench_same_window(a.rounds)),
              ("launch", "launch: launch() vs bare torchrun", lambda: bench_launch(a.repeats)),
              ("overhead", "measurement overhead", lambda: bench_overhead(5))]
@@ -297,7 +297,8 @@ def main():
     if a.only:
         wanted = set(a.only.split(","))
         if unknown := wanted - {key for key, _, _ in steps} - {"gpu"}:
-            p.error(f"--only {a.only}: unknown part(s) {sorted(unknown)}; choose from train, same_window, launch, overhead, gpu, labs")
+            p.error(f"--only {a.only}: unknown part(s) {sorted(unknown)}; "
+                    "choose from train, layout, same_window, launch, overhead, gpu, labs")
         steps = [s for s in steps if s[0] in wanted]
     for i, (key, title, fn) in enumerate(steps, 1):
         log(f"[{i}/{len(steps)}] {title}")
@@ -315,7 +316,8 @@ def main():
     log(f"wrote {a.json}; this run took {time.time() - start:.0f} s")
     for name, row in results["summary"].items():
         value = row.get("ratio", row.get("value"))
-        verdict = "" if row["target"] is None else f"  target <= {row['target']}: {'met' if row['met'] else 'NOT met'}"
+        bound = ">=" if row.get("at_least") else "<="
+        verdict = "" if row["target"] is None else f"  target {bound} {row['target']}: {'met' if row['met'] else 'NOT met'}"
         print(f"  {name:<66} {value}{verdict}")
     if any("error" in v for v in results.values() if isinstance(v, dict)):
         sys.exit(1)

@@ -150,7 +150,8 @@ def _cmd_train(a):
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
-                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt, ac=a.ac).check(a.nnodes * a.nproc)
+                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt, ac=a.ac,
+                     layout=a.layout).check(a.nnodes * a.nproc)
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
@@ -560,6 +561,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
     s.add_argument("--ac", default=None, help="activation checkpointing policy: none, full, selective-layer:K or selective-op (default: the config's, full if it sets activation_checkpointing)")
+    s.add_argument("--layout", default="accelerate", help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
+                   "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for this release)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")

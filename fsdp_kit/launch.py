@@ -7,8 +7,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 # %% auto #0
 __all__ = ['PRELOAD', 'default_backend', 'environment', 'fork_traps', 'attempt', 'rank_tag', 'die_with_parent', 'run_worker',
            'collective_in', 'main_thread_stack', 'user_frames', 'Heartbeat', 'rank_files', 'diagnose', 'attempts',
-           'restarts', 'WorkerError', 'collect', 'free_port', 'torchrun_command', 'worker_main', 'agent_command',
-           'agent_main', 'launch', 'check_arg_types', 'check_specs', 'under_torchrun', 'sweep_run_dirs']
+           'restarts', 'WorkerError', 'collect', 'free_port', 'torchrun_command', 'own_session', 'worker_main',
+           'agent_command', 'agent_main', 'launch', 'check_arg_types', 'check_specs', 'under_torchrun',
+           'sweep_run_dirs']
 
 # %% ../nbs/10_launch.ipynb #60ef0adc
 import datetime, faulthandler, json, logging, os, pickle, re, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
@@ -481,8 +482,15 @@ def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, r
                     "the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout")
 
 # %% ../nbs/10_launch.ipynb #a2ad64d6
+def own_session():
+    """Lead a session of its own, as the workers torchrun starts as subprocesses do (`start_new_session=True`); the kit's agent forks them
+    instead, and where Linux shares CPU time out per session (autogroup), two ranks in the caller's one got about half as much under load."""
+    try: os.setsid()
+    except OSError: pass  # already a session leader: a subprocess of plain torchrun
+
 def worker_main(run_dir:str):
-    "What each torchrun rank runs: unpickle the call in `run_dir` and run it with `run_worker`."
+    "What each torchrun rank runs: in a session of its own (`own_session`), unpickle the call in `run_dir` and run it with `run_worker`."
+    own_session()
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
     run_worker(fn, args, backend, timeout, run_dir)
 

@@ -16,6 +16,7 @@ from .spec import RunSpec
 from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
 from .ac import ac_policy
+from .wrap import LAYOUTS
 
 # %% ../nbs/01_train.ipynb #cd8142c2
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class TrainSpec(RunSpec):
     lora_r:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
     ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: the config's ("full" if activation_checkpointing, else "none")
+    layout:str="accelerate" # FSDP units (wrap.LAYOUTS): "accelerate" (embeddings, a [norm, lm_head] tail apart), "layers" (per layer)
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
@@ -35,6 +37,7 @@ class TrainSpec(RunSpec):
         self.refuse_unless("cp", 1, "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
         require_positive("lr", self.lr)
         for name in ("warmup", "lora_r"): require_whole(name, getattr(self, name), 0)
+        if self.layout not in LAYOUTS: raise bad_value("layout", self.layout, f"one of {', '.join(LAYOUTS)}")
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
             raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec", "e.g. TrainSpec(ckpt=CheckpointSpec('ckpt', save_every=5))")
@@ -134,7 +137,8 @@ def train_worker(spec:TrainSpec,
     if spec.lora_r:
         from fsdp_kit.lora import add_lora
         model = add_lora(model, spec.lora_r, spec.seed)
-    model, units = apply_fsdp(model, spec.config, fsdp_mesh(build_mesh(spec.mesh)), spec.ac)  # on the mesh's device: fully_shard moves it there
+    mesh = fsdp_mesh(build_mesh(spec.mesh))
+    model, units = apply_fsdp(model, spec.config, mesh, spec.ac, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver

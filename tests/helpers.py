@@ -11,10 +11,13 @@ def rank_info():
 
 
 def started_with():
-    "What this rank's process held before its function ran: forked or not, and which of the agent's PRELOAD modules it had loaded."
-    import multiprocessing, sys
+    "What this rank's process held before its function ran: forked or not, the agent's PRELOAD modules, and how many ranks lead a session."
+    import multiprocessing, sys, torch, torch.distributed as dist
     from fsdp_kit.launch import PRELOAD
-    return dict(forked=multiprocessing.parent_process() is not None, preloaded=[m for m in PRELOAD if m in sys.modules])
+    leaders = torch.tensor([float(os.getsid(0) == os.getpid())])
+    dist.all_reduce(leaders)  # every rank in a session of its own, as torchrun's subprocess workers are (the scheduler's autogroup)
+    return dict(forked=multiprocessing.parent_process() is not None, preloaded=[m for m in PRELOAD if m in sys.modules],
+                session_leaders=int(leaders.item()))
 
 
 def fails_on_rank(bad_rank=1):

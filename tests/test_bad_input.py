@@ -56,6 +56,7 @@ def rows():
           Case("train-model-missing-file", [*TRAIN, "--model", "{tmp}/none/config.json"], 2, "--model="),
           Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz"),
           Case("train-ac-unknown", [*TRAIN, "--ac", "some"], 2, "--ac='some' is not allowed: none, full, selective-layer:K"),
+          Case("train-layout-unknown", [*TRAIN, "--layout", "fsdp1"], 2, "--layout='fsdp1' is not allowed: one of accelerate, layers"),
           Case("train-ac-beside-the-config", [*TRAIN, "--ac", "selective-op", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json"], 2,
                "--ac='selective-op' is not allowed: 'full' when the FSDP config sets activation_checkpointing=True")]
     # several nodes: the rendezvous settings

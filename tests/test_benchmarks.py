@@ -26,6 +26,20 @@ def test_plain_loop_trains_the_same_numbers_as_the_kit(tmp_path):
     assert kit["step_seconds"] > 0 and kit["tokens_per_second"] == pytest.approx(2 * 2 * 32 / kit["step_seconds"])
 
 
+@pytest.mark.parametrize("layout", ["layers", "accelerate"])
+def test_plain_loop_units_are_the_kits(layout):
+    "plain_fsdp.py's hand-written units are apply_fsdp's: per layer and the root (edge_units=False), or accelerate's (the default)."
+    import plain_fsdp
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.models import model_config, build_model
+    from fsdp_kit.wrap import plan_units
+    meta = build_model(model_config(str(ROOT / "benchmarks" / "llama-4x256.json")), device="meta")
+    plain = [("+".join(name for name, _ in group), reshard) for group, reshard in plain_fsdp.units(meta, layout)]
+    kit = [(u.module, u.reshard_after_forward) for u in plan_units(meta, FSDPConfig(), edge_units=layout == "accelerate")]
+    assert sorted(plain) == sorted(kit) and plain[-1] == kit[-1] == ("", layout == "layers")  # the same units (in any order), the root last
+    assert len(kit) == {"layers": 5, "accelerate": 7}[layout]
+
+
 def test_median_ci():
     values = [0.9, 1.0, 1.1, 0.95, 1.05, 1.2, 0.8]
     lo, hi = bench.median_ci(values)
@@ -43,11 +57,14 @@ def test_flops_per_token_and_peaks():
 
 
 def test_summary_marks_each_target():
-    rows = bench.summary(dict(train=dict(ratio=1.03, ratio_ci95=[0.99, 1.06]), same_window=dict(ratio=1.004, ratio_ci95=[0.99, 1.01]),
+    rows = bench.summary(dict(train=dict(throughput_ratio=0.98, throughput_ratio_ci95=[0.96, 1.01], target=0.99),
+                              layout=dict(ratio=1.05, ratio_ci95=[1.0, 1.1]), same_window=dict(ratio=1.004, ratio_ci95=[0.99, 1.01]),
                               launch=dict(first_collective_ratio_script=0.5, first_collective_ratio_notebook=1.2, exit_ratio_script=0.6),
                               labs=dict(nbval_seconds={"a.ipynb": 30.0, "b.ipynb": 130.0}, nbval_total_seconds=160.0)))
     met = {name: row["met"] for name, row in rows.items()}
-    assert met["train step, fsdp-kit train / plain loop (alternating runs)"] is False
+    assert met["train throughput, kit / plain loop, same units (alternating)"] is False  # a floor: 0.98 < 0.99
+    assert rows["train throughput, kit / plain loop, same units (alternating)"]["at_least"] is True
+    assert met["train step, accelerate's units / per layer (plain loop)"] is None  # shown, no target
     assert met["train step, kit / plain (same window, step by step)"] is True
     assert met["first collective, launch() in a notebook kernel / torchrun"] is False
     assert met["slowest notebook under nbval, seconds"] is False and met["all notebooks under nbval, seconds"] is True
@@ -66,9 +83,13 @@ def test_published_results_cover_the_kit():
     "examples/benchmarks/results.json, which the docs show, has the machine, every ratio, and every notebook's time."
     results = json.loads((ROOT / "examples" / "benchmarks" / "results.json").read_text())
     assert {"cpu", "cores", "memory_gib", "torch", "gpu", "date"} <= set(results["machine"])
-    for key in ("train", "same_window", "launch", "overhead"):
+    for key in ("train", "layout", "same_window", "launch", "overhead"):
         assert "error" not in results[key], results[key]
     assert len(results["train"]["ratios"]) >= 6 and len(results["same_window"]["ratios"]) >= 100
+    assert results["train"]["layout"] == "accelerate" and results["train"]["throughput_ratio"] >= 0.99  # the kit's own cost, same units
+    lay = results["layout"]
+    assert len(lay["ratios"]) >= 6 and len(lay["load_averages"]) == len(lay["ratios"])  # the machine's load, recorded with each pair
+    assert lay["layouts"]["accelerate"]["all_gathers_per_step"] > lay["layouts"]["layers"]["all_gathers_per_step"]
     assert sorted(results["labs"]["nbval_seconds"]) == sorted(p.name for p in (ROOT / "nbs").glob("*.ipynb"))
     assert all(row.get("ratio", row.get("value")) is not None for row in results["summary"].values())
 

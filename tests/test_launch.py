@@ -27,7 +27,8 @@ def test_launch_returns_rank0_value_from_a_real_group(launcher):
 
 
 def test_torchrun_forks_workers_that_start_with_torch_and_transformers_imported():
-    assert launch(started_with, nprocs=2, launcher="torchrun", timeout=60) == dict(forked=True, preloaded=list(PRELOAD))
+    started = launch(started_with, nprocs=2, launcher="torchrun", timeout=60)
+    assert started == dict(forked=True, preloaded=list(PRELOAD), session_leaders=2)  # each rank its own session (autogroup), as torchrun's
     assert _children() == []
 
 
@@ -37,7 +38,7 @@ def test_the_agent_starts_fresh_workers_when_a_fork_would_be_unsafe(tmp_path):
     cmd = agent_command(str(tmp_path), 2)
     code = "import sys, peft; from fsdp_kit.launch import agent_main; agent_main(sys.argv[1:])"
     subprocess.run([sys.executable, "-c", code, *cmd[4:]], timeout=150, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert pickle.loads((tmp_path/"result.pkl").read_bytes()) == dict(forked=True, preloaded=[])
+    assert pickle.loads((tmp_path/"result.pkl").read_bytes()) == dict(forked=True, preloaded=[], session_leaders=2)
 
 
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
