@@ -8,7 +8,7 @@ median step times (the first step, warm-up, left out), and the part reports the 
 (min-max) and the 1-minute load average as each pair ended. The plain runs count the all-gathers of one step and track its peak memory
 after their timed loop (benchmarks/plain_fsdp.py). run.py runs both parts as its `train` and `layout` steps.
 """
-import argparse, json, os, statistics, sys, tempfile, time
+import argparse, json, os, statistics, sys, tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
