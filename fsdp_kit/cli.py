@@ -403,6 +403,9 @@ def _cmd_plan(a):
         emit(result, a.json, table + ("\n" + plan_validate.gpu_validation_table(result) if result["device"] == "cuda" else ""))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
+    _refuse_unused(a)
+    a.lora_r = 8 if a.lora_r is None else a.lora_r
+    a.lora_targets, a.reshard = a.lora_targets or "all-linear", a.reshard or "true"
     kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, cp=a.cp) | _plan_precision(a)
     if a.recommend:
         r = plan_gpu.recommend(a.model, **kwargs, lora_targets=a.lora_targets)
@@ -415,6 +418,24 @@ def _cmd_plan(a):
                           offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
                           edge_units=not a.edges_in_root)
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
+
+
+PLAN_LORA_FLAGS = (("lora_r", "--lora-r"), ("lora_targets", "--lora-targets"))
+RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"), ("offload", "--offload"), ("reshard", "--reshard"), ("chunked_ce", "--chunked-ce"),
+                      ("optimizer_in_backward", "--optimizer-in-backward"), ("offload_activations", "--offload-activations"))
+RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("edges_in_root", "--edges-in-root"))
+
+
+def _refuse_unused(a):
+    "Refuse a plan flag that would change nothing: a LoRA flag with --method full, a setting --recommend searches itself or does not plan."
+    if a.method == "full":
+        for dest, option in PLAN_LORA_FLAGS:
+            if getattr(a, dest) is not None:
+                raise bad_value(option, getattr(a, dest), "only with --method lora or qlora, whose adapters it sets; --method full trains every weight, so leave it out")
+    if not a.recommend: return
+    for flags, why in ((RECOMMEND_SEARCHES, "--recommend searches this setting itself"), (RECOMMEND_IGNORES, "--recommend does not plan with it")):
+        for dest, option in flags:
+            if getattr(a, dest) not in (None, False, 0): raise bad_value(option, getattr(a, dest), f"left out with --recommend: {why}")
 
 
 def _settings(text: str, count: int) -> list:
@@ -630,7 +651,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")
     s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB")
     s.add_argument("--method", default="full", help="full, lora or qlora")
-    s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
+    s.add_argument("--lora-r", type=int, default=None, help="LoRA rank, with --method lora or qlora (default: 8)")
     s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
     s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -639,10 +660,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
     s.add_argument("--precision", help="fp32, mixed-bf16 (fp32 weights, bf16 compute: the default) or pure-bf16 (weights, gradients and optimizer state in bf16)")
     s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
-    s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")
+    s.add_argument("--reshard", default=None, help="reshard_after_forward: true or false (default: true)")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
     s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
-    s.add_argument("--lora-targets", default="all-linear", help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj)")
+    s.add_argument("--lora-targets", default=None, help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
     s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
     s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded gradient is freed once used (no optimizer-step peak)")
     s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied back when backward needs it")
