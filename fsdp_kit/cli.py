@@ -32,19 +32,26 @@ def dumps(data) -> str:
 
 def check_json_dest(json_dest):
     "Refuse a --json path that cannot be written, before the run it would record starts."
-    if json_dest in (None, "-"): return
-    path = Path(json_dest)
-    if path.is_dir(): raise bad_value("json", json_dest, "a file path (this is a folder)")
+    if json_dest not in (None, "-"): check_output_file("json", json_dest, "; --json alone prints to stdout")
+
+
+def check_output_file(option: str, dest: str, alone: str = ""):
+    "Refuse a path the command would write its result to, before any work: a folder, a link or device, or a place it cannot write."
+    path = Path(dest)
+    if path.is_dir(): raise bad_value(option, dest, "a file path (this is a folder)")
     import stat
     try: mode = path.lstat().st_mode
     except OSError: mode = None  # not there yet: it will be a new regular file
     if mode is not None and not stat.S_ISREG(mode):  # a rename over it would replace the link, the device or the pipe itself
         kind = "a symbolic link" if stat.S_ISLNK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
-        raise bad_value("json", json_dest, f"a regular file or a new path (this is {kind}; --json alone prints to stdout)")
+        raise bad_value(option, dest, f"a regular file or a new path (this is {kind}{alone})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"): pass
-    except OSError as e: raise bad_value("json", json_dest, "a file path that can be written", e.strerror or str(e)) from None
+    except OSError as e:
+        import errno
+        why = "A part of its folder path is a file" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror or str(e)
+        raise bad_value(option, dest, "a file path that can be written", why) from None
 
 
 def emit(data, json_dest, text: str = ""):
@@ -383,7 +390,7 @@ def _cmd_plan(a):
         return
     if a.export_table:
         out = Path(a.export_table)
-        if not out.parent.is_dir(): raise KitError(f"--export-table={a.export_table!r}: no folder {str(out.parent)!r} to write it in")
+        check_output_file("export_table", a.export_table)  # before the planning, which takes minutes
         print(f"planning every setting of the docs planner's grid ({math.prod(len(v) for v in plan_gpu.PLANNER_GRID.values())} plans) ...", file=sys.stderr)
         table = plan_gpu.planner_table()
         out.write_text(json.dumps(table, separators=(",", ":")))
