@@ -93,12 +93,9 @@ def validate_worker(specs:list, progress:tuple=None) -> list:
 
 def progress_line(progress:tuple, done_here:int, spec:PlanSpec):
     "Rank 0's line after a setting: `setting n/N label`, the time since the start and an estimate of what is left at this pace."
-    import time, torch.distributed as dist
+    from fsdp_kit.ranks import say_progress
     before, total, start = progress
-    if dist.get_rank() != 0: return
-    done, elapsed = before + done_here, time.time() - start
-    # a worker's stdout: the launching command puts it on its stderr, beside its other progress
-    print(f"setting {done}/{total} {spec.label()}: {elapsed:.1f} s elapsed, about {elapsed / done * (total - done):.0f} s left", flush=True)
+    say_progress("setting", before + done_here, total, spec.label(), start)
 
 # %% ../nbs/08a_plan_validate.ipynb #28cdafc9
 def validation_matrix(max_world:int=2) -> list:

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['decide_on_rank0', 'barrier', 'shared_tempdir', 'mean_over_ranks', 'all_gather_tensors', 'gather_objects',
-           'quiet_libraries']
+           'quiet_libraries', 'say_progress']
 
 # %% ../nbs/10a_ranks.ipynb #94ff491e
 import logging, tempfile, warnings
@@ -73,3 +73,18 @@ def quiet_libraries():
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+# %% ../nbs/10a_ranks.ipynb #8d41f0c3
+def say_progress(unit:str, # what is counted: setting, part
+                 done:int, # units finished so far
+                 total:int, # units in all
+                 label:str, # what the last one was
+                 start:float, # time.time() when the command began: the elapsed time counts from it
+                 began:float=None # when the counted work began (None: `start`): the pace, and so the time left, counts from it
+                ):
+    "Rank 0 prints `unit done/total label: E s elapsed, about L s left`, L at the pace so far (any process outside a group prints too)."
+    import time, torch.distributed as dist
+    if dist.is_initialized() and dist.get_rank() != 0: return
+    now = time.time()
+    left = (now - (began or start)) / max(done, 1) * (total - done)
+    print(f"{unit} {done}/{total} {label}: {now - start:.1f} s elapsed, about {left:.0f} s left", flush=True)
