@@ -503,8 +503,8 @@ class Saver:
         if self.step not in self.saved and not (self.resumed_from and self.resumed_from["step"] == self.step): self.save(self.step)
         if self.resumed_from and self.resumed_from["step"] >= steps:
             self.notes.append(f"the checkpoint is at step {self.resumed_from['step']}, --steps is {steps}: nothing left to train")
-        return dict(dir=str(Path(self.ckpt.dir).resolve()), state_dict=self.ckpt.kind, saved_steps=self.saved,
-                    resumed_from=self.resumed_from, latest=str(Path(self.ckpt.dir).resolve()/"latest"), notes=self.notes)
+        return dict(dir=str(self.ckpt.dir), state_dict=self.ckpt.kind, saved_steps=self.saved,  # paths as the user typed them
+                    resumed_from=self.resumed_from, latest=str(Path(self.ckpt.dir)/"latest"), notes=self.notes)
 
     def adapter_dir(self) -> str:
         "Where the finished run's adapter goes: DIR/adapter."

@@ -44,6 +44,39 @@ def test_plan_validate_prints_a_line_per_setting_with_what_is_left():
     assert "2 settings, largest |error|" in res.stdout and "setting 1/2" not in res.stdout
 
 
+PROGRESS = {  # each command's smallest run, and the units it counts
+    "compare": (["compare", "--model", "tiny", "--policies", "TRANSFORMER_BASED_WRAP,NO_WRAP", "--reshard", "true"], "setting", 2),
+    "qlora": (["qlora", "--steps", 2, "--seq-len", 16], "part", 5),
+    "cp-eval": (["cp-eval", "--seq-len", 16], "part", 3),
+}
+
+
+@pytest.mark.parametrize("name", PROGRESS)
+def test_long_labs_print_a_line_per_unit_and_quiet_silences_them(name):
+    "compare, qlora and cp-eval (14-80 s on 2 busy cores) print `unit n/N label: E s elapsed, about L s left` on stderr, as plan --validate does."
+    args, unit, total = PROGRESS[name]
+    res = run(*args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = re.findall(rf"^{unit} (\d)/{total} (.+?): ([\d.]+) s elapsed, about (\d+) s left$", res.stderr, re.M)
+    assert [int(l[0]) for l in lines] == list(range(1, total + 1)) and lines[-1][3] == "0", res.stderr[-2000:]
+    assert float(lines[0][2]) <= float(lines[-1][2]) and f"{unit} 1/{total}" not in res.stdout
+    quiet = run(*args, "--quiet")
+    assert quiet.returncode == 0 and f"{unit} 1/{total}" not in quiet.stderr + quiet.stdout and quiet.stdout.strip(), quiet.stderr[-2000:]
+
+
+def test_paths_are_printed_as_typed(tmp_path):
+    "A relative --ckpt, --json and --adapter-dir stay relative in every line (latest was printed absolute beside 'wrote runs/...')."
+    res = run("train", "--steps", 2, "--seq-len", 16, "--ckpt", "runs/ck", "--json", "runs/train.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "latest: runs/ck/latest" in res.stdout and "wrote runs/train.json" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    import json
+    assert json.loads((tmp_path / "runs" / "train.json").read_text())["checkpoint"]["latest"] == "runs/ck/latest"
+    res = run("train", "--steps", 3, "--seq-len", 16, "--ckpt", "runs/ck", "--resume", cwd=tmp_path)
+    assert res.returncode == 0 and "resumed from runs/ck/step-000002" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    res = run("qlora", "--steps", 1, "--seq-len", 16, "--adapter-dir", "runs/adapter", "--quiet", cwd=tmp_path)
+    assert res.returncode == 0 and "saved in runs/adapter" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+
+
 @pytest.mark.parametrize("value", ["0", "1-99", "x"])
 def test_a_bad_settings_list_is_refused_in_one_line(value):
     res = run("plan", "--validate", "--nproc", 1, "--settings", value, timeout=60)
