@@ -172,7 +172,7 @@ def _cmd_train(a):
         if note: text += "\n" + note
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     c = result.config
-    text += (f"\n{len(result.units)} FSDP unit(s) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
+    text += (f"\n{len(result.units)} FSDP units (the root included) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
              f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none") + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
     if result.checkpoint:

@@ -97,3 +97,20 @@ def test_plan_prints_its_notes_in_the_text():
     "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON."
     res = run("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", timeout=120)
     assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
+
+
+def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names():
+    "train's count is plan_units' (the root last, included); the tour's compare line names policies as the config does, not per-layer / per-Linear."
+    from types import SimpleNamespace
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.models import build_model, model_config
+    from fsdp_kit.tour import _compare_line
+    from fsdp_kit.wrap import plan_units
+    units = plan_units(build_model(model_config("tiny"), device="meta"), FSDPConfig())
+    res = run("train", "--steps", 1, "--seq-len", 16, "--quiet")
+    assert res.returncode == 0 and units[-1].module == "", res.stderr[-2000:]
+    assert f"\n{len(units)} FSDP units (the root included) by TRANSFORMER_BASED_WRAP" in res.stdout, res.stdout
+    run_ = lambda policy, reshard: SimpleNamespace(policy=policy, reshard_after_forward=reshard, world_size=2, peak_bytes=dict(total=2**20),
+                                                   collectives=dict(all_gather=dict(count=10)))
+    line = _compare_line([run_(p, r) for p in ("TRANSFORMER_BASED_WRAP", "NO_WRAP", "PER_LINEAR") for r in (True, False)])
+    assert "TRANSFORMER_BASED_WRAP 1.0 (reshard_after_forward=True)" in line and "PER_LINEAR 10" in line and "per-" not in line, line
