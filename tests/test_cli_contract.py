@@ -77,6 +77,15 @@ def test_paths_are_printed_as_typed(tmp_path):
     assert res.returncode == 0 and "saved in runs/adapter" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
 
 
+def test_plan_validate_reports_fitted_and_held_out_settings_apart():
+    "The matrix's settings (the planner was written on them) and held_out_matrix's (it never saw them) each get their largest error."
+    res = run("plan", "--validate", "--nproc", 1, "--settings", "1,7")  # on 1 rank: 6 matrix settings, then 1 held out
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert re.search(r"^fitted: 1 settings \(the tiny and small Llama settings .+\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
+    assert re.search(r"^held out: 1 settings \(Qwen2 and Mistral shapes.+never used to write it\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
+    assert "qwen2-tiny w1 full layer reshard fp32 s48" in res.stdout
+
+
 @pytest.mark.parametrize("value", ["0", "1-99", "x"])
 def test_a_bad_settings_list_is_refused_in_one_line(value):
     res = run("plan", "--validate", "--nproc", 1, "--settings", value, timeout=60)

@@ -267,7 +267,7 @@ def test_validate_picks_the_cuda_matrix_only_with_cuda(monkeypatch):
     from fsdp_kit import plan_validate
     from fsdp_kit.plan import count_parameters
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan_validate.validation_settings(2) == ("cpu", plan_validate.validation_matrix(2))
+    assert plan_validate.validation_settings(2) == ("cpu", plan_validate.validation_matrix(2) + plan_validate.held_out_matrix(2))  # held out last
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for gpus, nproc, world in ((1, 2, 1), (8, 2, 2), (8, 8, 8)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
