@@ -123,3 +123,23 @@ def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names
                                                    collectives=dict(all_gather=dict(count=10)))
     line = _compare_line([run_(p, r) for p in ("TRANSFORMER_BASED_WRAP", "NO_WRAP", "PER_LINEAR") for r in (True, False)])
     assert "TRANSFORMER_BASED_WRAP 1.0 (reshard_after_forward=True)" in line and "PER_LINEAR 10" in line and "per-" not in line, line
+
+
+def test_every_readme_command_parses_and_its_plans_exit_0(tmp_path):
+    "Each `fsdp-kit` line of the README is accepted by the parser as written; the plans among them (no launch, seconds) run and exit 0."
+    import shlex
+    from tests.conftest import ROOT
+    from tests.badinput import Case, run_case
+    readme = (ROOT / "README.md").read_text()
+    lines = [l.strip().rstrip("&").strip() for block in re.findall(r"```sh\n(.*?)```", readme, re.S) for l in block.splitlines()
+             if l.strip().startswith("fsdp-kit ")]
+    assert len(lines) >= 30, lines
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        try: parser().parse_args(argv)
+        except SystemExit as e: raise AssertionError(f"the parser refuses a README command: {line}") from e
+    plans = [l for l in lines if l.startswith("fsdp-kit plan ") and "--validate" not in l]
+    for line in plans:  # in this process: the same main(), no launch
+        code, out, err = run_case(Case(line[:40], shlex.split(line)[1:], 0, ""), tmp_path)
+        assert code == 0 and "Traceback" not in err, (line, err[-1000:])
+    assert len(plans) >= 5
