@@ -14,7 +14,7 @@
     fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
 """
-import argparse, json, math, os, re, signal, sys, tempfile, time
+import argparse, json, math, os, re, signal, sys, tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -302,7 +302,7 @@ def _cmd_compare(a):
         from fsdp_kit.wrap import lab_notes
         notes = fsdp_config.notes + lab_notes(fsdp_config, torch.cuda.is_available())  # the config's own notes stay as read
         for note in notes: print(f"  {note}", file=sys.stderr)
-    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), compare_worker, spec, _progress_start(a), nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), compare_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -333,7 +333,7 @@ def _cmd_qlora(a):
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
               f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
     fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
-    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, _progress_start(a), nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}" + f", forward under autocast {r.autocast}" * (r.autocast != "no")
             + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
@@ -360,7 +360,7 @@ def _cmd_cp_eval(a):
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, _progress_start(a), nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
             f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")
@@ -443,11 +443,6 @@ def _refuse_unused(a):
     for flags, why in ((RECOMMEND_SEARCHES, "--recommend searches this setting itself"), (RECOMMEND_IGNORES, "--recommend does not plan with it")):
         for dest, option in flags:
             if getattr(a, dest) not in (None, False, 0): raise bad_value(option, getattr(a, dest), f"left out with --recommend: {why}")
-
-
-def _progress_start(a):
-    "When this command began (the workers count their progress lines from it), or None under --quiet."
-    return None if a.quiet else a.started
 
 
 def _settings(text: str, count: int) -> list:
@@ -791,7 +786,6 @@ def main(argv=None):
         return
     p = parser()
     args = p.parse_args(argv)
-    args.started = time.time()  # progress lines count the elapsed time from here
     sub = p._subparsers._group_actions[0].choices[args.command]
     from fsdp_kit.launch import WorkerError
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}

@@ -358,13 +358,13 @@ def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
 
 # %% ../nbs/06_cp.ipynb #4c8708d9
 def cp_eval_worker(spec:CPSpec,
-                   progress:float=None # time.time() when the command began: rank 0 prints `part n/3` after each part; None: nothing
+                   progress:bool=False # rank 0 prints `part n/3` after each part (`ranks.progress`)
                   ) -> CPEvalResult:
     "Evaluate a model under CP on a dp_shard x cp mesh, FSDP2 over dp_shard_cp; check it against one process without CP."
     import torch, torch.distributed as dist
-    from fsdp_kit.ranks import say_progress
+    from fsdp_kit.ranks import progress as say
     parts, began = iter(range(1, 4)), time.time()
-    def done(label): progress and say_progress("part", next(parts), 3, label, progress, began)
+    def done(label): progress and say("part", next(parts), 3, began, label)
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh
     world, rank = dist.get_world_size(), dist.get_rank()

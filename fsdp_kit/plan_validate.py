@@ -94,9 +94,12 @@ def validate_worker(specs:list, progress:tuple=None) -> list:
 
 def progress_line(progress:tuple, done_here:int, spec:PlanSpec):
     "Rank 0's line after a setting: `setting n/N label`, the time since the start and an estimate of what is left at this pace."
-    from fsdp_kit.ranks import say_progress
+    import time, torch.distributed as dist
     before, total, start = progress
-    say_progress("setting", before + done_here, total, spec.label(), start)
+    if dist.get_rank() != 0: return
+    done, elapsed = before + done_here, time.time() - start
+    # a worker's stdout: the launching command puts it on its stderr, beside its other progress
+    print(f"setting {done}/{total} {spec.label()}: {elapsed:.1f} s elapsed, about {elapsed / done * (total - done):.0f} s left", flush=True)
 
 # %% ../nbs/08a_plan_validate.ipynb #28cdafc9
 def validation_matrix(max_world:int=2) -> list:

@@ -405,13 +405,13 @@ def _matmul_dtype(module, x) -> str:
 
 # %% ../nbs/05_qlora.ipynb #7e03a318
 def qlora_worker(spec:QLoRASpec,
-                 progress:float=None # time.time() when the command began: rank 0 prints `part n/5` after each part; None: nothing
+                 progress:bool=False # rank 0 prints `part n/5` after each part (`ranks.progress`)
                 ) -> QLoRAResult:
     "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
     import time, bitsandbytes as bnb, torch.distributed as dist
-    from fsdp_kit.ranks import say_progress
+    from fsdp_kit.ranks import progress as say
     parts, began = iter(range(1, 6)), time.time()
-    def done(label): progress and say_progress("part", next(parts), 5, label, progress, began)
+    def done(label): progress and say("part", next(parts), 5, began, label)
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     quiet_libraries()

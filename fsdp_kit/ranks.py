@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/ranks.html.md"""
 
 # %% auto #0
 __all__ = ['decide_on_rank0', 'barrier', 'shared_tempdir', 'mean_over_ranks', 'all_gather_tensors', 'gather_objects',
-           'quiet_libraries', 'say_progress']
+           'quiet_libraries', 'progress']
 
 # %% ../nbs/10a_ranks.ipynb #94ff491e
 import logging, tempfile, warnings
@@ -74,17 +74,19 @@ def quiet_libraries():
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
-# %% ../nbs/10a_ranks.ipynb #8d41f0c3
-def say_progress(unit:str, # what is counted: setting, part
-                 done:int, # units finished so far
-                 total:int, # units in all
-                 label:str, # what the last one was
-                 start:float, # time.time() when the command began: the elapsed time counts from it
-                 began:float=None # when the counted work began (None: `start`): the pace, and so the time left, counts from it
-                ):
-    "Rank 0 prints `unit done/total label: E s elapsed, about L s left`, L at the pace so far (any process outside a group prints too)."
-    import time, torch.distributed as dist
-    if dist.is_initialized() and dist.get_rank() != 0: return
-    now = time.time()
-    left = (now - (began or start)) / max(done, 1) * (total - done)
-    print(f"{unit} {done}/{total} {label}: {now - start:.1f} s elapsed, about {left:.0f} s left", flush=True)
+# %% ../nbs/10a_ranks.ipynb #b7e1c0a2
+def progress(what:str, # the work, e.g. 'hf --check'
+             done:int, # units finished so far
+             total:int, # units in all
+             start:float, # `time.time()` when the work began
+             unit:str='', # what was just finished
+             say=None # a function given the line (None: print it on stdout, which a launch puts on the command's stderr)
+            ) -> str:
+    "Print, on rank 0, `what n/N unit`, the time since `start` and an estimate of what is left at this pace; return the line."
+    import time
+    elapsed = time.time() - start
+    import torch.distributed as dist
+    left = elapsed / max(done, 1) * (total - done)  # at this pace
+    line = f"{what} {done}/{total}{' ' + unit if unit else ''}: {elapsed:.1f} s elapsed, about {left:.0f} s left"
+    if not dist.is_initialized() or dist.get_rank() == 0: (say or (lambda text: print(text, flush=True)))(line)
+    return line

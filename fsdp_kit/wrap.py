@@ -256,17 +256,17 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
 
 # %% ../nbs/04_wrap.ipynb #3797d50b
 def compare_worker(spec:CompareSpec,
-                   progress:float=None # time.time() when the command began: rank 0 prints `setting n/N` after each config; None: nothing
+                   progress:bool=False # rank 0 prints `setting n/N` after each config (`ranks.progress`)
                   ) -> list:
     "Run every config of `spec` on this process group; a list of RunResult (rank 0's)."
     import time
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    from fsdp_kit.ranks import say_progress
+    from fsdp_kit.ranks import progress as say
     mesh, configs, runs, began = fsdp_mesh(build_mesh(spec.mesh)), spec.configs(), [], time.time()
     for cfg in configs:
         runs.append(run_config(cfg, spec, mesh))
         label = f"{cfg.auto_wrap_policy}, reshard_after_forward={cfg.reshard_after_forward}"
-        if progress: say_progress("setting", len(runs), len(configs), label, progress, began)
+        if progress: say("setting", len(runs), len(configs), began, label)
     return runs
 
 # %% ../nbs/04_wrap.ipynb #a4492a41
