@@ -11,7 +11,7 @@ __all__ = ['STATE_DICT_TYPES', 'FORMAT', 'LOADING_MODEL', 'CheckpointSpec', 'loc
            'save_loading_model']
 
 # %% ../nbs/07_checkpoint.ipynb #c60647f3
-import errno, hashlib, json, os, shutil, threading, time
+import errno, hashlib, json, os, resource, shutil, threading, time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,19 +57,24 @@ _DIR_ERRORS = {errno.EACCES: "it is read-only", errno.EPERM: "it is read-only", 
                errno.ENOTDIR: "a part of the path is a file, not a folder", errno.ELOOP: "it is a symlink loop",
                errno.EEXIST: "it is a symlink to nothing", errno.ENOSPC: "its disk is full"}
 
-def _probe_dir(dir):
-    "Create `dir` (parents too) and a probe file in it, then remove the probe; refuse, naming `ckpt`, if that fails."
+def _dir_problem(dir) -> str:
+    "Create `dir` (parents too) and a probe file in it, then remove the probe: '' if that works, else why not and where."
     probe = Path(dir)/f".probe-{os.getpid()}"
     try:
         Path(dir).mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
+        return ""
     except OSError as e:
         if e.errno == errno.EEXIST and os.path.islink(dir):  # mkdir says "File exists" for a looping or dangling symlink
             try: os.stat(dir)
             except OSError as loop: e = loop if loop.errno == errno.ELOOP else e
-        why = _DIR_ERRORS.get(e.errno, (e.strerror or type(e).__name__).lower())
-        raise bad_value("ckpt", str(dir), f"a folder this process can create and write into ({why}: {e.filename})") from None
+        elif e.errno == errno.EEXIST: return f"it is a file, not a folder: {e.filename}"  # mkdir's "File exists" for a file in the way
+        return f"{_DIR_ERRORS.get(e.errno, (e.strerror or type(e).__name__).lower())}: {e.filename}"
+
+def _probe_dir(dir, field:str="ckpt"):
+    "Refuse, naming `field`, a folder this process cannot create and write into (`_dir_problem`)."
+    if why := _dir_problem(dir): raise bad_value(field, str(dir), f"a folder this process can create and write into ({why})")
 
 @contextmanager
 def lock_checkpoint_dir(dir):
@@ -209,8 +214,8 @@ def _trainer_state(step:int, schedule) -> dict:
     return dict(step=step, data_position=step, schedule=schedule.state_dict(), rng=rng)
 
 # %% ../nbs/07_checkpoint.ipynb #c7311ab5
-def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int):
-    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints."
+def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tuple=()):
+    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints (`broken` ones first, never counted)."
     manifest["files"] = _files(tmp)
     with open(tmp/"manifest.json", "w") as f:
         f.write(json.dumps(manifest, indent=1))
@@ -225,15 +230,27 @@ def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int):
     others = sorted(p for p in root.glob("step-*") if p.name != name)
     newer = [p for p in others if p.name > name]  # left by the run this one resumed from an earlier step: another history
     older = [p for p in others if p.name < name]
-    for old in newer + older[:max(0, len(older) - (keep - 1))]: old.rename(root/f".trash-{old.name}-{time.time_ns()}")
+    good = [p for p in older if p.name not in broken]  # a checkpoint that failed to verify or load is no one of the `keep`
+    for old in newer + [p for p in older if p.name in broken] + good[:max(0, len(good) - (keep - 1))]:
+        old.rename(root/f".trash-{old.name}-{time.time_ns()}")
     for trash in root.glob(".trash-*"): shutil.rmtree(trash, ignore_errors=True)
 
 # %% ../nbs/07_checkpoint.ipynb #58722fbf
-_NO_SPACE = ("No space left", "unexpected pos", "PytorchStreamWriter failed", "[Errno 28]")  # ENOSPC as torch's zip writer and DCP report it
+_ERRNO_TEXT = {errno.EFBIG: ("[Errno 27]", "File too large"), errno.ENOSPC: ("[Errno 28]", "No space left")}  # as DCP's nested tracebacks spell them
+_TORCH_WRITER = ("unexpected pos", "PytorchStreamWriter failed")  # torch's zip writer, which hides the errno
 
-def _no_space(e:BaseException) -> bool:
-    "Whether a write failed for lack of space: ENOSPC, or torch's or DCP's wrapping of it."
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or any(s in str(e) for s in _NO_SPACE)
+def _write_failure(e:BaseException) -> str:
+    "Why a write failed: 'size' (EFBIG: the file-size limit, `ulimit -f`), 'space' (ENOSPC: the disk is full) or '' (something else)."
+    text = str(e)
+    for code, kind in ((errno.EFBIG, "size"), (errno.ENOSPC, "space")):
+        if (isinstance(e, OSError) and e.errno == code) or any(s in text for s in _ERRNO_TEXT[code]): return kind
+    if not any(s in text for s in _TORCH_WRITER): return ""
+    return "size" if _file_size_limit() is not None else "space"  # a limit set makes EFBIG the likelier cause
+
+def _file_size_limit():
+    "This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), or None where there is none."
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 def _reraise_interrupt(e:BaseException) -> BaseException:
     "Return `e` if it is a failure to report (DCP's CheckpointException derives from BaseException); raise it again if it is an interrupt or an exit."
@@ -268,15 +285,20 @@ def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
     "Run part of a save on every rank; if it fails on any, rank 0 removes `tmp` and every rank raises the same KitError."
     import torch.distributed as dist
     try: fn(); error = None
-    except BaseException as e: error = (_no_space(_reraise_interrupt(e)), _error_text(e))
+    except BaseException as e: error = (_write_failure(_reraise_interrupt(e)), _error_text(e))
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)  # also the barrier between the parts
     if not (failed := [(r, e) for r, e in enumerate(errors) if e]): return
     def message():  # rank 0: remove the partial folder, then say why, once for every rank
         shutil.rmtree(tmp, ignore_errors=True)
-        if not any(nospace for _, (nospace, _) in failed):
+        kinds = {kind for _, (kind, _) in failed}
+        if not kinds - {""}:
             return f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints before it are intact"
         need, free = _need_bytes(root, model, optim), shutil.disk_usage(root).free
+        if "size" in kinds:
+            return (f"a file of checkpoint {name} in ckpt={str(root)!r} outgrew this process's file-size limit ({(_file_size_limit() or 0) / 1e6:.1f} MB, "
+                    f"ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): raise the limit (ulimit -f unlimited) and run "
+                    "again; the checkpoints before it are intact")
         return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
                 f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
     raise KitError(decide_on_rank0(message))
@@ -288,7 +310,8 @@ def save_checkpoint(root, # the checkpoint folder
                     schedule, # its learning-rate schedule
                     kind:str="sharded", # "sharded" or "full"
                     keep:int=2, # complete checkpoints to keep
-                    info:dict=None # more to record in the manifest (model name, LoRA rank...)
+                    info:dict=None, # more to record in the manifest (model name, LoRA rank...)
+                    broken:tuple=() # names of checkpoints in `root` that failed to verify or load: removed, never counted in `keep`
                    ) -> Path:
     "Save a checkpoint of `step` into `root` atomically (every rank calls this); return its folder."
     import torch, torch.distributed as dist
@@ -310,7 +333,7 @@ def save_checkpoint(root, # the checkpoint folder
         if rank != 0: return
         torch.save(state, tmp/"trainer_state.pt")
         manifest = dict(format=FORMAT, step=step, state_dict=kind, world_size=dist.get_world_size(), saved_at=time.time(), **(info or {}))
-        _publish(root, tmp, name, manifest, keep)
+        _publish(root, tmp, name, manifest, keep, broken)
     together(publish)
     return root/name
 
@@ -440,13 +463,15 @@ class Saver:
     def __init__(self, ckpt:CheckpointSpec, model, optim, schedule, spec):
         self.ckpt, self.model, self.optim, self.schedule = ckpt, model, optim, schedule
         self.info = _run_info(spec)
-        self.saved, self.resumed_from, self.notes, self.step = [], None, [], 0
+        self.saved, self.resumed_from, self.notes, self.step, self.broken = [], None, [], 0, []
 
     def resume(self) -> int:
         "Load the newest complete checkpoint if resuming; return the step to start at."
         if not self.ckpt.resume: return 0
         folders, self.notes = decide_on_rank0(lambda: _complete(self.ckpt.dir))
         if not folders: return 0
+        good = {f.name for f in folders}  # the others failed to verify: rotation must not count them as checkpoints to keep
+        self.broken = [p.name for p in Path(self.ckpt.dir).glob("step-*") if p.name not in good]
         skipped = []
         for folder in folders:  # the newest complete checkpoint; if it fails to load, the ones before it
             manifest, why = decide_on_rank0(lambda: _manifest_or_why(folder))
@@ -457,6 +482,7 @@ class Saver:
                     break
                 except KitError as e: why = str(e).removeprefix(f"{folder.name} ")
             skipped.append(f"{folder.name} {'vanished' if not folder.exists() else 'failed'} while loading: {why}")
+            self.broken.append(folder.name)
         else: raise KitError(f"--resume: no checkpoint in ckpt={str(self.ckpt.dir)!r} could be loaded: " + " | ".join(skipped))
         if skipped: self.notes.append("; ".join(skipped) + f"; resumed from {folder.name}")
         self.resumed_from = dict(path=str(folder), step=manifest["step"], world_size=manifest["world_size"], state_dict=manifest["state_dict"])
@@ -469,7 +495,7 @@ class Saver:
         if self.ckpt.save_every and done % self.ckpt.save_every == 0: self.save(done)
 
     def save(self, step:int):
-        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info)
+        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info, tuple(self.broken))
         self.saved.append(step)
 
     def finish(self, steps:int) -> dict:
@@ -477,8 +503,8 @@ class Saver:
         if self.step not in self.saved and not (self.resumed_from and self.resumed_from["step"] == self.step): self.save(self.step)
         if self.resumed_from and self.resumed_from["step"] >= steps:
             self.notes.append(f"the checkpoint is at step {self.resumed_from['step']}, --steps is {steps}: nothing left to train")
-        return dict(dir=str(Path(self.ckpt.dir).resolve()), state_dict=self.ckpt.kind, saved_steps=self.saved,
-                    resumed_from=self.resumed_from, latest=str(Path(self.ckpt.dir).resolve()/"latest"), notes=self.notes)
+        return dict(dir=str(self.ckpt.dir), state_dict=self.ckpt.kind, saved_steps=self.saved,  # paths as the user typed them
+                    resumed_from=self.resumed_from, latest=str(Path(self.ckpt.dir)/"latest"), notes=self.notes)
 
     def adapter_dir(self) -> str:
         "Where the finished run's adapter goes: DIR/adapter."
@@ -489,9 +515,12 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
             out # the folder to write: config.json and model.safetensors, what from_pretrained reads (new or empty)
            ) -> Path:
     "A sharded (DCP) checkpoint as a transformers folder, in one process without a process group: the weights whole, the optimizer state left behind."
-    import warnings, torch, torch.distributed.checkpoint as dcp
     folder, out = Path(dir), Path(out)
     if not folder.is_dir(): raise bad_value("dir", str(folder), "an existing checkpoint folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())): raise bad_value("out", str(out), "a new or empty folder")
+    if why := _dir_problem(out.parent):  # before reading anything: a folder it cannot write in is refused at once
+        raise bad_value("out", str(out), f"a path in a folder this process can create and write into ({why})")
+    import warnings, torch, torch.distributed.checkpoint as dcp
     if not (folder/"manifest.json").exists():  # a checkpoint folder: its newest complete checkpoint
         found, notes = find_checkpoint(folder)
         if found is None: raise bad_value("dir", str(folder), "a sharded checkpoint (step-NNNNNN) or a folder holding a complete one",
@@ -503,7 +532,6 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
         raise bad_value("dir", str(folder), "a sharded checkpoint (this one is full already: from_pretrained reads it as it is)")
     if manifest.get("lora"):
         raise bad_value("dir", str(folder), "a full fine-tune's checkpoint", f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base model")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())): raise bad_value("out", str(out), "a new or empty folder")
     reader = dcp.FileSystemReader(str(folder/"dcp"))
     shapes = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items() if k.startswith("model.")}
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}

@@ -32,19 +32,26 @@ def dumps(data) -> str:
 
 def check_json_dest(json_dest):
     "Refuse a --json path that cannot be written, before the run it would record starts."
-    if json_dest in (None, "-"): return
-    path = Path(json_dest)
-    if path.is_dir(): raise bad_value("json", json_dest, "a file path (this is a folder)")
+    if json_dest not in (None, "-"): check_output_file("json", json_dest, "; --json alone prints to stdout")
+
+
+def check_output_file(option: str, dest: str, alone: str = ""):
+    "Refuse a path the command would write its result to, before any work: a folder, a link or device, or a place it cannot write."
+    path = Path(dest)
+    if path.is_dir(): raise bad_value(option, dest, "a file path (this is a folder)")
     import stat
     try: mode = path.lstat().st_mode
     except OSError: mode = None  # not there yet: it will be a new regular file
     if mode is not None and not stat.S_ISREG(mode):  # a rename over it would replace the link, the device or the pipe itself
         kind = "a symbolic link" if stat.S_ISLNK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
-        raise bad_value("json", json_dest, f"a regular file or a new path (this is {kind}; --json alone prints to stdout)")
+        raise bad_value(option, dest, f"a regular file or a new path (this is {kind}{alone})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"): pass
-    except OSError as e: raise bad_value("json", json_dest, "a file path that can be written", e.strerror or str(e)) from None
+    except OSError as e:
+        import errno
+        why = "A part of its folder path is a file" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror or str(e)
+        raise bad_value(option, dest, "a file path that can be written", why) from None
 
 
 def check_out_dir(option: str, folder):
@@ -178,7 +185,7 @@ def _cmd_train(a):
         if note: text += "\n" + note
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     c = result.config
-    text += (f"\n{len(result.units)} FSDP unit(s) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
+    text += (f"\n{len(result.units)} FSDP units (the root included) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
              f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none") + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
     if result.checkpoint:
@@ -331,7 +338,7 @@ def _cmd_compare(a):
         from fsdp_kit.wrap import lab_notes
         notes = fsdp_config.notes + lab_notes(fsdp_config, torch.cuda.is_available())  # the config's own notes stay as read
         for note in notes: print(f"  {note}", file=sys.stderr)
-    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), compare_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), compare_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -362,7 +369,7 @@ def _cmd_qlora(a):
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
               f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
     fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
-    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}" + f", forward under autocast {r.autocast}" * (r.autocast != "no")
             + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
@@ -389,7 +396,7 @@ def _cmd_cp_eval(a):
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
             f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
             f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")
@@ -419,7 +426,7 @@ def _cmd_plan(a):
         return
     if a.export_table:
         out = Path(a.export_table)
-        if not out.parent.is_dir(): raise KitError(f"--export-table={a.export_table!r}: no folder {str(out.parent)!r} to write it in")
+        check_output_file("export_table", a.export_table)  # before the planning, which takes minutes
         print(f"planning every setting of the docs planner's grid ({math.prod(len(v) for v in plan_gpu.PLANNER_GRID.values())} plans) ...", file=sys.stderr)
         table = plan_gpu.planner_table()
         out.write_text(json.dumps(table, separators=(",", ":")))
@@ -439,6 +446,9 @@ def _cmd_plan(a):
         emit(result, a.json, table + ("\n" + plan_validate.gpu_validation_table(result) if result["device"] == "cuda" else ""))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
+    _refuse_unused(a)
+    a.lora_r = 8 if a.lora_r is None else a.lora_r
+    a.lora_targets, a.reshard = a.lora_targets or "all-linear", a.reshard or "true"
     kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, cp=a.cp) | _plan_precision(a)
     if a.recommend:
         r = plan_gpu.recommend(a.model, **kwargs, lora_targets=a.lora_targets)
@@ -451,6 +461,24 @@ def _cmd_plan(a):
                           offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
                           edge_units=not a.edges_in_root)
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
+
+
+PLAN_LORA_FLAGS = (("lora_r", "--lora-r"), ("lora_targets", "--lora-targets"))
+RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"), ("offload", "--offload"), ("reshard", "--reshard"), ("chunked_ce", "--chunked-ce"),
+                      ("optimizer_in_backward", "--optimizer-in-backward"), ("offload_activations", "--offload-activations"))
+RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("edges_in_root", "--edges-in-root"))
+
+
+def _refuse_unused(a):
+    "Refuse a plan flag that would change nothing: a LoRA flag with --method full, a setting --recommend searches itself or does not plan."
+    if a.method == "full":
+        for dest, option in PLAN_LORA_FLAGS:
+            if getattr(a, dest) is not None:
+                raise bad_value(option, getattr(a, dest), "only with --method lora or qlora, whose adapters it sets; --method full trains every weight, so leave it out")
+    if not a.recommend: return
+    for flags, why in ((RECOMMEND_SEARCHES, "--recommend searches this setting itself"), (RECOMMEND_IGNORES, "--recommend does not plan with it")):
+        for dest, option in flags:
+            if getattr(a, dest) not in (None, False, 0): raise bad_value(option, getattr(a, dest), f"left out with --recommend: {why}")
 
 
 def _settings(text: str, count: int) -> list:
@@ -668,7 +696,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")
     s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB")
     s.add_argument("--method", default="full", help="full, lora or qlora")
-    s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
+    s.add_argument("--lora-r", type=int, default=None, help="LoRA rank, with --method lora or qlora (default: 8)")
     s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
     s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -677,10 +705,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
     s.add_argument("--precision", help="fp32, mixed-bf16 (fp32 weights, bf16 compute: the default) or pure-bf16 (weights, gradients and optimizer state in bf16)")
     s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
-    s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")
+    s.add_argument("--reshard", default=None, help="reshard_after_forward: true or false (default: true)")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
     s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
-    s.add_argument("--lora-targets", default="all-linear", help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj)")
+    s.add_argument("--lora-targets", default=None, help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
     s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
     s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded gradient is freed once used (no optimizer-step peak)")
     s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied back when backward needs it")

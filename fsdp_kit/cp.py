@@ -388,9 +388,14 @@ def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
     return logits.float().cpu(), {"total": torch.cuda.max_memory_allocated()}, seconds, expected
 
 # %% ../nbs/06_cp.ipynb #4c8708d9
-def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
+def cp_eval_worker(spec:CPSpec,
+                   progress:bool=False # rank 0 prints `part n/3` after each part (`ranks.progress`)
+                  ) -> CPEvalResult:
     "Evaluate a model under CP on a dp_shard x cp mesh, FSDP2 over dp_shard_cp; check it against one process without CP."
     import torch, torch.distributed as dist
+    from fsdp_kit.ranks import progress as say
+    parts, began = iter(range(1, 4)), time.time()
+    def done(label): progress and say("part", next(parts), 3, began, label)
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -401,6 +406,7 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
     mesh, config = build_mesh(mesh_spec), model_config(spec.model)
     input_ids, labels = eval_batch(config.vocab_size, spec.rows(world), spec.seq_len, spec.seed)
     reference_loss, reference_logits = _reference(spec, config, input_ids, labels, device) if rank == 0 else (None, None)
+    done("one process without CP: the reference")
     model = use_cp_attention(build_model(config, spec.seed, device).eval())
     if spec.mask is None: _full_attention(model)
     model, units = _shard(model, mesh, spec.config)
@@ -414,11 +420,13 @@ def cp_eval_worker(spec:CPSpec) -> CPEvalResult:
     local = [shard_sequence(t, spec.cp, cp_rank) for t in full_rows]
     if device == "cuda" and spec.cp > 1: logits, peak, seconds, local = _forward_cuda(model, mesh, full_rows, local, spec)
     else: logits, peak, seconds = _forward(model, local[0], local[1], cp_group, spec.rotate)
+    done(f"forward under CP ({spec.rotate})")
     loss_sum, my_tokens = token_loss_sum(logits.cpu(), local[2])
     totals = torch.stack([loss_sum, loss_sum / max(my_tokens, 1)]).to(device)
     dist.all_reduce(totals)
     eval_loss, mean_of_means = (totals[0] / tokens).item(), (totals[1] / world).item()
     full = _gather_logits(logits.to(device), mesh, spec.cp).cpu() if spec.gather else None
+    done("loss over all valid tokens" + ", full-length logits gathered" * spec.gather)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, dict(tokens=my_tokens, peak=peak))
     if rank != 0: return None

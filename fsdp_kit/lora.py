@@ -117,7 +117,7 @@ def adapter_round_trip(model, # a sharded PeftModel
         reloaded = PeftModel.from_pretrained(base, target)
         with torch.no_grad(): reloaded_loss = reloaded(input_ids=tokens, labels=tokens).loss.item()
         out = check_adapter(target, shards) | dict(
-            path=os.path.abspath(target) if adapter_dir else None, sharded_loss=sharded, reloaded_loss=reloaded_loss,
+            path=str(target) if adapter_dir else None, sharded_loss=sharded, reloaded_loss=reloaded_loss,
             reload_loss_diff=abs(sharded - reloaded_loss), adapter_disabled_loss=disabled, base_loss=base_loss,
             disabled_vs_base_diff=abs(disabled - base_loss))
     barrier()

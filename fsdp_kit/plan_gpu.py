@@ -6,8 +6,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 
 # %% auto #0
 __all__ = ['ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PRECISIONS', 'RESERVED_RANGE', 'PLAN_OPTIONS', 'LOAD_PATHS',
-           'RECOMPUTE', 'EXTRAS', 'PUBLISHED', 'PLANNER_GRID', 'GPUPlan', 'load_high_water', 'plan_gpu', 'plan_text',
-           'recommend', 'published_table', 'planner_table', 'plan_line']
+           'RECOMPUTE', 'EXTRAS', 'RECOMMEND_LINES', 'SAVERS', 'PUBLISHED', 'PLANNER_GRID', 'GPUPlan',
+           'load_high_water', 'plan_gpu', 'plan_text', 'recommend', 'published_table', 'planner_table', 'plan_line']
 
 # %% ../nbs/08b_plan_gpu.ipynb #7fdf3993
 import math
@@ -242,6 +242,30 @@ def _tie(best:GPUPlan, other:GPUPlan, method:str) -> str:
     return ("nothing else tells them apart: on 1 GPU nothing is gathered, so this setting changes nothing" if best.gpus == 1 else
             "nothing else tells them apart; the first one searched is kept")
 
+def _why_not(best:GPUPlan, cost:float, other:GPUPlan, other_cost:float, method:str) -> str:
+    "Why `recommend` ranked `other` below `best`: the first of its criteria, in its order, that tells the two apart."
+    mib = lambda c: f"{c / 2**20:.2f} MiB/token"
+    b, o, text = best.settings, other.settings, f"moves {mib(other_cost)}"
+    for k, what in (("offload", "CPU offload"), ("offload_activations", "activations offloaded")):
+        if o[k] != b[k]: return (text + f", more than {mib(cost)}" * (other_cost > cost) + f", and it uses {what}, which copies tensors "
+                                 "between host and GPU every step: taken only when nothing fits without it")
+    if abs(other_cost - cost) > 1e-9 * cost: return f"{text}, more than {mib(cost)}"
+    return f"{text}, the same bytes; {_tie(best, other, method)}"
+
+RECOMMEND_LINES = (("offload", "CPU offload"), ("offload_activations", "offload_activations"), ("reshard", "reshard_after_forward"),
+                   ("ac", "activation checkpointing"), ("ce_chunks", "chunked cross-entropy (ce_chunks)"), ("optimizer_in_backward", "optimizer_in_backward"))
+SAVERS = ("offload_activations", "ce_chunks", "optimizer_in_backward")  # the memory savers of `EXTRAS`, tried only where nothing fits without them
+
+def _setting_line(best:GPUPlan, cost:float, fitting:list, field_:str, name:str, method:str) -> str:
+    "One line of `recommend`'s explanation: why `best` has this value of `field_`, by the best fitting setting with another value."
+    value = best.gpus if field_ == "gpus" else best.settings[field_]
+    if field_ in SAVERS and not value:
+        return f"{name}={value}: not needed: it is tried only for settings that do not fit without it, and the chosen one fits without it"
+    other = [(p, c) for p, c in fitting if (p.gpus if field_ == "gpus" else p.settings[field_]) != value]
+    if not other: return f"{name}={value}: nothing that fits has another value"
+    o, c = other[0]
+    return f"{name}={value}: the best setting with {name}={o.gpus if field_ == 'gpus' else o.settings[field_]} ({_describe(o)}) {_why_not(best, cost, o, c, method)}"
+
 def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lora_r:int=8, batch:int=1, seq_len:int=2048,
               mixed_precision:str="bf16", cp:int=1, base_dtype:str=None, lora_targets:str="all-linear") -> dict:
     """Search reshard, activation checkpointing (none, selective-op, full), CPU offload, QLoRA (for LoRA), batch and GPU count, and for each
@@ -272,27 +296,16 @@ def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lor
                      t[0].settings["optimizer_in_backward"], t[0].settings["method"] != method, t[0].gpus, -t[0].settings["batch"])
     fitting.sort(key=key)
     best, cost = fitting[0]
-    mib = lambda c: f"{c / 2**20:.2f} MiB/token"
-    why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB; among them the kit picks, in this order: no CPU offload (of parameters, then of "
-           "activations) if anything fits without it, then the fewest bytes moved per training token, then the least recomputation (none, selective-op, full "
+    why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB. The kit minimises the bytes each GPU moves per training token (collectives and "
+           "host-device copies), not the GPU count, though fewer GPUs each move less (an all-gather brings (n-1)/n of a unit). In this order: no CPU offload (of "
+           "parameters, then of activations) if anything fits without it, then the fewest bytes per token, then the least recomputation (none, selective-op, full "
            "checkpointing), no chunked cross-entropy, no optimizer in backward, the method asked for, fewer GPUs, a larger batch; chunked cross-entropy, the "
            "optimizer in backward and activation offload are tried, in that order, only for settings that do not fit without them",
-           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {mib(cost)} moved per GPU (collectives and host-device copies)"]
-    for field_, name in (("offload", "CPU offload"), ("offload_activations", "offload_activations"), ("reshard", "reshard_after_forward"),
-                         ("ac", "activation checkpointing"), ("ce_chunks", "chunked cross-entropy (ce_chunks)"), ("optimizer_in_backward", "optimizer_in_backward")):
-        if field_ in ("offload_activations", "ce_chunks", "optimizer_in_backward") and method != "full" and not best.settings[field_]: continue
-        other = [(p, c) for p, c in fitting if p.settings[field_] != best.settings[field_]]
-        if not other:
-            if field_ == "ac": why.append(f"{name}={best.settings[field_]}: nothing fits with another policy")
-            else: why.append(f"{name}={best.settings[field_]}: nothing fits with {name}={not best.settings[field_] if isinstance(best.settings[field_], bool) else 'off'}")
-            continue
-        o, c = other[0]
-        line = f"{name}={best.settings[field_]}: the best setting with {name}={o.settings[field_]} ({_describe(o)}) moves {mib(c)}"
-        if field_ in ("offload", "offload_activations") and c <= cost:
-            line += ", but offloading copies tensors between host and GPU every step, so it is used only when nothing else fits"
-        elif abs(c - cost) <= 1e-9 * cost: line += f", the same bytes; {_tie(best, o, method)}"
-        else: line += f", more than {mib(cost)}"
-        why.append(line)
+           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB/token moved per GPU "
+           "(collectives and host-device copies)"]
+    why += [_setting_line(best, cost, fitting, field_, name, method) for field_, name in RECOMMEND_LINES
+            if not (field_ in SAVERS and method != "full" and not best.settings[field_])]
+    why.append(f"GPUs: {best.gpus} of up to {gpus}: " + _setting_line(best, cost, fitting, "gpus", "GPUs", method).split(": ", 1)[1])
     b = best.settings["batch"]
     why.append(f"batch {b} per GPU, the largest searched (the search tries {f'--batch {batch} and its halves' if batch > 1 else '--batch 1 only'}): communication per step does not grow "
                "with the batch, so a larger --batch that fits would move fewer bytes per token" if b == max(batches) else

@@ -6,8 +6,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan_validate.html.md"""
 
 # %% auto #0
 __all__ = ['LLAMA_1B', 'nvml_used', 'cuda_statistics', 'validate_worker', 'progress_line', 'validation_matrix',
-           'cuda_validation_matrix', 'validation_settings', 'ValidationRun', 'gpu_comparison', 'compare', 'as_tracked',
-           'closest_moment', 'off_diagonal', 'validate', 'validation_table', 'gpu_validation_table', 'plot_validation']
+           'cuda_validation_matrix', 'validation_settings', 'held_out_matrix', 'fitted_and_held_out', 'ValidationRun',
+           'gpu_comparison', 'compare', 'as_tracked', 'closest_moment', 'off_diagonal', 'validate', 'validation_table',
+           'gpu_validation_table', 'plot_validation']
 
 # %% ../nbs/08a_plan_validate.ipynb #e466251b
 import gc, shutil
@@ -143,7 +144,30 @@ def validation_settings(max_world:int=2 # the most ranks to use (--nproc)
     "What `plan --validate` runs here: ('cuda', the CUDA matrix on min(max_world, GPUs)) where CUDA is available, else ('cpu', `validation_matrix`)."
     import torch
     if torch.cuda.is_available(): return "cuda", cuda_validation_matrix(min(max_world, torch.cuda.device_count()))
-    return "cpu", validation_matrix(max_world)
+    return "cpu", validation_matrix(max_world) + held_out_matrix(max_world)
+
+# %% ../nbs/08a_plan_validate.ipynb #7c2e5a90
+def held_out_matrix(max_world:int=2) -> list:
+    """Settings never used to write the planner: its terms were checked, and its timeline constants read, on `validation_matrix`'s tiny and
+    small Llama presets; these are Qwen2 (biased q, k, v) and Mistral shapes with other batch sizes and lengths."""
+    qwen, mistral = (str(EXAMPLES / "configs" / name / "config.json") for name in ("qwen2-tiny", "mistral-tiny"))
+    specs = [PlanSpec(qwen, 1, batch=3, seq_len=48)]
+    if max_world >= 2:
+        specs += [PlanSpec(qwen, 2, batch=3, seq_len=48), PlanSpec(qwen, 2, method="lora", batch=3, seq_len=48),
+                  PlanSpec(mistral, 2, reshard_after_forward=False, activation_checkpointing=True, batch=2, seq_len=80)]
+    return specs
+
+def fitted_and_held_out(result:dict) -> str:
+    "Two lines: the largest |error| on the settings the planner was written on (fitted) and on those it never saw (`held_out_matrix`)."
+    held = {s.label() for s in held_out_matrix(4)}
+    lines = []
+    for name, runs, what in (("fitted", [r for r in result["runs"] if r["config"]["label"] not in held], "the tiny and small Llama settings its terms "
+                              "were checked on and its timeline constants read from"),
+                             ("held out", [r for r in result["runs"] if r["config"]["label"] in held], "Qwen2 and Mistral shapes, other batch sizes "
+                              "and lengths, never used to write it")):
+        if runs: lines.append(f"{name}: {len(runs)} settings ({what}), largest |error| {max(abs(r['error']) for r in runs) * 100:.1f}%, "
+                              f"within 0.05%: {sum(abs(r['error']) <= 5e-4 for r in runs)}")
+    return "\n".join(lines)
 
 # %% ../nbs/08a_plan_validate.ipynb #e657de3d
 @dataclass
@@ -247,6 +271,7 @@ def validation_table(result:dict) -> str:
         rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
                     f"{r['measured_comm_bytes']:>21,}{r['predicted_comm_bytes']:>11,}  {r['peak_moment']}")
     rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
+    if any(r["config"]["label"] in {s.label() for s in held_out_matrix(4)} for r in result["runs"]): rows.append(fitted_and_held_out(result))
     return "\n".join(rows)
 
 def gpu_validation_table(result:dict) -> str:

@@ -389,7 +389,7 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     trained = model_loss(model, held_out).item()
     shards = save_adapter(model, adapter_dir)
     if dist.get_rank() != 0: return {}
-    out = check_adapter(adapter_dir, shards) | dict(path=os.path.abspath(adapter_dir) if spec.adapter_dir else None)
+    out = check_adapter(adapter_dir, shards) | dict(path=str(adapter_dir) if spec.adapter_dir else None)  # as the user typed it
     reloaded = _reload_loss(checkpoint, adapter_dir, spec, held_out)
     return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"], reloaded_loss_as_loaded=reloaded["as_loaded"],
                       reload_loss_diff=abs(trained - reloaded["in_param_dtype"]))
@@ -404,9 +404,14 @@ def _matmul_dtype(module, x) -> str:
 
 
 # %% ../nbs/05_qlora.ipynb #7e03a318
-def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
+def qlora_worker(spec:QLoRASpec,
+                 progress:bool=False # rank 0 prints `part n/5` after each part (`ranks.progress`)
+                ) -> QLoRAResult:
     "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
-    import bitsandbytes as bnb, torch.distributed as dist
+    import time, bitsandbytes as bnb, torch.distributed as dist
+    from fsdp_kit.ranks import progress as say
+    parts, began = iter(range(1, 6)), time.time()
+    def done(label): progress and say("part", next(parts), 5, began, label)
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     quiet_libraries()
@@ -420,6 +425,7 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
         shapes, state_bytes, before = _storage_shapes(model), _quant_state_bytes(model), _snapshot(model)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         unsharded = _train_one_process(checkpoint, spec, world_size) if rank == 0 else None
+        done("one process, unsharded: the reference losses")
         shard_lora_model(model, mesh, spec.param_dtype, spec.fsdp)  # as spec.config says
         gathered = gathered_codes(model, before)
         seen = []  # the dtype the first 4-bit layer's matmul runs in, each training forward
@@ -427,12 +433,16 @@ def qlora_worker(spec:QLoRASpec) -> QLoRAResult:
         local = {n.removeprefix("base_model.model.").replace(".base_layer.weight", ""): list(p.to_local().shape)
                  for n, p in model.named_parameters() if "base_layer.weight" in n}
         losses = _train(model, spec, rank, world_size)
+        done(f"sharded training, {spec.steps} steps")
         hook.remove()
         changed = _changed(model, before)
         adapter = _adapter_round_trip(model, spec, checkpoint)
+        done("adapter saved and reloaded")
         peaks = dict(qlora=gather_objects(_measure(model, spec)))
+        done("memory with the 4-bit base")
         del model; gc.collect()
         peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh, spec.param_dtype, spec.fsdp), spec))
+        done("memory with a bf16 base")
         shard_shapes = {name: [s[name] for s in gather_objects(local)] for name in local}
         state_per_rank = gather_objects(state_bytes)
         dist.barrier()

@@ -18,9 +18,9 @@ def _train_line(r) -> str:
 
 def _compare_line(runs) -> str:
     peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
-    return (f"small Llama on {runs[0].world_size} ranks, peak MiB per rank: per-layer {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} (reshard) / "
-            f"{peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (keep), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
-            f"all-gathers per step per-layer {runs[0].collectives['all_gather']['count']}, per-Linear "
+    return (f"small Llama on {runs[0].world_size} ranks, peak MiB per rank: TRANSFORMER_BASED_WRAP {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} "
+            f"(reshard_after_forward=True) / {peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (False), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
+            f"all-gathers per step TRANSFORMER_BASED_WRAP {runs[0].collectives['all_gather']['count']}, PER_LINEAR "
             f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
 
 

@@ -255,11 +255,19 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
     return result
 
 # %% ../nbs/04_wrap.ipynb #3797d50b
-def compare_worker(spec:CompareSpec) -> list:
+def compare_worker(spec:CompareSpec,
+                   progress:bool=False # rank 0 prints `setting n/N` after each config (`ranks.progress`)
+                  ) -> list:
     "Run every config of `spec` on this process group; a list of RunResult (rank 0's)."
+    import time
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    mesh = fsdp_mesh(build_mesh(spec.mesh))
-    return [run_config(cfg, spec, mesh) for cfg in spec.configs()]
+    from fsdp_kit.ranks import progress as say
+    mesh, configs, runs, began = fsdp_mesh(build_mesh(spec.mesh)), spec.configs(), [], time.time()
+    for cfg in configs:
+        runs.append(run_config(cfg, spec, mesh))
+        label = f"{cfg.auto_wrap_policy}, reshard_after_forward={cfg.reshard_after_forward}"
+        if progress: say("setting", len(runs), len(configs), began, label)
+    return runs
 
 # %% ../nbs/04_wrap.ipynb #a4492a41
 def check_spec(spec:CompareSpec, world_size:int) -> list:

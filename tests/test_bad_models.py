@@ -53,6 +53,12 @@ BAD_PLAN = [  # (id, options, phrase)
     ("cp-zero", ["--cp", "0"], "--cp=0"),
     ("recommend-gpu-mem-inf", ["--recommend", "--gpu-mem-gb", "inf"], "--gpu-mem-gb=inf"),
     ("recommend-batch-negative", ["--recommend", "--batch", "-4"], "--batch=-4"),
+    # a flag that would change nothing with the chosen method or mode, ignored before, is refused
+    ("full-lora-targets", ["--method", "full", "--lora-targets", "q_proj,v_proj"], "--lora-targets='q_proj,v_proj' is not allowed: only with --method lora or qlora"),
+    ("full-lora-r", ["--lora-r", "16"], "--lora-r=16 is not allowed: only with --method lora or qlora"),
+    ("recommend-grad-ckpt", ["--recommend", "--grad-ckpt"], "--grad-ckpt=True is not allowed: left out with --recommend: --recommend searches"),
+    ("recommend-reshard", ["--recommend", "--reshard", "false"], "--reshard='false' is not allowed: left out with --recommend"),
+    ("recommend-compile", ["--recommend", "--compile"], "--compile=True is not allowed: left out with --recommend: --recommend does not plan with it"),
 ]
 
 CASES = [Case(f"{cmd}-{name}", [cmd, "--model", "{tmp}/bad/config.json", *extra], 2, phrase, files={"bad/config.json": content})

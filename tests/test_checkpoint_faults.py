@@ -81,6 +81,12 @@ CASES = [
     Case("train-ckpt-under-symlink-loop", [*TRAIN, "--ckpt", "{tmp}/loop/sub"], 2, "it is a symlink loop"),
     Case("train-ckpt-dangling-symlink", [*TRAIN, "--ckpt", "{tmp}/dangling"], 2, "it is a symlink to nothing"),
     Case("train-ckpt-read-only", [*TRAIN, "--ckpt", "{tmp}/ro/ck"], 2, "ckpt="),
+    # an output folder it cannot write in is refused before any work (plan --export-table was refused after 119 s of planning)
+    Case("ckpt-to-full-read-only", ["ckpt", "{tmp}/ck", "--to-full", "{tmp}/ro/full"], 2,
+         "--to-full='{tmp}/ro/full' is not allowed: a path in a folder this process can create and write into (it is", {"ck": None}),
+    Case("ckpt-to-full-under-file", ["ckpt", "{tmp}/ck", "--to-full", "{tmp}/f/full"], 2, "write into (it is a file, not a folder: ", {"f": "x", "ck": None}),
+    Case("plan-export-table-read-only", ["plan", "--export-table", "{tmp}/ro/table.json"], 2, "--export-table='{tmp}/ro/table.json' is not allowed: a file path that can be written"),
+    Case("plan-export-table-under-file", ["plan", "--export-table", "{tmp}/f/table.json"], 2, "A part of its folder path is a file", {"f": "x"}),
     Case("train-resume-list-manifest", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "no complete checkpoint in", LIST([1])),
     Case("train-resume-step-edited", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "says step 8 but the folder is step-000002",
          LIST(MANIFEST | dict(step=8, files={}))),
@@ -104,11 +110,11 @@ SETUP = {"train-ckpt-symlink-loop": _link("loop", "loop"), "train-ckpt-under-sym
 def test_bad_checkpoint_input(case, tmp_path):
     "Each row ends with its exit code and phrase, never a traceback (`ckpt` prints problems on stdout, `train` refuses on stderr)."
     if case.id in SETUP: SETUP[case.id](tmp_path)
-    with read_only(tmp_path / "ro") if case.id == "train-ckpt-read-only" else contextlib.nullcontext():
+    with read_only(tmp_path / "ro") if case.id.endswith("-read-only") else contextlib.nullcontext():
         code, out, err = run_case(case, tmp_path)
     assert "Traceback" not in out + err, f"{case.id}: a traceback reached the user:\n{err[-2000:]}"
     assert code == case.code, f"{case.id}: exit {code}, expected {case.code}; stderr:\n{err[-2000:]}"
-    assert case.phrase in (out if case.code == 0 else err), f"{case.id}: {case.phrase!r} not in:\n{out[-2000:]}{err[-2000:]}"
+    assert case.phrase.format(tmp=tmp_path) in (out if case.code == 0 else err), f"{case.id}: {case.phrase!r} not in:\n{out[-2000:]}{err[-2000:]}"
     if case.code == 2: assert len(err.strip().splitlines()) == 1 and not list(tmp_path.glob("**/.tmp-*"))
 
 
@@ -177,12 +183,18 @@ def test_check_resume(tmp_path):
 
 
 @pytest.mark.timeout(10)
-def test_disk_full_is_recognised():
-    from fsdp_kit.checkpoint import _no_space, _error_text
-    assert _no_space(OSError(errno.ENOSPC, "No space left on device"))
-    assert _no_space(RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448"))
-    assert _no_space(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
-    assert not _no_space(OSError(errno.EIO, "Input/output error")) and not _no_space(ValueError("x"))
+def test_disk_full_and_size_limit_are_told_apart():
+    import resource
+    from fsdp_kit.checkpoint import _write_failure, _error_text
+    torch_writer = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448")  # no errno: the limit decides
+    assert _write_failure(OSError(errno.ENOSPC, "No space left on device")) == "space" and _write_failure(torch_writer) == "space"
+    assert _write_failure(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")) == "space"
+    assert _write_failure(OSError(errno.EFBIG, "File too large")) == "size" and _write_failure(RuntimeError("OSError: [Errno 27] File too large")) == "size"
+    assert _write_failure(OSError(errno.EIO, "Input/output error")) == "" and _write_failure(ValueError("x")) == ""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**40, hard))  # a limit no file of this test reaches
+    try: assert _write_failure(torch_writer) == "size"
+    finally: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert _error_text(RuntimeError("CheckpointException ranks:dict_keys([1])\nTraceback: ...\nOSError: [Errno 5] I/O error")) == "OSError: [Errno 5] I/O error"
 
 
@@ -262,3 +274,49 @@ def test_disk_full_save_ends_cleanly(tmp_path):
         assert not list(ck.glob(".tmp-*")) and os.readlink(ck / "latest") == "step-000002"
     finally:
         if mounted: subprocess.run(["umount", str(ck)], capture_output=True)
+
+
+def size_limit_worker(ck:str) -> dict:
+    "Save step 2; then, under a 50 kB file-size limit (ulimit -f) with the disk far from full, the save of step 4 must say it hit the limit."
+    import resource
+    import torch.distributed as dist
+    from fsdp_kit.checkpoint import CheckpointSpec
+    from fsdp_kit.errors import KitError
+    from fsdp_kit.train import TrainSpec, train_worker
+    train_worker(TrainSpec(model="tiny", steps=2, ckpt=CheckpointSpec(ck)))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, hard))  # a shard is larger
+    try:
+        train_worker(TrainSpec(model="tiny", steps=4, ckpt=CheckpointSpec(ck, resume=True)))
+        error = None
+    except KitError as e: error = str(e)
+    finally: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return dict(errors=errors)
+
+
+@pytest.mark.timeout(120)
+def test_a_file_size_limit_is_not_called_a_full_disk(tmp_path):
+    "With 'ulimit -f' set and the disk far from full the save was reported as 'no space left'; now the limit is named."
+    from fsdp_kit.checkpoint import list_checkpoints
+    from fsdp_kit.launch import launch
+    ck = tmp_path / "ck"
+    r = launch(size_limit_worker, str(ck), nprocs=2, timeout=60)
+    assert len(set(r["errors"])) == 1 and r["errors"][0], r
+    message = r["errors"][0]
+    assert message.startswith("a file of checkpoint step-000004 in ckpt=") and "outgrew this process's file-size limit (0.1 MB, ulimit -f), not the disk (" in message
+    assert "no space" not in message and [c["name"] for c in list_checkpoints(ck)] == ["step-000002"], message
+
+
+@pytest.mark.timeout(180)
+def test_rotation_keeps_the_checkpoint_that_loads(cli, tmp_path):
+    "Resumed past a damaged newest checkpoint, keep=2 removes the damaged one and keeps the good one (it removed the good one and kept the damaged)."
+    ck = tmp_path / "ck"
+    res = cli(*TRAIN[:-2], "--steps", 4, "--save-every", 2, "--ckpt", ck)
+    assert res.returncode == 0, res.stderr[-2000:]
+    shard = next((ck / "step-000004" / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # damaged: its manifest's size and hash no longer hold
+    res = cli(*TRAIN[:-2], "--steps", 5, "--save-every", 5, "--ckpt", ck, "--resume")  # resumes from step 2, saves step 5 alone
+    assert res.returncode == 0 and "skipped step-000004" in res.stderr + res.stdout, res.stderr[-2000:]
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-000002", "step-000005"] and os.readlink(ck / "latest") == "step-000005"

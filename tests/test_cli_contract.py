@@ -44,6 +44,48 @@ def test_plan_validate_prints_a_line_per_setting_with_what_is_left():
     assert "2 settings, largest |error|" in res.stdout and "setting 1/2" not in res.stdout
 
 
+PROGRESS = {  # each command's smallest run, and the units it counts
+    "compare": (["compare", "--model", "tiny", "--policies", "TRANSFORMER_BASED_WRAP,NO_WRAP", "--reshard", "true"], "setting", 2),
+    "qlora": (["qlora", "--steps", 2, "--seq-len", 16], "part", 5),
+    "cp-eval": (["cp-eval", "--seq-len", 16], "part", 3),
+}
+
+
+@pytest.mark.parametrize("name", PROGRESS)
+def test_long_labs_print_a_line_per_unit_and_quiet_silences_them(name):
+    "compare, qlora and cp-eval (14-80 s on 2 busy cores) print `unit n/N label: E s elapsed, about L s left` on stderr, as plan --validate does."
+    args, unit, total = PROGRESS[name]
+    res = run(*args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = re.findall(rf"^{unit} (\d)/{total} (.+?): ([\d.]+) s elapsed, about (\d+) s left$", res.stderr, re.M)
+    assert [int(l[0]) for l in lines] == list(range(1, total + 1)) and lines[-1][3] == "0", res.stderr[-2000:]
+    assert float(lines[0][2]) <= float(lines[-1][2]) and f"{unit} 1/{total}" not in res.stdout
+    quiet = run(*args, "--quiet")
+    assert quiet.returncode == 0 and f"{unit} 1/{total}" not in quiet.stderr + quiet.stdout and quiet.stdout.strip(), quiet.stderr[-2000:]
+
+
+def test_paths_are_printed_as_typed(tmp_path):
+    "A relative --ckpt, --json and --adapter-dir stay relative in every line (latest was printed absolute beside 'wrote runs/...')."
+    res = run("train", "--steps", 2, "--seq-len", 16, "--ckpt", "runs/ck", "--json", "runs/train.json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "latest: runs/ck/latest" in res.stdout and "wrote runs/train.json" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    import json
+    assert json.loads((tmp_path / "runs" / "train.json").read_text())["checkpoint"]["latest"] == "runs/ck/latest"
+    res = run("train", "--steps", 3, "--seq-len", 16, "--ckpt", "runs/ck", "--resume", cwd=tmp_path)
+    assert res.returncode == 0 and "resumed from runs/ck/step-000002" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    res = run("qlora", "--steps", 1, "--seq-len", 16, "--adapter-dir", "runs/adapter", "--quiet", cwd=tmp_path)
+    assert res.returncode == 0 and "saved in runs/adapter" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+
+
+def test_plan_validate_reports_fitted_and_held_out_settings_apart():
+    "The matrix's settings (the planner was written on them) and held_out_matrix's (it never saw them) each get their largest error."
+    res = run("plan", "--validate", "--nproc", 1, "--settings", "1,7")  # on 1 rank: 6 matrix settings, then 1 held out
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert re.search(r"^fitted: 1 settings \(the tiny and small Llama settings .+\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
+    assert re.search(r"^held out: 1 settings \(Qwen2 and Mistral shapes.+never used to write it\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
+    assert "qwen2-tiny w1 full layer reshard fp32 s48" in res.stdout
+
+
 @pytest.mark.parametrize("value", ["0", "1-99", "x"])
 def test_a_bad_settings_list_is_refused_in_one_line(value):
     res = run("plan", "--validate", "--nproc", 1, "--settings", value, timeout=60)
@@ -64,3 +106,40 @@ def test_plan_prints_its_notes_in_the_text():
     "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON."
     res = run("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", timeout=120)
     assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
+
+
+def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names():
+    "train's count is plan_units' (the root last, included); the tour's compare line names policies as the config does, not per-layer / per-Linear."
+    from types import SimpleNamespace
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.models import build_model, model_config
+    from fsdp_kit.tour import _compare_line
+    from fsdp_kit.wrap import plan_units
+    units = plan_units(build_model(model_config("tiny"), device="meta"), FSDPConfig())
+    res = run("train", "--steps", 1, "--seq-len", 16, "--quiet")
+    assert res.returncode == 0 and units[-1].module == "", res.stderr[-2000:]
+    assert f"\n{len(units)} FSDP units (the root included) by TRANSFORMER_BASED_WRAP" in res.stdout, res.stdout
+    run_ = lambda policy, reshard: SimpleNamespace(policy=policy, reshard_after_forward=reshard, world_size=2, peak_bytes=dict(total=2**20),
+                                                   collectives=dict(all_gather=dict(count=10)))
+    line = _compare_line([run_(p, r) for p in ("TRANSFORMER_BASED_WRAP", "NO_WRAP", "PER_LINEAR") for r in (True, False)])
+    assert "TRANSFORMER_BASED_WRAP 1.0 (reshard_after_forward=True)" in line and "PER_LINEAR 10" in line and "per-" not in line, line
+
+
+def test_every_readme_command_parses_and_its_plans_exit_0(tmp_path):
+    "Each `fsdp-kit` line of the README is accepted by the parser as written; the plans among them (no launch, seconds) run and exit 0."
+    import shlex
+    from tests.conftest import ROOT
+    from tests.badinput import Case, run_case
+    readme = (ROOT / "README.md").read_text()
+    lines = [l.strip().rstrip("&").strip() for block in re.findall(r"```sh\n(.*?)```", readme, re.S) for l in block.splitlines()
+             if l.strip().startswith("fsdp-kit ")]
+    assert len(lines) >= 30, lines
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        try: parser().parse_args(argv)
+        except SystemExit as e: raise AssertionError(f"the parser refuses a README command: {line}") from e
+    plans = [l for l in lines if l.startswith("fsdp-kit plan ") and "--validate" not in l]
+    for line in plans:  # in this process: the same main(), no launch
+        code, out, err = run_case(Case(line[:40], shlex.split(line)[1:], 0, ""), tmp_path)
+        assert code == 0 and "Traceback" not in err, (line, err[-1000:])
+    assert len(plans) >= 5

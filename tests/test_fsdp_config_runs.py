@@ -96,7 +96,7 @@ def test_train_runs_each_example_config_and_reports_it(tmp_path):
         assert {k: v for k, v in r["config"].items() if k != "notes"} == {k: v for k, v in asdict(cfg).items() if k != "notes"}
         assert r["units"][-1]["module"] == "" and len(r["units"]) == 5 and r["losses"][-1] < r["losses"][0]  # 2 layers, embeddings, tail, root
         assert r["mesh"] == dict(dp_replicate=1, dp_shard=2, cp=1)  # the mesh it ran on, -1 filled in
-        assert f"{len(r['units'])} FSDP unit(s) by {cfg.auto_wrap_policy}" in out
+        assert f"{len(r['units'])} FSDP units (the root included) by {cfg.auto_wrap_policy}" in out
         assert r["timing"]["steps"] == 2 and re.search(r"step [\d.]+ ms \(median of 2, min [\d.]+, max [\d.]+; warm-up excluded\)", out), out
         if r["max_param_diff"] is not None: assert r["max_param_diff"] <= 1e-4
 

@@ -95,3 +95,19 @@ def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang
     assert "fsdp_kit/scale.py:40 in inject_fault" in err and "(--debug prints the whole trace)" in err, err[-3000:]
     # ended within --timeout + 10 s of the workers' start (the fault comes two tiny steps later)
     assert hang.workers_started is not None and seconds - hang.workers_started < 15 + 10, (seconds, hang.workers_started)
+
+
+def test_a_sigkilled_worker_is_named_within_a_second():
+    "torchrun's agent exits without an interpreter shutdown (1.9-2.4 s with transformers loaded): the command names the rank right after."
+    args = [*TRAIN, "--nproc", 2, "--steps", 6, "--inject-fault", "crash", "--fault-rank", 1, "--fault-step", 2]
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    stamped = []
+    try:
+        for line in proc.stderr: stamped.append((time.monotonic(), line))  # rank 1 kills itself right after rank 0 prints step 2
+        proc.wait(60)
+    finally:
+        if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL)
+    step = next(t for t, l in stamped if l.startswith("step 2/6"))
+    named = next(t for t, l in stamped if "rank 1 died without reporting an error" in l)
+    assert proc.returncode == 1 and named - step < 1.5, (named - step, "".join(l for _, l in stamped)[-2000:])
