@@ -437,8 +437,9 @@ def _plan_precision(a) -> dict:
     new = PRECISIONS[a.precision]
     if mixed is not None and mixed != new["mixed_precision"]:
         raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means mixed_precision={new['mixed_precision']}: pass one of them")
-    if a.method != "full" and a.precision != "mixed-bf16":
-        raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 (mixed-bf16); the frozen base's dtype is --base-dtype")
+    if a.method != "full" and a.precision not in ("accelerate-bf16", "bf16-fp32-reduce"):
+        raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 (accelerate-bf16 or bf16-fp32-reduce); "
+                       "the frozen base's dtype is --base-dtype")
     if a.method == "full" and a.base_dtype is not None:
         raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} already says the weights' dtype")
     return dict(base_dtype=a.base_dtype) | new
@@ -585,7 +586,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
     s.add_argument("--reshard", default="true,false", help="comma-separated reshard_after_forward values (true, false, or an int)")
-    s.add_argument("--min-num-params", type=int, default=100_000, help="SIZE_BASED_WRAP threshold")
+    s.add_argument("--min-num-params", type=int, default=None, help="SIZE_BASED_WRAP threshold (default: the model's size_floor, the smallest that runs)")
     s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
     s.add_argument("--batch", type=int, default=2, help="sequences per rank")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -637,7 +638,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
     s.add_argument("--ac", help="activation checkpointing policy: none, full, selective-layer:K (every K-th layer) or selective-op (keep every other matmul's output and attention's, torchtitan's op policy)")
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
-    s.add_argument("--precision", help="fp32, mixed-bf16 (fp32 weights, bf16 compute: the default) or pure-bf16 (weights, gradients and optimizer state in bf16)")
+    s.add_argument("--precision", help="fp32; accelerate-bf16 (fp32 weights, bf16 compute and reduce-scatter: accelerate's bf16, the default); "
+                   "bf16-fp32-reduce (the same, gradients reduced in fp32); pure-bf16 (weights, gradients and optimizer state in bf16)")
     s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
     s.add_argument("--reshard", default="true", help="reshard_after_forward: true or false")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
