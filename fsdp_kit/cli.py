@@ -317,7 +317,7 @@ def _cmd_docs(a):
 
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.qlora import QLoRASpec, qlora_worker
+    from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share
     cfg = fsdp_config(a) if a.fsdp_config else None
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast, load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
@@ -332,7 +332,10 @@ def _cmd_qlora(a):
             + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
             + f"\nsharded vs one process over {len(r.losses)} steps: max |loss diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
             + f"trained {len(r.changed_parameters)} parameters, all LoRA: {all('lora_' in n for n in r.changed_parameters)}"
-            + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}"
+            + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}; the base's weights (sharded, gathered, all-gather buffer) are "
+            + f"{weight_share(r.peak_by_category['bf16_lora'][0]):.0%} of the bf16 peak and {weight_share(r.peak_by_category['qlora'][0]):.0%} of the 4-bit one"
+            + (": activations, LoRA state and the rest dominate, so 4-bit saves little here (a wider model, e.g. --model examples/configs/llama-wide/config.json "
+               "--batch 1 --seq-len 16, shows the base dominating)" if weight_share(r.peak_by_category["bf16_lora"][0]) < 0.5 else "")
             + f"\nadapter: {r.adapter['tensors']} tensors, every rank's share saved: {r.adapter['every_rank_share_saved']}, "
             + f"reloaded loss diff {r.adapter['reload_loss_diff']:.1e}" + (f", saved in {r.adapter['path']}" if r.adapter["path"] else ""))
     emit(r, a.json, text)

@@ -264,7 +264,7 @@ def gpu_validation_table(result:dict) -> str:
 def plot_validation(result:dict, share:float=0.01):
     "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak, the off-diagonal points (`off_diagonal`) marked by cause."
     import matplotlib.pyplot as plt
-    from fsdp_kit.measure import check_figure
+    from fsdp_kit.measure import check_figure, category_colour
     runs, off = result["runs"], off_diagonal(result, share)
     fig, axes = plt.subplots(1, 2, figsize=(10, 5.2), layout="constrained")
     m, p = [r["measured_bytes"] / 2**20 for r in runs], [r["predicted_bytes"] / 2**20 for r in runs]
@@ -278,11 +278,11 @@ def plot_validation(result:dict, share:float=0.01):
     axes[0].legend(loc="upper left", fontsize=9)
     cats = sorted({c for r in runs for c in (*r["measured_by_category"], *r["predicted_by_category"])})
     marks = {(o["label"], o["category"]): o["cause"] for o in off}
-    for i, cat in enumerate(cats):
+    for cat in cats:
         pts = [(r["measured_by_category"].get(cat, 0) / 2**20, as_tracked(r["peak_moment"], r["predicted_by_category"]).get(cat, 0) / 2**20, marks.get((r["config"]["label"], cat))) for r in runs]
         for cause, style in ((None, dict(marker="o", s=14)), ("another moment", dict(marker="X", s=60)), ("same moment", dict(marker="D", s=40, facecolors="none", linewidths=1.4))):
             xy = [(x, y) for x, y, c in pts if c == cause]
-            if xy: axes[1].scatter(*zip(*xy), color=f"C{i}", label=cat if cause is None else None, **style)
+            if xy: axes[1].scatter(*zip(*xy), color=category_colour(cat), label=cat if cause is None else None, **style)
     for cause, marker in (("another moment", "X"), ("same moment", "D")):
         axes[1].scatter([], [], marker=marker, color="k", facecolors="none" if marker == "D" else "k", label=f"off the diagonal: {cause} ({sum(o['cause'] == cause for o in off)})")
     top = max(max(r["measured_by_category"].values()) for r in runs) / 2**20 * 1.05

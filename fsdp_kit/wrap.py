@@ -281,7 +281,9 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
     if dtype: model = model.to(getattr(torch, dtype))
-    if spec.gradient_checkpointing: (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
+    if spec.gradient_checkpointing:  # no KV cache to keep under recomputation (transformers would say so on every forward, and turn it off)
+        model.config.use_cache = False
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
     check_for_model(cfg, model, spec.gradient_checkpointing)
     policy = ac_policy(cfg, ac)
     model, units = apply_fsdp(model, cfg, mesh, policy, edge_units)
