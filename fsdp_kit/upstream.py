@@ -126,12 +126,17 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
                        ) -> tuple:
     "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
     import builtins
-    helper = transformers_helper()
-    if helper.poll() is not None:  # it ended (a command's janitor ends what the command started): start another
-        transformers_helper.cache_clear()
+    for attempt in (1, 2):  # a command's janitor ends what the command started, the cached helper too, perhaps while it is asked: start another once
         helper = transformers_helper()
-    helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
-    line = helper.stdout.readline()
+        if helper.poll() is not None:  # it ended: start another
+            transformers_helper.cache_clear()
+            helper = transformers_helper()
+        try:
+            helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
+            line = helper.stdout.readline()
+        except (BrokenPipeError, OSError): line = ""
+        if line: break
+        transformers_helper.cache_clear()
     if not line: raise ChildProcessError(f"the TrainingArguments helper process ended (exit status {helper.poll()})")
     answer = json.loads(line)
     if "error" in answer:  # upstream's refusal, raised here with its own type and words
