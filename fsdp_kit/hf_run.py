@@ -288,7 +288,7 @@ def trainer_worker(spec:HFRunSpec) -> HFRunResult:
 
 # %% ../nbs/09a_hf_run.ipynb #5b2e0a02
 def _first_step(trainer) -> dict:
-    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with and the last upstream frame it came from."
+    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with and the upstream frames it came from."
     import traceback
     try: trainer.train()
     except Exception as e:
@@ -319,8 +319,10 @@ def size_policy_worker(spec:HFRunSpec, thresholds:list) -> list:
         chosen = [name for name, m in model.named_modules() if m is not model and policy(m)]
         AcceleratorState._reset_state(True)  # a fresh Accelerator per Trainer, as in a new script
         args = trainer_arguments(spec, str(folder / f"size_{n}"), training_arguments(cfg)["fsdp_config"])
-        data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * args.world_size, spec.seq_len, args.world_size, spec.batch, spec.seed)
-        row = dict(min_num_params=n, accelerate_selects=chosen, trainer=_first_step(quiet_trainer(Trainer(model=model, args=args, train_dataset=data))))
+        world = args.world_size
+        data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
+        trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
+        row = dict(min_num_params=n, accelerate_selects=chosen, trainer=_first_step(trainer))
         try: row["kit"] = dict(units=fsdp_facts(apply_fsdp(load(), cfg, fsdp_mesh(build_mesh()))[0])["units"])
         except KitError as e: row["kit"] = dict(refused=str(e))
         out.append(row)

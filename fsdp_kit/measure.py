@@ -25,10 +25,10 @@ CATEGORIES = {  # FSDPMemTracker's names -> the kit's (shared with the planner)
 }
 
 CATEGORY_COLOURS = {  # every memory figure draws a category in this colour (measured categories, then the planner's own); one owner
-    "sharded_params": "#1f77b4", "unsharded_params": "#aec7e8", "buffers": "#7f7f7f", "sharded_grads": "#2ca02c", "unsharded_grads": "#98df8a",
-    "activations": "#d62728", "temporaries": "#ff9896", "all_gather_buffers": "#9467bd", "reduce_scatter_buffers": "#c5b0d5",
-    "optimizer_state": "#ff7f0e", "inputs": "#8c564b", "quant_state": "#e377c2", "allocator_overhead": "#bcbd22", "cuda_context": "#17becf",
-    "load_reserved": "#dbdb8d",
+    "sharded_params": "#1f77b4", "unsharded_params": "#aec7e8", "buffers": "#7f7f7f", "sharded_grads": "#2ca02c",
+    "unsharded_grads": "#98df8a", "activations": "#d62728", "temporaries": "#ff9896", "all_gather_buffers": "#9467bd",
+    "reduce_scatter_buffers": "#c5b0d5", "optimizer_state": "#ff7f0e", "inputs": "#8c564b", "quant_state": "#e377c2",
+    "allocator_overhead": "#bcbd22", "cuda_context": "#17becf", "load_reserved": "#dbdb8d",
 }
 
 def category_colour(category:str) -> str:

@@ -32,7 +32,7 @@ class PlanSpec(RunSpec):
     world_size:int=2 # ranks sharing the parameters (GPUs)
     policy:str="TRANSFORMER_BASED_WRAP" # auto_wrap_policy: TRANSFORMER_BASED_WRAP or NO_WRAP
     reshard_after_forward:bool|int=True # True, False, or a group size
-    mixed_precision:str="no" # "no" (fp32 compute) or "bf16" (param_dtype bf16, gradients reduced in bf16: accelerate's bf16; `reduce_dtype` "fp32" for float32)
+    mixed_precision:str="no" # "no" (fp32 compute) or "bf16" (param_dtype bf16, gradients reduced in bf16: accelerate's bf16)
     activation_checkpointing:bool=False # recompute each decoder layer in backward
     method:str="full" # "full", "lora" (bf16 base) or "qlora" (4-bit NF4 base, bf16 storage)
     lora_r:int=8 # LoRA rank
@@ -45,7 +45,7 @@ class PlanSpec(RunSpec):
     offload_activations:bool=False # what autograd saves for backward kept in host memory, copied back when needed (fsdp_kit.ac.activations_on_host)
     fp8_all_gather:bool=False # decoder Linear weights all-gathered (and used) in float8, as torchao's Float8 training with enable_fsdp_float8_all_gather; a GPU plan only
     edge_units:bool=True # the embeddings and a [final norm, lm_head] tail in units of their own, as apply_fsdp, accelerate's FSDP2 path and transformers' fsdp_plan make them; False: they stay in the root (FSDP1, and FSDP2 code that wraps only the layers)
-    reduce_dtype:str=None # "fp32": under bf16, gradients reduce-scattered in float32 (MixedPrecisionPolicy(reduce_dtype=float32)); None: in the compute dtype
+    reduce_dtype:str=None # "fp32": under bf16, gradients reduce-scattered in float32; None: in the compute dtype
     _:KW_ONLY
     batch:int=2 # sequences per rank
     steps:int=1 # steps measured when validating (the planner models one step)
@@ -63,7 +63,8 @@ class PlanSpec(RunSpec):
         if self.method not in ("full", "lora", "qlora"): raise bad_value("method", self.method, "full, lora or qlora")
         if self.base_dtype not in (None, "bf16", "fp32"): raise bad_value("base_dtype", self.base_dtype, "None, bf16 or fp32")
         if self.reduce_dtype not in (None, "fp32"): raise bad_value("reduce_dtype", self.reduce_dtype, "None (the compute dtype) or fp32")
-        if self.reduce_dtype and self.mixed_precision != "bf16": raise bad_value("reduce_dtype", self.reduce_dtype, "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
+        if self.reduce_dtype and self.mixed_precision != "bf16":
+            raise bad_value("reduce_dtype", self.reduce_dtype, "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
         if self.pure_bf16 and self.mixed_precision != "no":
             raise bad_value("mixed_precision", self.mixed_precision, "no when a full fine-tune keeps its weights in bf16 (pure bf16: there is no fp32 copy to cast from)")
         lora_targets(self.lora_targets)
@@ -128,7 +129,8 @@ class PlanSpec(RunSpec):
         policy = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}.get(self.policy, self.policy)
         reshard = {True: "reshard", False: "keep"}.get(self.reshard_after_forward, f"to{self.reshard_after_forward}") if isinstance(self.reshard_after_forward, bool) else f"to{self.reshard_after_forward}"
         model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model  # a shipped config by its folder's name
-        parts = [model, f"w{self.world_size}", self.method, policy, reshard, {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision), f"s{self.seq_len}" * (self.seq_len != 64)]
+        precision = {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision)  # bf16: the stored runs' name
+        parts = [model, f"w{self.world_size}", self.method, policy, reshard, precision, f"s{self.seq_len}" * (self.seq_len != 64)]
         kind, k = parse_ac(self.policy_ac)
         targets = "" if self.lora_targets == "all-linear" else "lora:" + "".join(n[0] for n in lora_targets(self.lora_targets))
         extras = [f"ce/{self.ce_chunks}" * bool(self.ce_chunks), "opt-in-bwd" * self.optimizer_in_backward,
@@ -208,7 +210,7 @@ class Unit:
     sharded:int # its shard of the parameters, as stored
     unsharded:int # the gathered parameters (padded), in param_dtype
     grads:int # gradients while unsharded (trainable parameters, compute dtype)
-    reduce:int # reduce-scatter input: padded trainable parameters in reduce_dtype (PlanSpec.reduce_bytes: bf16 under accelerate-bf16 and pure bf16)
+    reduce:int # reduce-scatter input: padded trainable parameters in reduce_dtype (PlanSpec.reduce_bytes)
     sharded_grads:int # its shard of the gradients (float32; bf16 in pure bf16)
     trainable_tensors:int # parameters with optimizer state
     largest_shard:int # bytes of its largest trainable parameter shard

@@ -29,8 +29,8 @@ CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per
 
 GB = 10**9
 
-PRECISIONS = dict(fp32=dict(mixed_precision="no"), **{"accelerate-bf16": dict(mixed_precision="bf16"), "bf16-fp32-reduce": dict(mixed_precision="bf16", reduce_dtype="fp32"),
-                                                        "pure-bf16": dict(mixed_precision="no", base_dtype="bf16")})  # --precision -> plan_gpu's arguments
+PRECISIONS = {"fp32": dict(mixed_precision="no"), "accelerate-bf16": dict(mixed_precision="bf16"),
+              "bf16-fp32-reduce": dict(mixed_precision="bf16", reduce_dtype="fp32"), "pure-bf16": dict(mixed_precision="no", base_dtype="bf16")}  # --precision -> plan_gpu's arguments
 
 RESERVED_RANGE = (0.0, 2 * ALLOCATOR_OVERHEAD)  # reserved beyond allocated, low and high, as a fraction of allocated: never below what is handed out; twice the overhead the peak assumes
 
@@ -108,7 +108,7 @@ def plan_gpu(model:str, # preset or config.json path
              seq_len:int=2048, # tokens per sequence
              grad_ckpt:bool=False, # activation checkpointing per decoder layer
              offload:bool=False, # CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
-             mixed_precision:str="bf16", # bf16 (accelerate's: param_dtype bf16, gradients reduced in bf16, fp32 master weights) or no (fp32; "fp32" is read as no)
+             mixed_precision:str="bf16", # bf16 (accelerate's: param_dtype bf16, reduce in bf16, fp32 master weights) or no (fp32; "fp32" read as no)
              reshard:bool=True, # reshard_after_forward
              cp:int=1, # context-parallel ranks (sequence split), inside `gpus`
              base_dtype:str=None, # the dtype the weights are kept in: None (fp32 for full, bf16 for LoRA/QLoRA's base), bf16 (pure bf16 for full) or fp32
@@ -121,7 +121,7 @@ def plan_gpu(model:str, # preset or config.json path
              compile:bool=False, # torch.compile: accepted, not modelled (the plan is the eager step's, and says so)
              edge_units:bool=True, # embeddings and [norm, lm_head] in units of their own (apply_fsdp, accelerate's FSDP2 path); False: in the root (FSDP1, layer-only FSDP2 code)
              cpu_ram_efficient_loading:str=None, # with qlora and offload, how the 4-bit model was loaded (LOAD_PATHS); None: not modelled
-             reduce_dtype:str=None, # "fp32": under bf16, gradients reduce-scattered in float32 (torchtitan's default); None: in bf16, as accelerate
+             reduce_dtype:str=None, # "fp32": under bf16, gradients reduce-scattered in float32 (torchtitan's default); None: in bf16
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
