@@ -360,7 +360,7 @@ def _cmd_docs(a):
 
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.qlora import QLoRASpec, qlora_worker
+    from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share
     cfg = fsdp_config(a) if a.fsdp_config else None
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast, load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
@@ -371,11 +371,15 @@ def _cmd_qlora(a):
     fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
     r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
+    share = {key: weight_share(r.peak_by_category[key][0]) for key in ("bf16_lora", "qlora")}  # rank 0's
     text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}" + f", forward under autocast {r.autocast}" * (r.autocast != "no")
             + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
             + f"\nsharded vs one process over {len(r.losses)} steps: max |loss diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
             + f"trained {len(r.changed_parameters)} parameters, all LoRA: {all('lora_' in n for n in r.changed_parameters)}"
-            + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}"
+            + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}; the base's weights (sharded, gathered, "
+            + f"all-gather buffer) are {share['bf16_lora']:.0%} of the bf16 peak and {share['qlora']:.0%} of the 4-bit one"
+            + (": activations, LoRA state and the rest dominate, so 4-bit saves little here (a wider model, e.g. --model "
+               "examples/configs/llama-wide/config.json --batch 1 --seq-len 16, shows the base dominating)" if share["bf16_lora"] < 0.5 else "")
             + f"\nadapter: {r.adapter['tensors']} tensors, every rank's share saved: {r.adapter['every_rank_share_saved']}, "
             + f"reloaded loss diff {r.adapter['reload_loss_diff']:.1e}" + (f", saved in {r.adapter['path']}" if r.adapter["path"] else ""))
     emit(r, a.json, text)
@@ -501,8 +505,9 @@ def _plan_precision(a) -> dict:
     new = PRECISIONS[a.precision]
     if mixed is not None and mixed != new["mixed_precision"]:
         raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means mixed_precision={new['mixed_precision']}: pass one of them")
-    if a.method != "full" and a.precision != "mixed-bf16":
-        raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 (mixed-bf16); the frozen base's dtype is --base-dtype")
+    if a.method != "full" and a.precision not in ("accelerate-bf16", "bf16-fp32-reduce"):
+        raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 "
+                       "(accelerate-bf16 or bf16-fp32-reduce); the frozen base's dtype is --base-dtype")
     if a.method == "full" and a.base_dtype is not None:
         raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} already says the weights' dtype")
     return dict(base_dtype=a.base_dtype) | new
@@ -651,7 +656,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
     s.add_argument("--reshard", default="true,false", help="comma-separated reshard_after_forward values (true, false, or an int)")
-    s.add_argument("--min-num-params", type=int, default=100_000, help="SIZE_BASED_WRAP threshold")
+    s.add_argument("--min-num-params", type=int, default=None,
+                   help="SIZE_BASED_WRAP threshold (default: the model's size_floor, the smallest that runs)")
     s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
     s.add_argument("--batch", type=int, default=2, help="sequences per rank")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -703,7 +709,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
     s.add_argument("--ac", help="activation checkpointing policy: none, full, selective-layer:K (every K-th layer) or selective-op (keep every other matmul's output and attention's, torchtitan's op policy)")
     s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
-    s.add_argument("--precision", help="fp32, mixed-bf16 (fp32 weights, bf16 compute: the default) or pure-bf16 (weights, gradients and optimizer state in bf16)")
+    s.add_argument("--precision", help="fp32; accelerate-bf16 (fp32 weights, bf16 compute and reduce-scatter: accelerate's bf16, "
+                   "the default); "
+                   "bf16-fp32-reduce (the same, gradients reduced in fp32); pure-bf16 (weights, gradients and optimizer state in bf16)")
     s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
     s.add_argument("--reshard", default=None, help="reshard_after_forward: true or false (default: true)")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")

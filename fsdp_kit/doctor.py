@@ -10,7 +10,7 @@ __all__ = ['METHODS', 'STORAGE_DTYPES', 'STATUSES', 'SHRINK', 'REQUIRED', 'DROP'
            'run_twin', 'Check', 'check_fsdp_version', 'check_wrap', 'check_tied', 'check_quant_storage',
            'check_base_upcast', 'check_precision', 'check_loading', 'check_checkpointing', 'check_context_parallel',
            'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks', 'exit_status', 'scale',
-           'size_policy', 'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
+           'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
 
 # %% ../nbs/12_doctor.ipynb #d0c70001
 import json, os, sys, tempfile, time
@@ -629,19 +629,10 @@ def scale(spec:DoctorSpec, method:str=None) -> dict:
                       line=plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, spec.gpu_mem_gb),
                       host_load_gb={k: round(v / GB, 1) for k, v in p.host_load_bytes.items()})
 
-def size_policy(min_num_params:int):
-    "accelerate's own FSDP2 size policy (`fsdp2_prepare_auto_wrap_policy`) for `min_num_params`: module -> whether prepare calls fully_shard on it."
-    from functools import partial
-    from types import SimpleNamespace
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    plugin = SimpleNamespace(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=min_num_params), min_num_params=min_num_params,
-                             transformer_cls_names_to_wrap=None)  # the two fields its size branch reads
-    return fsdp2_prepare_auto_wrap_policy(plugin, None)
-
 def wrap_sizes(model:str, min_num_params:int=None) -> dict:
     "One decoder layer's parameters, the container holding the layers (its name, class, parameters) and whether the size policy selects it."
     from fsdp_kit.models import model_config, build_model, decoder_layers
+    from fsdp_kit.wrap import size_policy  # accelerate's own FSDP2 size rule
     meta = build_model(model_config(model), device="meta")
     layers = decoder_layers(meta)
     if not layers: return dict(layer=0, container=None, container_class=None, container_params=0, container_selected=False)

@@ -8,8 +8,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 __all__ = ['WORKFLOWS', 'DEFAULT_CONFIGS', 'SFT_RUN_LIMIT', 'HFRunSpec', 'HFRunResult', 'unit_table', 'param_groups',
            'fsdp_facts', 'confirm_fsdp2', 'base_checkpoint', 'trainer_arguments', 'trainer_losses', 'quiet_trainer',
            'full_state_dict', 'kit_parity', 'trainer_worker', 'native_model', 'native_units', 'plot_unit_layouts',
-           'word_corpus', 'word_tokenizer', 'accelerate_file', 'sft_command', 'run_command', 'run_sft', 'native_worker',
-           'run_workflow']
+           'size_policy_worker', 'word_corpus', 'word_tokenizer', 'accelerate_file', 'sft_command', 'run_command',
+           'run_sft', 'native_worker', 'run_workflow']
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c001
 import json, os, subprocess, sys, time, warnings
@@ -348,6 +348,49 @@ def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per 
               ["freed after forward (reshard_after_forward=True)", "kept after forward (False)"], fontsize=9, loc="upper center",
               bbox_to_anchor=(0.5, -0.14), ncol=2)
     return check_figure(fig)
+
+# %% ../nbs/09a_hf_run.ipynb #5b2e0a02
+def _first_step(trainer) -> dict:
+    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with and the upstream frames it came from."
+    import traceback
+    try: trainer.train()
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" in f.filename]
+        where = [f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.name}" for f in frames[-3:]]
+        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:110]}", where=where)
+    return dict(units=fsdp_facts(trainer.model_wrapped)["units"], losses=trainer_losses(trainer))
+
+def size_policy_worker(spec:HFRunSpec, thresholds:list) -> list:
+    """Per min_num_params in `thresholds`: an unmodified Trainer on SIZE_BASED_WRAP (`spec.steps` steps), the units accelerate's size rule
+    selects (`fsdp_kit.wrap.size_policy`), and the kit's `apply_fsdp` on the same setting, or the kit's refusal."""
+    import torch
+    from accelerate.state import AcceleratorState
+    from fsdp_kit.ranks import quiet_libraries, shared_tempdir
+    from fsdp_kit.hf import enable_cpu_fsdp, training_arguments
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.mesh import build_mesh, fsdp_mesh
+    from fsdp_kit.wrap import apply_fsdp, size_policy
+    quiet_libraries(); enable_cpu_fsdp()
+    from transformers import AutoModelForCausalLM, Trainer
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
+    folder = Path(spec.out or shared_tempdir("fsdp_kit_hf_size_"))
+    base, out = base_checkpoint(spec, folder), []
+    load = lambda: AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    for n in thresholds:
+        cfg = FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=n)
+        model, policy = load(), size_policy(n)
+        chosen = [name for name, m in model.named_modules() if m is not model and policy(m)]
+        AcceleratorState._reset_state(True)  # a fresh Accelerator per Trainer, as in a new script
+        args = trainer_arguments(spec, str(folder / f"size_{n}"), training_arguments(cfg)["fsdp_config"])
+        world = args.world_size
+        data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
+        trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
+        row = dict(min_num_params=n, accelerate_selects=chosen, trainer=_first_step(trainer))
+        try: row["kit"] = dict(units=fsdp_facts(apply_fsdp(load(), cfg, fsdp_mesh(build_mesh()))[0])["units"])
+        except KitError as e: row["kit"] = dict(refused=str(e))
+        out.append(row)
+    return out
+
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c011
 def word_corpus(rows:int=96, seed:int=0) -> list:

@@ -32,7 +32,7 @@ class PlanSpec(RunSpec):
     world_size:int=2 # ranks sharing the parameters (GPUs)
     policy:str="TRANSFORMER_BASED_WRAP" # auto_wrap_policy: TRANSFORMER_BASED_WRAP or NO_WRAP
     reshard_after_forward:bool|int=True # True, False, or a group size
-    mixed_precision:str="no" # "no" (fp32 compute) or "bf16" (param_dtype bf16, reduce_dtype fp32)
+    mixed_precision:str="no" # "no" (fp32 compute) or "bf16" (param_dtype bf16, gradients reduced in bf16: accelerate's bf16)
     activation_checkpointing:bool=False # recompute each decoder layer in backward
     method:str="full" # "full", "lora" (bf16 base) or "qlora" (4-bit NF4 base, bf16 storage)
     lora_r:int=8 # LoRA rank
@@ -45,6 +45,7 @@ class PlanSpec(RunSpec):
     offload_activations:bool=False # what autograd saves for backward kept in host memory, copied back when needed (fsdp_kit.ac.activations_on_host)
     fp8_all_gather:bool=False # decoder Linear weights all-gathered (and used) in float8, as torchao's Float8 training with enable_fsdp_float8_all_gather; a GPU plan only
     edge_units:bool=True # the embeddings and a [final norm, lm_head] tail in units of their own, as apply_fsdp, accelerate's FSDP2 path and transformers' fsdp_plan make them; False: they stay in the root (FSDP1, and FSDP2 code that wraps only the layers)
+    reduce_dtype:str=None # "fp32": under bf16, gradients reduce-scattered in float32; None: in the compute dtype
     _:KW_ONLY
     batch:int=2 # sequences per rank
     steps:int=1 # steps measured when validating (the planner models one step)
@@ -61,13 +62,16 @@ class PlanSpec(RunSpec):
         if self.mixed_precision not in ("no", "bf16"): raise bad_value("mixed_precision", self.mixed_precision, "no or bf16 (what the planner models)")
         if self.method not in ("full", "lora", "qlora"): raise bad_value("method", self.method, "full, lora or qlora")
         if self.base_dtype not in (None, "bf16", "fp32"): raise bad_value("base_dtype", self.base_dtype, "None, bf16 or fp32")
+        if self.reduce_dtype not in (None, "fp32"): raise bad_value("reduce_dtype", self.reduce_dtype, "None (the compute dtype) or fp32")
+        if self.reduce_dtype and self.mixed_precision != "bf16":
+            raise bad_value("reduce_dtype", self.reduce_dtype, "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
         if self.pure_bf16 and self.mixed_precision != "no":
             raise bad_value("mixed_precision", self.mixed_precision, "no when a full fine-tune keeps its weights in bf16 (pure bf16: there is no fp32 copy to cast from)")
         lora_targets(self.lora_targets)
         require_whole("ce_chunks", self.ce_chunks, 0)
         tokens = self.batch * self.seq_len // max(1, self.cp)
         if self.fp8_all_gather and (self.method != "full" or self.precision == "fp32"):
-            raise bad_value("fp8_all_gather", self.fp8_all_gather, "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 full fine-tune's Linear weights (mixed-bf16 or pure-bf16)")
+            raise bad_value("fp8_all_gather", self.fp8_all_gather, "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 full fine-tune's Linear weights (accelerate-bf16, bf16-fp32-reduce or pure-bf16)")
         for name in ("optimizer_in_backward", "offload_activations"):
             if getattr(self, name) and self.method != "full":
                 raise bad_value(name, True, "False for a LoRA or QLoRA run (the planner models it for full fine-tunes)")
@@ -93,13 +97,21 @@ class PlanSpec(RunSpec):
 
     @property
     def precision(self) -> str:
-        "The precision in the planner's words: fp32, mixed-bf16 (fp32 weights, bf16 compute) or pure-bf16; LoRA/QLoRA compute in bf16."
-        return "pure-bf16" if self.pure_bf16 else "mixed-bf16" if self.mixed_precision == "bf16" or self.method != "full" else "fp32"
+        """The precision in the planner's words: fp32, accelerate-bf16 (fp32 weights, bf16 compute and reduce-scatter: accelerate's `bf16`),
+        bf16-fp32-reduce (the same, gradients reduced in float32; a LoRA/QLoRA base computes in bf16 without a policy) or pure-bf16."""
+        if self.pure_bf16: return "pure-bf16"
+        if self.mixed_precision == "bf16" and self.reduce_dtype is None: return "accelerate-bf16"
+        return "bf16-fp32-reduce" if self.mixed_precision == "bf16" or self.method != "full" else "fp32"
 
     @property
     def compute_bytes(self) -> int:
         "Bytes per element of compute: activations, gathered parameters and unsharded gradients."
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def reduce_bytes(self) -> int:
+        "Bytes per element of the reduce-scatter input: bf16 under accelerate-bf16 and pure-bf16, float32 otherwise."
+        return 2 if self.precision in ("accelerate-bf16", "pure-bf16") else 4
 
     @property
     def master_bytes(self) -> int:
@@ -109,7 +121,7 @@ class PlanSpec(RunSpec):
     def fsdp_config(self) -> FSDPConfig:
         "The FSDPConfig of a full fine-tune in this setting."
         return FSDPConfig(auto_wrap_policy=self.policy, reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision,
-                          reduce_dtype="fp32" if self.mixed_precision != "no" else None,  # the planner's model: gradients reduced in fp32
+                          reduce_dtype=self.reduce_dtype,  # None: reduced in the compute dtype, as accelerate's bf16
                           activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload).check()
 
     def label(self) -> str:
@@ -117,7 +129,8 @@ class PlanSpec(RunSpec):
         policy = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}.get(self.policy, self.policy)
         reshard = {True: "reshard", False: "keep"}.get(self.reshard_after_forward, f"to{self.reshard_after_forward}") if isinstance(self.reshard_after_forward, bool) else f"to{self.reshard_after_forward}"
         model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model  # a shipped config by its folder's name
-        parts = [model, f"w{self.world_size}", self.method, policy, reshard, {"mixed-bf16": "bf16"}.get(self.precision, self.precision), f"s{self.seq_len}" * (self.seq_len != 64)]
+        precision = {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision)  # bf16: the stored runs' name
+        parts = [model, f"w{self.world_size}", self.method, policy, reshard, precision, f"s{self.seq_len}" * (self.seq_len != 64)]
         kind, k = parse_ac(self.policy_ac)
         targets = "" if self.lora_targets == "all-linear" else "lora:" + "".join(n[0] for n in lora_targets(self.lora_targets))
         extras = [f"ce/{self.ce_chunks}" * bool(self.ce_chunks), "opt-in-bwd" * self.optimizer_in_backward,
@@ -197,15 +210,15 @@ class Unit:
     sharded:int # its shard of the parameters, as stored
     unsharded:int # the gathered parameters (padded), in param_dtype
     grads:int # gradients while unsharded (trainable parameters, compute dtype)
-    reduce:int # reduce-scatter input: padded trainable parameters in reduce_dtype (float32; bf16 in pure bf16)
+    reduce:int # reduce-scatter input: padded trainable parameters in reduce_dtype (PlanSpec.reduce_bytes)
     sharded_grads:int # its shard of the gradients (float32; bf16 in pure bf16)
     trainable_tensors:int # parameters with optimizer state
     largest_shard:int # bytes of its largest trainable parameter shard
 
 def units(tensors:list, spec:PlanSpec) -> dict:
     "Unit name -> Unit for `spec`: the root, the embeddings, the tail, then the policy's units in forward order (an absent one holds nothing)."
-    W, grad_b, master = spec.world_size, spec.compute_bytes, spec.master_bytes
-    key = (id(tensors), spec.policy, W, grad_b, master, spec.edge_units)
+    W, grad_b, master, red = spec.world_size, spec.compute_bytes, spec.master_bytes, spec.reduce_bytes
+    key = (id(tensors), spec.policy, W, grad_b, master, red, spec.edge_units)
     if key in _UNITS and _UNITS[key][0] is tensors: return _UNITS[key][1]
     groups = {}
     tied = tied_embeddings(tensors)
@@ -216,7 +229,7 @@ def units(tensors:list, spec:PlanSpec) -> dict:
         ts = groups.get(name, [])
         tr = [t for t in ts if t.trainable]
         out[name] = Unit(name, sum(t.shard_numel(W) * t.store for t in ts), sum(t.padded_numel(W) * t.gather for t in ts),
-                         sum(t.numel() * grad_b for t in tr), sum(t.padded_numel(W) * master for t in tr),
+                         sum(t.numel() * grad_b for t in tr), sum(t.padded_numel(W) * red for t in tr),
                          sum(t.shard_numel(W) * master for t in tr), len(tr), max([t.shard_numel(W) * master for t in tr], default=0))
     _UNITS[key] = (tensors, out)  # the tensors kept with their units, so that their id is not reused
     return out

@@ -29,7 +29,8 @@ CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per
 
 GB = 10**9
 
-PRECISIONS = dict(fp32=dict(mixed_precision="no"), **{"mixed-bf16": dict(mixed_precision="bf16"), "pure-bf16": dict(mixed_precision="no", base_dtype="bf16")})  # --precision -> plan_gpu's arguments
+PRECISIONS = {"fp32": dict(mixed_precision="no"), "accelerate-bf16": dict(mixed_precision="bf16"),
+              "bf16-fp32-reduce": dict(mixed_precision="bf16", reduce_dtype="fp32"), "pure-bf16": dict(mixed_precision="no", base_dtype="bf16")}  # --precision -> plan_gpu's arguments
 
 RESERVED_RANGE = (0.0, 2 * ALLOCATOR_OVERHEAD)  # reserved beyond allocated, low and high, as a fraction of allocated: never below what is handed out; twice the overhead the peak assumes
 
@@ -107,7 +108,7 @@ def plan_gpu(model:str, # preset or config.json path
              seq_len:int=2048, # tokens per sequence
              grad_ckpt:bool=False, # activation checkpointing per decoder layer
              offload:bool=False, # CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
-             mixed_precision:str="bf16", # bf16 (param_dtype bf16, reduce fp32, fp32 master weights) or no (fp32; "fp32" is read as no)
+             mixed_precision:str="bf16", # bf16 (accelerate's: param_dtype bf16, reduce in bf16, fp32 master weights) or no (fp32; "fp32" read as no)
              reshard:bool=True, # reshard_after_forward
              cp:int=1, # context-parallel ranks (sequence split), inside `gpus`
              base_dtype:str=None, # the dtype the weights are kept in: None (fp32 for full, bf16 for LoRA/QLoRA's base), bf16 (pure bf16 for full) or fp32
@@ -120,6 +121,7 @@ def plan_gpu(model:str, # preset or config.json path
              compile:bool=False, # torch.compile: accepted, not modelled (the plan is the eager step's, and says so)
              edge_units:bool=True, # embeddings and [norm, lm_head] in units of their own (apply_fsdp, accelerate's FSDP2 path); False: in the root (FSDP1, layer-only FSDP2 code)
              cpu_ram_efficient_loading:str=None, # with qlora and offload, how the 4-bit model was loaded (LOAD_PATHS); None: not modelled
+             reduce_dtype:str=None, # "fp32": under bf16, gradients reduce-scattered in float32 (torchtitan's default); None: in bf16
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
@@ -131,7 +133,8 @@ def plan_gpu(model:str, # preset or config.json path
         raise bad_value("cpu_ram_efficient_loading", cpu_ram_efficient_loading, f"None, {' or '.join(LOAD_PATHS)}")
     spec = PlanSpec(model, gpus, reshard_after_forward=reshard, mixed_precision=mixed_precision, activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r,
                     cpu_offload=offload, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward,
-                    offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units, batch=batch, seq_len=seq_len, cp=cp).check()
+                    offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units, reduce_dtype=reduce_dtype, batch=batch, seq_len=seq_len,
+                    cp=cp).check()
     tensors = model_tensors(config, spec)
     ms = moments(config, spec)
     states = {k: ms[-1][1].get(k, 0) for k in ("sharded_params", "sharded_grads", "optimizer_state")}
@@ -175,7 +178,7 @@ def plan_gpu(model:str, # preset or config.json path
                                 "the caching allocator keeps it reserved and the step reuses it")
     reserved = [max(int(allocated * (1 + f)), high_water) for f in RESERVED_RANGE]
     args = dict(model=model, gpus=gpus, gpu_mem_gb=gpu_mem_gb, method=method, lora_r=lora_r, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                mixed_precision=mixed_precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks,
+                mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks,
                 optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units,
                 cpu_ram_efficient_loading=cpu_ram_efficient_loading)
     off = dict(ac=dict(ac="none", grad_ckpt=False) if spec.policy_ac != "none" else None, offload=dict(offload=False) if offload else None,
@@ -186,7 +189,7 @@ def plan_gpu(model:str, # preset or config.json path
     return GPUPlan(model, sum(math.prod(s) for _, s in meta_shapes(config)[0]), gpus, gpu_mem_gb,
                    dict(method=method, lora_r=lora_r, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
                         fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                        mixed_precision=mixed_precision, precision=spec.precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=compile,
+                        mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, precision=spec.precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=compile,
                         edge_units=edge_units, cpu_ram_efficient_loading=cpu_ram_efficient_loading),
                    per_gpu, allocated, reserved, breakdown, name, host, dict(cpu_ram_efficient_loading=load, every_process_loads=procs * load),
                    per_gpu <= gpu_mem_gb * GB, comm, notes, terms)
@@ -200,7 +203,7 @@ def _describe(p:GPUPlan) -> str:
     s = p.settings
     return (f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}, {s['method']}" + (f" r={s['lora_r']}" if s["method"] != "full" else "")
             + (f" on {s['lora_targets']}" if s["method"] != "full" and s["lora_targets"] != "all-linear" else "")
-            + (f", {s['precision']}" if s["method"] == "full" and s["precision"] != "mixed-bf16" else "") + f", batch {s['batch']}, "
+            + (f", {s['precision']}" if s["method"] == "full" else "") + f", batch {s['batch']}, "
             f"reshard {s['reshard']}, checkpointing {dict(none='off', full='on').get(s['ac'], s['ac'])}, offload {'on' if s['offload'] else 'off'}"
             + f", chunked CE ({s['ce_chunks']})" * bool(s["ce_chunks"]) + ", optimizer in backward" * s["optimizer_in_backward"]
             + ", activations offloaded" * s["offload_activations"] + ", fp8 all-gather" * s["fp8_all_gather"]
@@ -218,7 +221,8 @@ def plan_text(p:GPUPlan) -> str:
                  f"(cpu_ram_efficient_loading) or {p.host_load_bytes['every_process_loads'] / GB:.1f} GB (every process loads)")
     c = p.communication
     lines.append(f"communication per GPU per step: all-gather {c.get('all_gather', {}).get('bytes', 0) / GB:.2f} GB in {c.get('all_gather', {}).get('count', 0)} calls, "
-                 f"reduce-scatter {c.get('reduce_scatter', {}).get('bytes', 0) / GB:.2f} GB in {c.get('reduce_scatter', {}).get('count', 0)} calls"
+                 f"reduce-scatter {c.get('reduce_scatter', {}).get('bytes', 0) / GB:.2f} GB in {c.get('reduce_scatter', {}).get('count', 0)} calls "
+                 f"({'bf16' if p.settings['precision'] in ('accelerate-bf16', 'pure-bf16') else 'fp32'})"
                  + (f", host-device {c['host_device']['bytes'] / GB:.2f} GB" if "host_device" in c else "")
                  + (f", context parallel {c['context_parallel']['bytes'] / GB:.2f} GB" if c["context_parallel"]["bytes"] else ""))
     return "\n".join(lines)
@@ -338,14 +342,14 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
     dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(82.4 * 2**30 / 1e9, 1), reports="reserved",
          setting="Llama-3.1-8B full fine-tune (torchtitan, FSDP2), 8 x H100 96GB, local batch 2, seq 8192, selective op checkpointing, bf16 with fp32 reduce "
                  "(Table 1, the FSDP row without compile or Float8; seq, the AC option and precision from its llama3_8b.toml); published as 82.4 GiB",
-         kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op"), miss=""),
+         kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op", reduce_dtype="fp32"), miss=""),
     dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(67.0 * 2**30 / 1e9, 1), reports="reserved",
          setting="the same on 128 x H100 96GB (Table 3, the FSDP row); published as 67.0 GiB",
-         kwargs=dict(gpus=128, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op"), miss=""),
+         kwargs=dict(gpus=128, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op", reduce_dtype="fp32"), miss=""),
     *[dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(gib * 2**30 / 1e9, 1), reports="reserved",
            setting=f"Llama-3.1-8B (torchtitan), 8 x H100 96GB, FSDP {8 // cp} x CP {cp}, local batch 1, seq {seq}, full checkpointing (Table 2; "
                    f"its torch.compile and Float8 are not modelled: the plan is the eager bf16 step's); published as {gib} GiB",
-           kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=1, seq_len=seq, cp=cp, ac="full"), miss="")
+           kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=1, seq_len=seq, cp=cp, ac="full", reduce_dtype="fp32"), miss="")
       for cp, seq, gib in ((1, 32768, 83.9), (2, 65536, 84.2), (4, 131072, 84.0), (8, 262144, 84.5))],
     dict(source="https://gist.github.com/bigsnarfdude/47684d7afc4941c118ad8c0a2d764ca5", model="llama-3-70b", published_gb=22.0,
          setting="Llama-3-70B QLoRA + CPU offload, 4 x 24 GB, batch 1, seq 3072 (copy of philschmid's fsdp-qlora-distributed-llama3 notebook; "

@@ -106,23 +106,23 @@ def validation_matrix(max_world:int=2) -> list:
     "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each feature."
     T, F = True, False
     specs = [PlanSpec("tiny", 1), PlanSpec("tiny", 1, method="lora"), PlanSpec("small", 1), PlanSpec("small", 1, "NO_WRAP"),
-             PlanSpec("small", 1, mixed_precision="bf16"), PlanSpec("small", 1, optimizer_in_backward=True)]
+             PlanSpec("small", 1, mixed_precision="bf16", reduce_dtype="fp32"), PlanSpec("small", 1, optimizer_in_backward=True)]
     if max_world >= 2:
         specs += [PlanSpec(m, 2, p, r) for m in ("tiny", "small") for p, r in (("TRANSFORMER_BASED_WRAP", T), ("TRANSFORMER_BASED_WRAP", F), ("NO_WRAP", T))]
         specs += [PlanSpec("small", 2, "PER_LINEAR"), PlanSpec("small", 2, reshard_after_forward=2)]
-        specs += [PlanSpec(m, 2, mixed_precision="bf16") for m in ("tiny", "small")]
+        specs += [PlanSpec(m, 2, mixed_precision="bf16", reduce_dtype="fp32") for m in ("tiny", "small")]
         specs += [PlanSpec(m, 2, activation_checkpointing=True) for m in ("tiny", "small")]
-        specs += [PlanSpec("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec("small", 2, mixed_precision="bf16", ac="selective-op")]
+        specs += [PlanSpec("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="selective-op")]
         specs += [PlanSpec(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
         specs += [PlanSpec("small", 2, method="lora", lora_targets="q_proj,v_proj"), PlanSpec("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
         specs += [PlanSpec("small", 2, base_dtype="bf16"), PlanSpec("small", 2, optimizer_in_backward=True), PlanSpec("small", 2, ac="full", optimizer_in_backward=True)]
-        specs += [PlanSpec("small", 2, edge_units=False), PlanSpec("small", 2, mixed_precision="bf16", ac="full", edge_units=False)]  # FSDP1's layout: edges in the root
+        specs += [PlanSpec("small", 2, edge_units=False), PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", edge_units=False)]  # FSDP1's layout: edges in the root
         long = dict(seq_len=256)  # 2 x 256 tokens per rank: the loss and the activations, not the weights, set the peak
-        specs += [PlanSpec("small", 2, mixed_precision="bf16", ce_chunks=8, **long), PlanSpec("small", 2, method="lora", ce_chunks=8, **long),
-                  PlanSpec("small", 2, offload_activations=True, **long), PlanSpec("small", 2, mixed_precision="bf16", ac="full", offload_activations=True, **long),
+        specs += [PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ce_chunks=8, **long), PlanSpec("small", 2, method="lora", ce_chunks=8, **long),
+                  PlanSpec("small", 2, offload_activations=True, **long), PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", offload_activations=True, **long),
                   PlanSpec("small", 2, base_dtype="bf16", ce_chunks=8, optimizer_in_backward=True, offload_activations=True, **long)]
     if max_world >= 4:
-        specs += [PlanSpec("small", 4), PlanSpec("small", 4, reshard_after_forward=2), PlanSpec("small", 4, mixed_precision="bf16"),
+        specs += [PlanSpec("small", 4), PlanSpec("small", 4, reshard_after_forward=2), PlanSpec("small", 4, mixed_precision="bf16", reduce_dtype="fp32"),
                   PlanSpec("small", 4, activation_checkpointing=True), PlanSpec("tiny", 4, method="qlora")]
     return specs
 
@@ -132,12 +132,12 @@ def cuda_validation_matrix(gpus:int=1) -> list:
     """The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config (fp32 and bf16 full fine-tunes, checkpointing
     none and full, LoRA, QLoRA with bf16 storage, CPU offload) and the small preset (fp32, bf16, bf16 with checkpointing)."""
     big, small = dict(batch=2, seq_len=1024, steps=3), dict(batch=4, seq_len=512, steps=3)
-    return [PlanSpec("small", gpus, mixed_precision="no", **small), PlanSpec("small", gpus, mixed_precision="bf16", **small),
-            PlanSpec("small", gpus, mixed_precision="bf16", ac="full", **small),
-            PlanSpec(LLAMA_1B, gpus, mixed_precision="no", **big), PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", **big),
-            PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", ac="full", **big),
-            PlanSpec(LLAMA_1B, gpus, method="lora", mixed_precision="bf16", **big), PlanSpec(LLAMA_1B, gpus, method="qlora", mixed_precision="bf16", **big),
-            PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", ac="full", cpu_offload=True, **big)]
+    return [PlanSpec("small", gpus, mixed_precision="no", **small), PlanSpec("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", **small),
+            PlanSpec("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **small),
+            PlanSpec(LLAMA_1B, gpus, mixed_precision="no", **big), PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **big),
+            PlanSpec(LLAMA_1B, gpus, method="lora", mixed_precision="bf16", reduce_dtype="fp32", **big), PlanSpec(LLAMA_1B, gpus, method="qlora", mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", cpu_offload=True, **big)]
 
 def validation_settings(max_world:int=2 # the most ranks to use (--nproc)
                        ) -> tuple:
@@ -289,7 +289,7 @@ def gpu_validation_table(result:dict) -> str:
 def plot_validation(result:dict, share:float=0.01):
     "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak, the off-diagonal points (`off_diagonal`) marked by cause."
     import matplotlib.pyplot as plt
-    from fsdp_kit.measure import check_figure
+    from fsdp_kit.measure import check_figure, category_colour
     runs, off = result["runs"], off_diagonal(result, share)
     fig, axes = plt.subplots(1, 2, figsize=(10, 5.2), layout="constrained")
     m, p = [r["measured_bytes"] / 2**20 for r in runs], [r["predicted_bytes"] / 2**20 for r in runs]
@@ -303,11 +303,11 @@ def plot_validation(result:dict, share:float=0.01):
     axes[0].legend(loc="upper left", fontsize=9)
     cats = sorted({c for r in runs for c in (*r["measured_by_category"], *r["predicted_by_category"])})
     marks = {(o["label"], o["category"]): o["cause"] for o in off}
-    for i, cat in enumerate(cats):
+    for cat in cats:
         pts = [(r["measured_by_category"].get(cat, 0) / 2**20, as_tracked(r["peak_moment"], r["predicted_by_category"]).get(cat, 0) / 2**20, marks.get((r["config"]["label"], cat))) for r in runs]
         for cause, style in ((None, dict(marker="o", s=14)), ("another moment", dict(marker="X", s=60)), ("same moment", dict(marker="D", s=40, facecolors="none", linewidths=1.4))):
             xy = [(x, y) for x, y, c in pts if c == cause]
-            if xy: axes[1].scatter(*zip(*xy), color=f"C{i}", label=cat if cause is None else None, **style)
+            if xy: axes[1].scatter(*zip(*xy), color=category_colour(cat), label=cat if cause is None else None, **style)
     for cause, marker in (("another moment", "X"), ("same moment", "D")):
         axes[1].scatter([], [], marker=marker, color="k", facecolors="none" if marker == "D" else "k", label=f"off the diagonal: {cause} ({sum(o['cause'] == cause for o in off)})")
     top = max(max(r["measured_by_category"].values()) for r in runs) / 2**20 * 1.05

@@ -8,7 +8,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 __all__ = ['STORAGE_BYTES', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_element', 'pack_codes', 'unpack_codes',
            'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'lora_fsdp_config',
            'QLoRASpec', 'model_dtype', 'load_base', 'with_autocast', 'load_lora_model', 'shard_lora_model',
-           'QLoRAResult', 'batch_rows', 'model_loss', 'gathered_codes', 'qlora_worker', 'plot_memory',
+           'QLoRAResult', 'batch_rows', 'model_loss', 'gathered_codes', 'qlora_worker', 'weight_share', 'plot_memory',
            'plot_qlora_losses', 'accelerate_amp', 'fsdp_cast_worker', 'autocast_lab']
 
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
@@ -408,13 +408,13 @@ def qlora_worker(spec:QLoRASpec,
                  progress:bool=False # rank 0 prints `part n/5` after each part (`ranks.progress`)
                 ) -> QLoRAResult:
     "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
+    quiet_libraries()  # first: importing bitsandbytes logs its missing optional CPU kernel package
     import time, bitsandbytes as bnb, torch.distributed as dist
     from fsdp_kit.ranks import progress as say
     parts, began = iter(range(1, 6)), time.time()
     def done(label): progress and say("part", next(parts), 5, began, label)
     from fsdp_kit.launch import environment
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
-    quiet_libraries()
     spec.check(dist.get_world_size())
     rank, world_size, mesh = dist.get_rank(), dist.get_world_size(), fsdp_mesh(build_mesh(spec.mesh))
     checkpoint = shared_tempdir()
@@ -458,19 +458,22 @@ def qlora_worker(spec:QLoRASpec,
 # %% ../nbs/05_qlora.ipynb #607a83ca
 PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffers")
 
+def weight_share(peak:dict) -> float:
+    "The base's weights at the peak (sharded, gathered, all-gather buffer: `PARAMETER_CATEGORIES`) as a share of the peak's total."
+    return sum(peak.get(c, 0) for c in PARAMETER_CATEGORIES) / peak["total"]
+
 def plot_memory(result:QLoRAResult):
     "Per rank, bf16 base vs 4-bit base: the step's peak by category, and the parameter categories alone."
     import matplotlib.pyplot as plt
-    from fsdp_kit.measure import plot_categories, CATEGORIES, check_figure
+    from fsdp_kit.measure import plot_categories, category_colour, check_figure
     peaks = {f"{label}\nrank {r}": p for key, label in (("bf16_lora", "bf16 base"), ("qlora", f"4-bit ({result.quant_storage})"))
              for r, p in enumerate(result.peak_by_category[key])}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.8), gridspec_kw=dict(width_ratios=[1.3, 1]))
     plot_categories(peaks, ax=axes[0], title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)", legend_below=True)
-    shown = [c for c in CATEGORIES.values() if any(p.get(c, 0) for p in peaks.values())]  # plot_categories' colour order
     bottom = [0.0] * len(peaks)
     for cat in PARAMETER_CATEGORIES:
         vals = [p.get(cat, 0) / 2**20 for p in peaks.values()]
-        axes[1].bar(range(len(peaks)), vals, bottom=bottom, label=cat, color=f"C{shown.index(cat)}" if cat in shown else None)
+        axes[1].bar(range(len(peaks)), vals, bottom=bottom, label=cat, color=category_colour(cat))
         bottom = [b + v for b, v in zip(bottom, vals)]
     axes[1].set_xticks(range(len(peaks)), [p.replace(" (", "\n(") for p in peaks], fontsize=9)  # the same names, one more line break
     axes[1].set(ylabel="MiB", title="parameter memory at the peak")

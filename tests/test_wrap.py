@@ -5,7 +5,7 @@ from fsdp_kit.config import FSDPConfig, POLICIES
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import launch
 from fsdp_kit.models import build_model, model_config, count_params
-from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec, runs_table
+from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec, runs_table, size_floor, size_policy, fsdp1_size_targets
 from tests.conftest import EXAMPLES, ROOT
 from tests.badinput import refused
 
@@ -19,11 +19,14 @@ def test_transformer_wrap_picks_decoder_blocks(arch, block):
     assert [u.cls for u in units[:2]] == [block, block] and units[-1].cls == type(model).__name__
     assert [u.module for u in units] == ["model.layers.1", "model.layers.0", "model.embed_tokens", "model.norm+lm_head", ""]
     assert [u.reshard_after_forward for u in units] == [True, True, True, False, False]  # the tail and the root keep their weights
-    size = plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000))
-    assert sum(u.parameters for u in size) == count_params(model) and len(size) > 2
+    with pytest.raises(KitError, match=r"selects model.layers \(ModuleList"):
+        plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000))
+    size = plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=size_floor(model)))
+    assert size == plan_units(model, FSDPConfig(auto_wrap_policy="NO_WRAP"))  # at its floor accelerate's size rule selects nothing below the root
 
 
-@pytest.mark.parametrize("policy, min_num_params", [(p, m) for p in POLICIES for m in (0, 20_000, 100_000)])
+@pytest.mark.parametrize("policy, min_num_params", [(p, m) for p in POLICIES if p != "SIZE_BASED_WRAP" for m in (0, 20_000, 100_000)]
+                                                   + [("SIZE_BASED_WRAP", m) for m in (869_504, 10**6, 10**9)])
 def test_every_parameter_is_in_exactly_one_unit(policy, min_num_params):
     model = build_model(model_config("small"), device="meta")
     units = plan_units(model, FSDPConfig(auto_wrap_policy=policy, min_num_params=min_num_params))
@@ -36,13 +39,14 @@ def test_tied_embeddings_stay_in_one_unit(policy):
     "A module sharing a parameter with a module outside it (tied embed_tokens / lm_head) is never a unit of its own: the tail holds the shared weight, as accelerate's."
     tied = build_model(model_config(EXAMPLES / "qwen2-tied" / "config.json"), device="meta")
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
-    units = plan_units(tied, FSDPConfig(auto_wrap_policy=policy, min_num_params=1000))
+    units = plan_units(tied, FSDPConfig(auto_wrap_policy=policy, min_num_params=size_floor(tied)))
     assert not {"lm_head", "model.embed_tokens", "model"} & {u.module for u in units}
     tail = units[-2]
     assert tail.module == "model.norm+model.embed_tokens+lm_head" and tail.reshard_after_forward is False
     assert sum(u.parameters for u in units) == count_params(tied) and tail.parameters >= tied.lm_head.weight.numel()
-    untied = plan_units(build_model(model_config(EXAMPLES / "qwen2-tiny" / "config.json"), device="meta"), FSDPConfig(auto_wrap_policy=policy, min_num_params=1000))
-    assert ("lm_head" in {u.module for u in untied}) == (policy in ("PER_LINEAR", "SIZE_BASED_WRAP"))  # the policies that would split the tie
+    meta = build_model(model_config(EXAMPLES / "qwen2-tiny" / "config.json"), device="meta")
+    untied = plan_units(meta, FSDPConfig(auto_wrap_policy=policy, min_num_params=size_floor(meta)))
+    assert ("lm_head" in {u.module for u in untied}) == (policy == "PER_LINEAR")  # the policy that would split the tie
 
 
 def test_units_include_every_block_accelerate_would_wrap():
@@ -58,10 +62,38 @@ def test_units_include_every_block_accelerate_would_wrap():
         assert theirs and theirs <= ours
 
 
+def test_size_based_wrap_is_accelerates_fsdp2_rule():
+    "SIZE_BASED_WRAP's units are those accelerate's own FSDP2 policy selects, bottom-up; FSDP1's rule is only a named comparison."
+    from accelerate.utils.fsdp_utils import get_module_children_bottom_up
+    model = build_model(model_config("small"), device="meta")
+    assert size_floor(model) == count_params(model.model) == 869_504  # the base model holds the embeddings and the final norm
+    for n in (869_504, 900_000):
+        theirs = [m for m in get_module_children_bottom_up(model)[:-1] if size_policy(n)(m)]
+        assert theirs == [] and plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=n))[0].module == "model.embed_tokens"
+    assert [n for n, _ in fsdp1_size_targets(model, 100_000)] == ["lm_head"] + [f"model.layers.{i}.mlp" for i in (3, 2, 1, 0)] + ["model.embed_tokens", "model"]
+    assert "model.layers" in [n for n, m in model.named_modules() if size_policy(100_000)(m)]  # accelerate's rule selects the container
+    assert CompareSpec(model="small", policies=["SIZE_BASED_WRAP"]).configs()[0].min_num_params == 869_504  # the default threshold: the floor
+
+
+def test_size_based_wrap_through_the_trainer():
+    "An unmodified Trainer on SIZE_BASED_WRAP: stops on the ModuleList where the kit refuses; builds the kit's units at size_floor."
+    from fsdp_kit.hf_run import HFRunSpec, size_policy_worker, param_groups
+    floor = size_floor(build_model(model_config("tiny"), device="meta"))
+    low, high = launch(size_policy_worker, HFRunSpec("trainer", steps=2), [10_000, floor], nprocs=2)
+    assert low["trainer"]["error"].startswith("ValueError: fully_shard does not support containers that do not implement forward")
+    assert low["kit"]["refused"].startswith(f"min_num_params=10000 is not allowed: {floor:,} or more")
+    assert high["accelerate_selects"] == [] and len(high["trainer"]["losses"]) == 2
+    assert param_groups(high["trainer"]["units"]) == param_groups(high["kit"]["units"])
+    assert [g["modules"] for g in param_groups(high["kit"]["units"])] == [[""], ["lm_head", "model.norm"], ["model.embed_tokens"]]
+
+
 def test_plan_refusals():
     model = build_model(model_config("small"), device="meta")
-    with pytest.raises(KitError, match=r"min_num_params=10000000 is not allowed: a number below"):
-        plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10_000_000))
+    with pytest.raises(KitError, match=r"min_num_params=1000 is not allowed: 869,504 or more for this model, or TRANSFORMER_BASED_WRAP .*"
+                                       r"selects model.layers \(ModuleList, 738,304 parameters\), a container without forward, which fully_shard refuses"):
+        plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=1000))
+    with pytest.raises(KitError, match=r"selects model \(LlamaModel, 869,504 parameters\), which holds model.embed_tokens, model.norm"):
+        plan_units(model, FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=869_503))
     with pytest.raises(KitError, match=r"reshard_after_forward=3 is not allowed: .*divisor of the shard group size 4"):
         check_spec(CompareSpec(model="small", reshard=[3]), 4)
     with pytest.raises(KitError, match=r"policies='EVERYTHING' is not allowed"):
@@ -113,7 +145,7 @@ CLI_BAD = [
     (("--policies", "EVERYTHING"), "policies='EVERYTHING' is not allowed"),
     (("--reshard", "3", "--nproc", "4"), "--reshard=3 is not allowed"),
     (("--reshard", "maybe"), "reshard='maybe' is not allowed"),
-    (("--policies", "SIZE_BASED_WRAP", "--min-num-params", "100000000"), "--min-num-params=100000000 is not allowed"),
+    (("--policies", "SIZE_BASED_WRAP", "--min-num-params", "1000"), "--min-num-params=1000 is not allowed: 869,504 or more"),
     (("--model", "nope"), "model='nope' is not allowed"),
     (("--fsdp-config", "no/such.yaml"), "--fsdp-config='no/such.yaml' is not allowed"),
     (("--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json", "--gradient-checkpointing"), "together with gradient checkpointing is refused"),
