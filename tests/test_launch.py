@@ -1,5 +1,5 @@
 """launch(): real process groups from a script, failures that name the rank, hangs that end, nothing left behind."""
-import os, pickle, re, subprocess, sys, time
+import inspect, os, pickle, re, subprocess, sys, time
 import psutil, pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment, agent_command, PRELOAD
@@ -70,7 +70,9 @@ def test_hang_in_a_collective_fails_after_the_timeout():
     # rank 0's all_reduce timed out; rank 1, which never joined, is the one named, with where it was and what rank 0 waited in
     assert info.value.rank == 1 and "rank 1 hung; rank(s) 0 waited for it in all_reduce. Rank 1 was in hangs_on_rank_0" in str(info.value)
     brief = info.value.brief()  # the user's frames only (a forked rank's stack starts in the caller's: this test), innermost last
-    assert brief.splitlines()[-1] == "  tests/helpers.py:32 in hangs_on_rank_0" and "site-packages" not in brief and "fsdp_kit/launch.py" not in brief, brief
+    src, first = inspect.getsourcelines(hangs_on_rank_0)
+    asleep = first + next(i for i, line in enumerate(src) if "time.sleep" in line)  # where rank 1 waits
+    assert brief.splitlines()[-1] == f"  tests/helpers.py:{asleep} in hangs_on_rank_0" and "site-packages" not in brief and "fsdp_kit/launch.py" not in brief, brief
     time.sleep(0.5)
     assert _children() == []
 
