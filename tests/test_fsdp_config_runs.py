@@ -54,7 +54,10 @@ def test_memory_moves_as_each_setting_should(runs):
     assert [runs[n].ac for n in ("default", "checkpointing", "layer2", "op")] == ["none", "full", "selective-layer:2", "selective-op"]
     assert runs["op"].losses == runs["layer2"].losses == runs["default"].losses  # recomputation changes no number
     # on a CPU-only machine host and device are one memory: CPUOffloadPolicy(pin_memory=False) copies, but moves nothing
-    assert runs["offload"].config["cpu_offload"] and peak["offload"]["total"] == peak["default"]["total"]
+    # (the state it holds is the same byte for byte; on a busy machine one more gathered unit, 65,792 bytes, can be in flight at the peak)
+    state = ("sharded_params", "sharded_grads", "optimizer_state", "buffers", "activations")
+    assert runs["offload"].config["cpu_offload"] and {k: peak["offload"][k] for k in state} == {k: peak["default"][k] for k in state}
+    assert abs(peak["offload"]["total"] - peak["default"]["total"]) <= 0.02 * peak["default"]["total"]
     for r in runs.values(): assert r.losses[-1] < r.losses[0]
 
 
