@@ -60,7 +60,8 @@ class PlanSpec(RunSpec):
     def check(self, world_size:int=None): # unused: a PlanSpec names its own world_size
         "Refuse settings the planner does not model, naming the field; return the spec, unchanged."
         require_whole("world_size", self.world_size, 1)
-        if self.policy not in (*POLICIES, *ADDED_POLICIES): raise bad_value("policy", self.policy, f"one of {', '.join((*POLICIES, *ADDED_POLICIES))}")
+        policies = (*POLICIES, *ADDED_POLICIES)
+        if self.policy not in policies: raise bad_value("policy", self.policy, f"one of {', '.join(policies)}")
         if self.min_num_params is not None: require_whole("min_num_params", self.min_num_params, 0)
         if self.mixed_precision not in ("no", "bf16"): raise bad_value("mixed_precision", self.mixed_precision, "no or bf16 (what the planner models)")
         if self.method not in ("full", "lora", "qlora"): raise bad_value("method", self.method, "full, lora or qlora")
@@ -139,7 +140,8 @@ class PlanSpec(RunSpec):
         kind, k = parse_ac(self.policy_ac)
         targets = "" if self.lora_targets == "all-linear" else "lora:" + "".join(n[0] for n in lora_targets(self.lora_targets))
         extras = [f"ce/{self.ce_chunks}" * bool(self.ce_chunks), "opt-in-bwd" * self.optimizer_in_backward,
-                  "act-offload" * self.offload_activations, "fp8-ag" * self.fp8_all_gather, "root-edges" * (not self.edge_units), f"min{self.min_num_params}" * (self.min_num_params is not None), "offload" * self.cpu_offload]
+                  "act-offload" * self.offload_activations, "fp8-ag" * self.fp8_all_gather, "root-edges" * (not self.edge_units),
+                  f"min{self.min_num_params}" * (self.min_num_params is not None), "offload" * self.cpu_offload]
         return " ".join(p for p in parts + [{"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind], targets] + extras if p)
 
 # %% ../nbs/08_plan.ipynb #c6ad0115
@@ -197,7 +199,8 @@ _TENSORS, _UNITS = {}, {}  # model_tensors and units, kept per model and setting
 def model_tensors(config, spec:PlanSpec) -> list:
     "Every parameter of `config`'s model under `spec.method`, from the meta device: shapes, stored and gathered bytes, trainable."
     base = {"fp32": 4, "bf16": 2}.get(spec.base_dtype, 4 if spec.method == "full" else 2)  # LoRA/QLoRA bases are loaded in bfloat16 unless told otherwise
-    compute, targets, shapes, unit = spec.compute_bytes, lora_targets(spec.lora_targets), meta_shapes(config)[0], planned_units(config, spec)
+    compute, targets, shapes = spec.compute_bytes, lora_targets(spec.lora_targets), meta_shapes(config)[0]
+    unit = planned_units(config, spec)  # parameter name -> its unit, as apply_fsdp builds them
     key = (id(shapes), id(unit), spec.method, base, compute, spec.lora_r, targets, spec.fp8_all_gather)
     if key in _TENSORS: return _TENSORS[key]
     out = _TENSORS[key] = []
@@ -205,8 +208,9 @@ def model_tensors(config, spec:PlanSpec) -> list:
         shape, layer = full, layer_index(name)
         linear = layer >= 0 and name.split(".")[-2] in LINEARS and name.endswith(".weight")
         if spec.method == "qlora" and linear: shape = (math.prod(shape) // 4, 1)  # 4-bit codes packed 4 per bfloat16 element (every Linear, adapted or not)
-        out.append(Param(name, shape, base, 1 if spec.fp8_all_gather and linear else compute, spec.method == "full", layer, unit[name]))  # float8: 1 byte gathered
-        if spec.method != "full" and linear and name.split(".")[-2] in targets:  # LoRA A (r x in) and B (out x r), in float32, in the Linear's unit
+        gather = 1 if spec.fp8_all_gather and linear else compute  # float8: 1 byte gathered
+        out.append(Param(name, shape, base, gather, spec.method == "full", layer, unit[name]))
+        if spec.method != "full" and linear and name.split(".")[-2] in targets:  # LoRA A, B: float32, in the Linear's unit
             out += [Param(name.replace("weight", "lora_A"), (spec.lora_r, full[1]), 4, compute, True, layer, unit[name]),
                     Param(name.replace("weight", "lora_B"), (full[0], spec.lora_r), 4, compute, True, layer, unit[name])]
     return out
@@ -387,7 +391,8 @@ def step_context(config, spec:PlanSpec) -> SimpleNamespace:
     buffer = lambda u: gathered(u.unsharded)
     # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the tail, or (edges in the root) the last layer
     last = others[-1] if others else tail if tail.unsharded else (layer_units[-1] or [root])[-1]
-    carry = _grad_bytes(tensors, lambda t: t.layer < 0 and "embed_tokens" not in t.name and t.unit in ("tail", "root"), grad_b)  # lm_head's and the final norm's
+    head_unit = lambda t: t.layer < 0 and "embed_tokens" not in t.name and t.unit in ("tail", "root")  # lm_head, the final norm
+    carry = _grad_bytes(tensors, head_unit, grad_b)
     lm_head_grad = _grad_bytes(tensors, lambda t: t.name.startswith("lm_head"), grad_b) if d["chunks"] > 1 else 0  # accumulated over the chunks done
     log_softmax = 0 if d["chunks"] else d["T"] * d["V"] * 4  # kept for backward unless chunked (then recomputed, a temporary)
     def host(moment:dict, copied_back:int) -> dict:  # offloaded activations: the device keeps rope's float32 cos and sin and what backward copied back

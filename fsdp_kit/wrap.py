@@ -152,7 +152,7 @@ def edge_groups(model, targets:list) -> list:
 
 # %% ../nbs/04_wrap.ipynb #5dc319cd
 def _named_groups(model, cfg:FSDPConfig, edge_units:bool=True) -> list:
-    "Each unit `apply_fsdp` makes, in its order (the policy's, the edge groups, the root): (unit name, [(name, module)], reshard_after_forward)."
+    "Each unit `apply_fsdp` makes, in its order: (unit name, [(name, module)], reshard_after_forward)."
     import re
     targets = wrap_targets(model, cfg)
     layer = lambda n: (m := re.fullmatch(r"(?:.*\.)?layers\.(\d+)", n)) and f"layers.{m[1]}"  # a decoder layer by its index

@@ -53,8 +53,8 @@ def test_planner_units_are_the_built_units(model, mesh):
         built = built_units(apply_fsdp(build_model(config), spec.fsdp_config(), mesh)[0])
         planned = {t.name: t.unit for t in model_tensors(plan_config(model), spec)}
         assert planned == {n: readable(m) for n, m in built.items()}, policy
-        held = {}
-        for n, m in built.items(): held[readable(m)] = held.get(readable(m), 0) + build_model(config, device="meta").get_parameter(n).numel()
+        held, meta = {}, build_model(config, device="meta")
+        for n, m in built.items(): held[readable(m)] = held.get(readable(m), 0) + meta.get_parameter(n).numel()
         assert {n: u.unsharded // 4 for n, u in units(model_tensors(plan_config(model), spec), spec).items() if u.unsharded} == held, policy
 
 
@@ -83,4 +83,5 @@ def test_lora_adapters_in_their_linear_unit(policy):
 
 def test_added_policy_refusals():
     with pytest.raises(KitError, match="name='NO_WRAP' is not allowed"): register_policy("NO_WRAP", lambda n, m: False)
-    with pytest.raises(KitError, match="auto_wrap_policy='MLP_ONCE' is not allowed: one of .*MLP_ONLY"): FSDPConfig(auto_wrap_policy="MLP_ONCE").check()
+    with pytest.raises(KitError, match="auto_wrap_policy='MLP_ONCE' is not allowed: one of .*MLP_ONLY"):
+        FSDPConfig(auto_wrap_policy="MLP_ONCE").check()
