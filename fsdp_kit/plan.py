@@ -190,7 +190,7 @@ def _floor(model:str) -> int:
 def planned_units(config, spec:PlanSpec) -> dict:
     "{parameter name: unit name}: `wrap.unit_map` of the meta model under `spec`'s FSDP config, as `apply_fsdp` builds the units."
     cfg = spec.fsdp_config()
-    key = (config.to_json_string(), cfg.auto_wrap_policy, cfg.min_num_params, spec.edge_units)
+    key = (config.to_json_string(), cfg.auto_wrap_policy, id(ADDED_POLICIES.get(cfg.auto_wrap_policy)), cfg.min_num_params, spec.edge_units)
     if key not in _MAPS: _MAPS[key] = unit_map(meta_model(config), cfg, spec.edge_units)
     return _MAPS[key]
 
