@@ -45,12 +45,13 @@ def readable(modules:tuple) -> str:
     return "layers." + name.split(".")[-1] if name.startswith("model.layers.") and name.count(".") == 2 else name
 
 
-@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.split("/")[-2] if "/" in m else m)
-def test_planner_units_are_the_built_units(model, mesh):
+@pytest.mark.parametrize("model, edge_units", [(m, True) for m in MODELS] + [("small", False)],
+                         ids=lambda m: (m.split("/")[-2] if "/" in m else m) if isinstance(m, str) else f"edge_units={m}")
+def test_planner_units_are_the_built_units(model, edge_units, mesh):
     config = model_config(model)
     for policy in (*POLICIES, "MLP_ONLY"):
-        spec = PlanSpec(model, 1, policy=policy)
-        built = built_units(apply_fsdp(build_model(config), spec.fsdp_config(), mesh)[0])
+        spec = PlanSpec(model, 1, policy=policy, edge_units=edge_units)
+        built = built_units(apply_fsdp(build_model(config), spec.fsdp_config(), mesh, edge_units=edge_units)[0])
         planned = {t.name: t.unit for t in model_tensors(plan_config(model), spec)}
         assert planned == {n: readable(m) for n, m in built.items()}, policy
         held, meta = {}, build_model(config, device="meta")
@@ -81,7 +82,12 @@ def test_lora_adapters_in_their_linear_unit(policy):
     assert unit_map(build_model(config, device="meta"), spec.fsdp_config()) == {n: u for n, u in tensors.items() if ".lora_" not in n}
 
 
-def test_added_policy_refusals():
+def test_refusals():
+    "An added policy cannot replace a built-in one; unknown policies and thresholds are refused naming the field."
+    with pytest.raises(KitError, match="min_num_params=-1 is not allowed"):
+        PlanSpec("small", policy="SIZE_BASED_WRAP", min_num_params=-1).check()
+    with pytest.raises(KitError, match="policy='MLP' is not allowed: one of .*PER_LINEAR, MLP_ONLY"):
+        PlanSpec("small", policy="MLP").check()
     with pytest.raises(KitError, match="name='NO_WRAP' is not allowed"): register_policy("NO_WRAP", lambda n, m: False)
     with pytest.raises(KitError, match="auto_wrap_policy='MLP_ONCE' is not allowed: one of .*MLP_ONLY"):
         FSDPConfig(auto_wrap_policy="MLP_ONCE").check()
