@@ -75,18 +75,6 @@ def test_size_based_wrap_is_accelerates_fsdp2_rule():
     assert CompareSpec(model="small", policies=["SIZE_BASED_WRAP"]).configs()[0].min_num_params == 869_504  # the default threshold: the floor
 
 
-def test_size_based_wrap_through_the_trainer():
-    "An unmodified Trainer on SIZE_BASED_WRAP: stops on the ModuleList where the kit refuses; builds the kit's units at size_floor."
-    from fsdp_kit.hf_run import HFRunSpec, size_policy_worker, param_groups
-    floor = size_floor(build_model(model_config("tiny"), device="meta"))
-    low, high = launch(size_policy_worker, HFRunSpec("trainer", steps=2), [10_000, floor], nprocs=2)
-    assert low["trainer"]["error"].startswith("ValueError: fully_shard does not support containers that do not implement forward")
-    assert low["kit"]["refused"].startswith(f"min_num_params=10000 is not allowed: {floor:,} or more")
-    assert high["accelerate_selects"] == [] and len(high["trainer"]["losses"]) == 2
-    assert param_groups(high["trainer"]["units"]) == param_groups(high["kit"]["units"])
-    assert [g["modules"] for g in param_groups(high["kit"]["units"])] == [[""], ["lm_head", "model.norm"], ["model.embed_tokens"]]
-
-
 def test_plan_refusals():
     model = build_model(model_config("small"), device="meta")
     with pytest.raises(KitError, match=r"min_num_params=1000 is not allowed: 869,504 or more for this model, or TRANSFORMER_BASED_WRAP .*"
