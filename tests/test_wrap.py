@@ -1,5 +1,5 @@
 """Wrap plans and the measured comparison: units, sharded bytes per rank, collectives, and the compare command."""
-import json, math, os
+import json, math, os, re
 import pytest
 from fsdp_kit.config import FSDPConfig, POLICIES
 from fsdp_kit.errors import KitError
@@ -120,8 +120,11 @@ def test_step_times_show_their_spread_and_a_busy_machine_is_named():
 def test_cli_runs_an_example_config_unchanged(cli, tmp_path):
     "The compare command on an accelerate YAML as it is (all three example files are run by `fsdp-kit train` in tests/test_fsdp_config_runs.py)."
     name = "accelerate_fsdp_lora.yaml"
-    out = cli("compare", "--nproc", 2, "--model", "tiny", "--fsdp-config", ROOT / "examples" / "fsdp_configs" / name, "--json", tmp_path / "o.json")
+    config = ROOT / "examples" / "fsdp_configs" / name
+    out = cli("compare", "--nproc", 2, "--model", "tiny", "--fsdp-config", config, "--json", tmp_path / "o.json",
+              "--quiet")  # also compare's --quiet case of test_cli_contract.test_long_labs_print_a_line_per_unit_and_quiet_silences_them
     assert out.returncode == 0, out.stderr
+    assert not re.search(r"^setting \d/", out.stderr + out.stdout, re.M) and out.stdout.strip(), out.stderr  # --quiet: no progress line
     data = json.loads((tmp_path / "o.json").read_text())
     assert len(data["runs"]) == 1 and data["runs"][0]["peak_bytes"]["total"] > 0
     assert "state_dict_type=" in "\n".join(data["notes"])  # every field is accounted for
