@@ -127,6 +127,10 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
         assert proc.returncode == 0, outputs[-1][1][-3000:]
     (cp_out, cp_err), (out, err) = outputs
     assert not re.search(r"^part \d/", cp_out + cp_err, re.M) and cp_out.strip(), cp_err[-3000:]  # --quiet: no progress line
+    # qlora's progress on stderr (test_cli_contract.test_long_labs_print_...'s qlora case, on this run): a line per part, none on stdout
+    parts = re.findall(r"^part (\d)/5 (.+?): ([\d.]+) s elapsed, about (\d+) s left$", err, re.M)
+    assert [int(p[0]) for p in parts] == [1, 2, 3, 4, 5] and parts[-1][3] == "0", err[-2000:]
+    assert float(parts[0][2]) <= float(parts[-1][2]) and "part 1/5" not in out
     for tmp in tmps:  # 1 s after each ended: no temporary folder, no process
         assert not (left := left_behind(tmp)), left
     r = json.loads((tmp_path / "cp.json").read_text())
