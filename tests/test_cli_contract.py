@@ -28,28 +28,23 @@ def test_every_help_shows_every_default():
 
 
 @pytest.fixture(scope="module")
-def quiet_train():
-    "One quiet 2-step train run, for the tests that need one."
-    return run("train", "--steps", 2, "--seq-len", 16, "--quiet")
-
-
-@pytest.fixture(scope="module")
 def typed_paths(tmp_path_factory):
-    "train with a relative --ckpt and --json, its resume, and a quiet qlora with a relative --adapter-dir, run in a fresh folder."
+    "train with a relative --ckpt and --json, its resume (quiet), and a quiet qlora with a relative --adapter-dir, run in a fresh folder."
     tmp = tmp_path_factory.mktemp("typed")
     runs = dict(train=run("train", "--steps", 2, "--seq-len", 16, "--ckpt", "runs/ck", "--json", "runs/train.json", cwd=tmp))
-    runs["resume"] = run("train", "--steps", 3, "--seq-len", 16, "--ckpt", "runs/ck", "--resume", cwd=tmp)
+    runs["resume"] = run("train", "--steps", 3, "--seq-len", 16, "--ckpt", "runs/ck", "--resume", "--quiet", cwd=tmp)
     runs["qlora"] = run("qlora", "--steps", 1, "--seq-len", 16, "--adapter-dir", "runs/adapter", "--quiet", cwd=tmp)
     return tmp, runs
 
 
-def test_train_prints_a_step_line_per_step_on_stderr_and_quiet_silences_them(typed_paths, quiet_train):
+def test_train_prints_a_step_line_per_step_on_stderr_and_quiet_silences_them(typed_paths):
     res = typed_paths[1]["train"]  # its results go to runs/train.json and stdout
     assert res.returncode == 0, res.stderr[-2000:]
     steps = re.findall(r"^step (\d)/2: loss \d+\.\d{4}", res.stderr, re.M)
     assert steps == ["1", "2"] and "step 1/2" not in res.stdout, res.stderr
-    quiet = quiet_train
-    assert quiet.returncode == 0 and "step 1/2" not in quiet.stderr + quiet.stdout and "losses" in quiet.stdout, quiet.stderr
+    quiet = typed_paths[1]["resume"]  # step 3 of 3, with --quiet
+    assert quiet.returncode == 0 and not re.search(r"^step \d/", quiet.stderr + quiet.stdout, re.M), quiet.stderr
+    assert "losses" in quiet.stdout, quiet.stdout
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +126,7 @@ def test_plan_prints_its_notes_in_the_text():
     assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
 
 
-def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names(quiet_train):
+def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names(typed_paths):
     "train's count is plan_units' (the root last, included); the tour's compare line names policies as the config does, not per-layer / per-Linear."
     from types import SimpleNamespace
     from fsdp_kit.config import FSDPConfig
@@ -139,7 +134,7 @@ def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names
     from fsdp_kit.tour import _compare_line
     from fsdp_kit.wrap import plan_units
     units = plan_units(build_model(model_config("tiny"), device="meta"), FSDPConfig())
-    res = quiet_train
+    res = typed_paths[1]["resume"]  # a quiet train run (steps 3 of 3, resumed)
     assert res.returncode == 0 and units[-1].module == "", res.stderr[-2000:]
     assert f"\n{len(units)} FSDP units (the root included) by TRANSFORMER_BASED_WRAP" in res.stdout, res.stdout
     run_ = lambda policy, reshard: SimpleNamespace(policy=policy, reshard_after_forward=reshard, world_size=2, peak_bytes=dict(total=2**20),
