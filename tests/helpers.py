@@ -20,6 +20,11 @@ def started_with():
                 session_leaders=int(leaders.item()))
 
 
+def started_with_and_rank_info():
+    "started_with() (before anything else runs here), then rank_info() under 'info': two checks from one launch."
+    return started_with() | dict(info=rank_info())
+
+
 def fails_on_rank(bad_rank=1):
     import torch.distributed as dist
     if dist.get_rank() == bad_rank:

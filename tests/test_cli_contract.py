@@ -27,17 +27,34 @@ def test_every_help_shows_every_default():
     assert "exit status:" in subs["doctor"].format_help() and "1    a check failed" in subs["plan"].format_help()
 
 
-def test_train_prints_a_step_line_per_step_on_stderr_and_quiet_silences_them():
-    res = run("train", "--steps", 3, "--json", "-")
+@pytest.fixture(scope="module")
+def typed_paths(tmp_path_factory):
+    "train with a relative --ckpt and --json, its resume (quiet), and a quiet qlora with a relative --adapter-dir, run in a fresh folder."
+    tmp = tmp_path_factory.mktemp("typed")
+    runs = dict(train=run("train", "--steps", 2, "--seq-len", 16, "--ckpt", "runs/ck", "--json", "runs/train.json", cwd=tmp))
+    runs["resume"] = run("train", "--steps", 3, "--seq-len", 16, "--ckpt", "runs/ck", "--resume", "--quiet", cwd=tmp)
+    runs["qlora"] = run("qlora", "--steps", 1, "--seq-len", 16, "--adapter-dir", "runs/adapter", "--quiet", cwd=tmp)
+    return tmp, runs
+
+
+def test_train_prints_a_step_line_per_step_on_stderr_and_quiet_silences_them(typed_paths):
+    res = typed_paths[1]["train"]  # its results go to runs/train.json and stdout
     assert res.returncode == 0, res.stderr[-2000:]
-    steps = re.findall(r"^step (\d)/3: loss \d+\.\d{4}", res.stderr, re.M)
-    assert steps == ["1", "2", "3"] and "step 1/3" not in res.stdout, res.stderr
-    quiet = run("train", "--steps", 2, "--quiet")
-    assert quiet.returncode == 0 and "step 1/2" not in quiet.stderr + quiet.stdout and "losses" in quiet.stdout, quiet.stderr
+    steps = re.findall(r"^step (\d)/2: loss \d+\.\d{4}", res.stderr, re.M)
+    assert steps == ["1", "2"] and "step 1/2" not in res.stdout, res.stderr
+    quiet = typed_paths[1]["resume"]  # step 3 of 3, with --quiet
+    assert quiet.returncode == 0 and not re.search(r"^step \d/", quiet.stderr + quiet.stdout, re.M), quiet.stderr
+    assert "losses" in quiet.stdout, quiet.stdout
 
 
-def test_plan_validate_prints_a_line_per_setting_with_what_is_left():
-    res = run("plan", "--validate", "--nproc", 1, "--settings", "1-2")
+@pytest.fixture(scope="module")
+def validate_1_7():
+    "plan --validate on 1 rank, settings 1 and 7: one setting of the matrix, one held out."
+    return run("plan", "--validate", "--nproc", 1, "--settings", "1,7")
+
+
+def test_plan_validate_prints_a_line_per_setting_with_what_is_left(validate_1_7):
+    res = validate_1_7
     assert res.returncode == 0, res.stderr[-2000:]
     lines = re.findall(r"^setting (\d)/2 (.+?): ([\d.]+) s elapsed, about (\d+) s left$", res.stderr, re.M)
     assert [l[0] for l in lines] == ["1", "2"] and lines[-1][3] == "0" and float(lines[0][2]) < float(lines[1][2]), res.stderr
@@ -46,40 +63,41 @@ def test_plan_validate_prints_a_line_per_setting_with_what_is_left():
 
 PROGRESS = {  # each command's smallest run, and the units it counts
     "compare": (["compare", "--model", "tiny", "--policies", "TRANSFORMER_BASED_WRAP,NO_WRAP", "--reshard", "true"], "setting", 2),
-    "qlora": (["qlora", "--steps", 2, "--seq-len", 16], "part", 5),
     "cp-eval": (["cp-eval", "--seq-len", 16], "part", 3),
 }
 
 
 @pytest.mark.parametrize("name", PROGRESS)
 def test_long_labs_print_a_line_per_unit_and_quiet_silences_them(name):
-    "compare, qlora and cp-eval (14-80 s on 2 busy cores) print `unit n/N label: E s elapsed, about L s left` on stderr, as plan --validate does."
+    "compare and cp-eval (14-80 s on 2 busy cores) print `unit n/N label: E s elapsed, about L s left` on stderr, as plan --validate does."
+    # qlora's progress is checked on test_fsdp_config_runs' qlora run; the --quiet runs: compare's in test_wrap, cp-eval's in
+    # test_fsdp_config_runs, qlora's in typed_paths (test_paths_are_printed_as_typed)
     args, unit, total = PROGRESS[name]
     res = run(*args)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = re.findall(rf"^{unit} (\d)/{total} (.+?): ([\d.]+) s elapsed, about (\d+) s left$", res.stderr, re.M)
     assert [int(l[0]) for l in lines] == list(range(1, total + 1)) and lines[-1][3] == "0", res.stderr[-2000:]
     assert float(lines[0][2]) <= float(lines[-1][2]) and f"{unit} 1/{total}" not in res.stdout
-    quiet = run(*args, "--quiet")
-    assert quiet.returncode == 0 and f"{unit} 1/{total}" not in quiet.stderr + quiet.stdout and quiet.stdout.strip(), quiet.stderr[-2000:]
 
 
-def test_paths_are_printed_as_typed(tmp_path):
+def test_paths_are_printed_as_typed(typed_paths):
     "A relative --ckpt, --json and --adapter-dir stay relative in every line (latest was printed absolute beside 'wrote runs/...')."
-    res = run("train", "--steps", 2, "--seq-len", 16, "--ckpt", "runs/ck", "--json", "runs/train.json", cwd=tmp_path)
+    tmp_path, runs = typed_paths
+    res = runs["train"]
     assert res.returncode == 0, res.stderr[-2000:]
     assert "latest: runs/ck/latest" in res.stdout and "wrote runs/train.json" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
     import json
     assert json.loads((tmp_path / "runs" / "train.json").read_text())["checkpoint"]["latest"] == "runs/ck/latest"
-    res = run("train", "--steps", 3, "--seq-len", 16, "--ckpt", "runs/ck", "--resume", cwd=tmp_path)
+    res = runs["resume"]
     assert res.returncode == 0 and "resumed from runs/ck/step-000002" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
-    res = run("qlora", "--steps", 1, "--seq-len", 16, "--adapter-dir", "runs/adapter", "--quiet", cwd=tmp_path)
+    res = runs["qlora"]
     assert res.returncode == 0 and "saved in runs/adapter" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    assert not re.search(r"^part \d/", res.stderr + res.stdout, re.M), res.stderr[-2000:]  # --quiet: qlora prints no progress line
 
 
-def test_plan_validate_reports_fitted_and_held_out_settings_apart():
+def test_plan_validate_reports_fitted_and_held_out_settings_apart(validate_1_7):
     "The matrix's settings (the planner was written on them) and held_out_matrix's (it never saw them) each get their largest error."
-    res = run("plan", "--validate", "--nproc", 1, "--settings", "1,7")  # on 1 rank: 6 matrix settings, then 1 held out
+    res = validate_1_7  # on 1 rank: 6 matrix settings, then 1 held out
     assert res.returncode == 0, res.stderr[-2000:]
     assert re.search(r"^fitted: 1 settings \(the tiny and small Llama settings .+\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
     assert re.search(r"^held out: 1 settings \(Qwen2 and Mistral shapes.+never used to write it\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
@@ -108,7 +126,7 @@ def test_plan_prints_its_notes_in_the_text():
     assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
 
 
-def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names():
+def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names(typed_paths):
     "train's count is plan_units' (the root last, included); the tour's compare line names policies as the config does, not per-layer / per-Linear."
     from types import SimpleNamespace
     from fsdp_kit.config import FSDPConfig
@@ -116,7 +134,7 @@ def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names
     from fsdp_kit.tour import _compare_line
     from fsdp_kit.wrap import plan_units
     units = plan_units(build_model(model_config("tiny"), device="meta"), FSDPConfig())
-    res = run("train", "--steps", 1, "--seq-len", 16, "--quiet")
+    res = typed_paths[1]["resume"]  # a quiet train run (steps 3 of 3, resumed)
     assert res.returncode == 0 and units[-1].module == "", res.stderr[-2000:]
     assert f"\n{len(units)} FSDP units (the root included) by TRANSFORMER_BASED_WRAP" in res.stdout, res.stdout
     run_ = lambda policy, reshard: SimpleNamespace(policy=policy, reshard_after_forward=reshard, world_size=2, peak_bytes=dict(total=2**20),

@@ -1,11 +1,11 @@
 """`fsdp-kit doctor` on 2 CPU ranks, for real: for each of its twelve checks a config/model pair that makes it FAIL (or WARN) and one
 that makes it PASS, each named with the upstream behaviour it reproduces; the command's JSON; hand-written config.json files of two
-public architectures (Qwen2-0.5B, tied; Llama-2-7B, untied); and bad input refused in one line with exit 2."""
+public architectures (Qwen2-0.5B, tied; Llama-2-7B, untied); --strict's exit 1 on the healthy run's WARN."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest
 from fsdp_kit.config import EXAMPLES
-from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES
+from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES, exit_status
 from fsdp_kit.versions import LIBS
 
 HERE = Path(__file__).parent / "doctor"
@@ -27,9 +27,19 @@ def statuses(**kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def healthy():
-    "Qwen2-0.5B's shape (tied embeddings) with an FSDP2 YAML under accelerate launch."
-    return statuses(model=QWEN, fsdp_config=HEALTHY)
+def healthy_run():
+    "Qwen2-0.5B's shape (tied embeddings) with an FSDP2 YAML under accelerate launch, run once through the command with --strict."
+    args = ["doctor", "--model", QWEN, "--fsdp-config", HEALTHY, "--steps", "1", "--timeout", "240", "--strict", "--json", "-"]
+    res = subprocess.run([sys.executable, "-m", "fsdp_kit", *args], capture_output=True, text=True, timeout=380)
+    assert res.stdout.startswith("{"), res.stderr[-3000:]
+    return res, json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def healthy(healthy_run):
+    "The healthy run's checks: check name -> (status, reason), and its twin."
+    r = healthy_run[1]
+    return by_name(r) | {"_twin": r["twin"]}
 
 
 def test_healthy_config_passes_every_check_it_can(healthy):
@@ -51,6 +61,15 @@ def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
     shrunk = {s["key"]: (s["user"], s["twin"]) for s in twin["shrunk"]}
     assert shrunk["hidden_size"] == (896, 64) and shrunk["num_hidden_layers"] == (24, 2) and shrunk["vocab_size"] == (151936, 256)
     assert shrunk["num_key_value_heads"] == (2, 2) if "num_key_value_heads" in shrunk else True  # grouped-query attention stays grouped-query
+
+
+def test_strict_fails_on_a_warn_only_report(healthy_run):
+    "Qwen2-0.5B's bf16 checkpoint loaded in fp32: a loading WARN and no FAIL; exit 0, and 1 under --strict."
+    res, r = healthy_run
+    statuses_ = [c["status"] for c in r["checks"]]
+    assert "FAIL" not in statuses_ and "WARN" in statuses_, res.stderr[-3000:]
+    assert res.returncode == 1 and "a WARN under --strict (exit 1)" in res.stderr, res.stderr[-3000:]
+    assert exit_status(r) == 0 and exit_status(r, strict=True) == 1
 
 
 def test_checkpointing_twice_fails():

@@ -120,12 +120,20 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
     tmps = [private_tmp(), private_tmp()]  # one TMPDIR per command, to find what each leaves behind
     run = lambda tmp, *args: subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True, env=os.environ | {"TMPDIR": str(tmp)})
-    cp = run(tmps[0], "cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json", "--json", tmp_path / "cp.json")
+    cp = run(tmps[0], "cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json",
+             "--json", tmp_path / "cp.json", "--quiet")  # also cp-eval's --quiet case of test_cli_contract.test_long_labs_print_...
     qlora = run(tmps[1], "qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json",
                 "--adapter-dir", tmp_path / "adapter")
+    outputs = []
     for proc in (cp, qlora):
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
+        outputs.append(proc.communicate(timeout=240))
+        assert proc.returncode == 0, outputs[-1][1][-3000:]
+    (cp_out, cp_err), (out, err) = outputs
+    assert not re.search(r"^part \d/", cp_out + cp_err, re.M) and cp_out.strip(), cp_err[-3000:]  # --quiet: no progress line
+    # qlora's progress on stderr (test_cli_contract.test_long_labs_print_...'s qlora case, on this run): a line per part, none on stdout
+    parts = re.findall(r"^part (\d)/5 (.+?): ([\d.]+) s elapsed, about (\d+) s left$", err, re.M)
+    assert [int(p[0]) for p in parts] == [1, 2, 3, 4, 5] and parts[-1][3] == "0", err[-2000:]
+    assert float(parts[0][2]) <= float(parts[-1][2]) and "part 1/5" not in out
     for tmp in tmps:  # 1 s after each ended: no temporary folder, no process
         assert not (left := left_behind(tmp)), left
     r = json.loads((tmp_path / "cp.json").read_text())

@@ -3,7 +3,7 @@ import inspect, os, pickle, re, subprocess, sys, time
 import psutil, pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment, agent_command, PRELOAD
-from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0, started_with
+from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0, started_with, started_with_and_rank_info
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(180)
@@ -17,17 +17,25 @@ def _children():
     return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not helper(p)]
 
 
+@pytest.fixture(scope="module")
+def torchrun_started():
+    "One torchrun launch for two tests: what each rank held before its function ran, and rank_info() under 'info'."
+    out = launch(started_with_and_rank_info, nprocs=2, launcher="torchrun", timeout=60)
+    assert _children() == []
+    return out
+
+
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
-def test_launch_returns_rank0_value_from_a_real_group(launcher):
-    out = launch(rank_info, nprocs=2, launcher=launcher)
+def test_launch_returns_rank0_value_from_a_real_group(launcher, request):
+    out = launch(rank_info, nprocs=2, launcher=launcher) if launcher == "notebook" else request.getfixturevalue("torchrun_started")["info"]
     assert out["rank"] == 0 and out["world_size"] == 2 and out["backend"] == "gloo"
     assert out["rank_sum"] == 1.0  # 0 + 1, summed by a real all_reduce
     assert out["env"] == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert _children() == []
 
 
-def test_torchrun_forks_workers_that_start_with_torch_and_transformers_imported():
-    started = launch(started_with, nprocs=2, launcher="torchrun", timeout=60)
+def test_torchrun_forks_workers_that_start_with_torch_and_transformers_imported(torchrun_started):
+    started = {k: v for k, v in torchrun_started.items() if k != "info"}
     assert started == dict(forked=True, preloaded=list(PRELOAD), session_leaders=2)  # each rank its own session (autogroup), as torchrun's
     assert _children() == []
 

@@ -1,5 +1,5 @@
 """Wrap plans and the measured comparison: units, sharded bytes per rank, collectives, and the compare command."""
-import json, math, os
+import json, math, os, re
 import pytest
 from fsdp_kit.config import FSDPConfig, POLICIES
 from fsdp_kit.errors import KitError
@@ -75,18 +75,6 @@ def test_size_based_wrap_is_accelerates_fsdp2_rule():
     assert CompareSpec(model="small", policies=["SIZE_BASED_WRAP"]).configs()[0].min_num_params == 869_504  # the default threshold: the floor
 
 
-def test_size_based_wrap_through_the_trainer():
-    "An unmodified Trainer on SIZE_BASED_WRAP: stops on the ModuleList where the kit refuses; builds the kit's units at size_floor."
-    from fsdp_kit.hf_run import HFRunSpec, size_policy_worker, param_groups
-    floor = size_floor(build_model(model_config("tiny"), device="meta"))
-    low, high = launch(size_policy_worker, HFRunSpec("trainer", steps=2), [10_000, floor], nprocs=2)
-    assert low["trainer"]["error"].startswith("ValueError: fully_shard does not support containers that do not implement forward")
-    assert low["kit"]["refused"].startswith(f"min_num_params=10000 is not allowed: {floor:,} or more")
-    assert high["accelerate_selects"] == [] and len(high["trainer"]["losses"]) == 2
-    assert param_groups(high["trainer"]["units"]) == param_groups(high["kit"]["units"])
-    assert [g["modules"] for g in param_groups(high["kit"]["units"])] == [[""], ["lm_head", "model.norm"], ["model.embed_tokens"]]
-
-
 def test_plan_refusals():
     model = build_model(model_config("small"), device="meta")
     with pytest.raises(KitError, match=r"min_num_params=1000 is not allowed: 869,504 or more for this model, or TRANSFORMER_BASED_WRAP .*"
@@ -132,8 +120,11 @@ def test_step_times_show_their_spread_and_a_busy_machine_is_named():
 def test_cli_runs_an_example_config_unchanged(cli, tmp_path):
     "The compare command on an accelerate YAML as it is (all three example files are run by `fsdp-kit train` in tests/test_fsdp_config_runs.py)."
     name = "accelerate_fsdp_lora.yaml"
-    out = cli("compare", "--nproc", 2, "--model", "tiny", "--fsdp-config", ROOT / "examples" / "fsdp_configs" / name, "--json", tmp_path / "o.json")
+    config = ROOT / "examples" / "fsdp_configs" / name
+    out = cli("compare", "--nproc", 2, "--model", "tiny", "--fsdp-config", config, "--json", tmp_path / "o.json",
+              "--quiet")  # also compare's --quiet case of test_cli_contract.test_long_labs_print_a_line_per_unit_and_quiet_silences_them
     assert out.returncode == 0, out.stderr
+    assert not re.search(r"^setting \d/", out.stderr + out.stdout, re.M) and out.stdout.strip(), out.stderr  # --quiet: no progress line
     data = json.loads((tmp_path / "o.json").read_text())
     assert len(data["runs"]) == 1 and data["runs"][0]["peak_bytes"]["total"] > 0
     assert "state_dict_type=" in "\n".join(data["notes"])  # every field is accounted for
