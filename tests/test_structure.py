@@ -1,4 +1,4 @@
-"One owner per concept: no `_name` crosses a module, no import cycle, no layer imports a higher one (lazy imports count); pyflakes finds nothing."
+"One owner per concept: no `_name` crosses a module, no import cycle, no layer imports a higher one; pyflakes and the line width."
 import ast
 
 import pytest
@@ -119,3 +119,37 @@ def test_pyflakes_check_can_fail(tmp_path):
     (tmp_path/"bad.py").write_text("import os\nprint(undefined_name)\n")
     n, text = _pyflakes([tmp_path])
     assert n == 2 and "'os' imported but unused" in text and "undefined name 'undefined_name'" in text
+
+
+WIDTH = 140  # the house limit (../shared/STYLE.md), as nbdev's and fastcore's
+# Files whose long lines are still being split; THIS LIST MUST BE EMPTY: it shrinks as the notebooks they come from are reflowed.
+LONG_LINES_ALLOWED = {
+}
+
+def _python_files() -> list:
+    "Every .py of the package (but nbdev's generated _modidx.py), the tests and the benchmarks."
+    root = PKG.parent
+    return [p for d in (PKG, root/"tests", root/"benchmarks") for p in sorted(d.glob("*.py")) if p.name != "_modidx.py"]
+
+def _long_lines(paths:list, root:Path) -> list:
+    "`file:line (n characters)` for every line of `paths` longer than WIDTH."
+    return [f"{p.relative_to(root)}:{i} ({len(line)} characters)" for p in paths
+            for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > WIDTH]
+
+def test_no_line_is_over_140_characters():
+    "Split calls at commas, strings by implicit concatenation; long explanations go to the notebook's prose (edit notebooks, then export)."
+    root = PKG.parent
+    bad = [x for x in _long_lines(_python_files(), root) if x.split(":")[0] not in LONG_LINES_ALLOWED]
+    assert not bad, f"{len(bad)} line(s) over {WIDTH} characters:\n" + "\n".join(bad)
+
+def test_line_width_check_can_fail(tmp_path):
+    (tmp_path/"wide.py").write_text("x = 1\n" + "y = '" + "a" * 140 + "'\n" + "z = '" + "b" * 134 + "'\n")
+    assert _long_lines([tmp_path/"wide.py"], tmp_path) == ["wide.py:2 (146 characters)"]
+
+@pytest.mark.skipif(not LONG_LINES_ALLOWED, reason="LONG_LINES_ALLOWED is empty: every file keeps the width")
+def test_allowed_long_lines_are_still_there():
+    root = PKG.parent
+    for name in LONG_LINES_ALLOWED: assert (root/name).is_file(), f"{name} in LONG_LINES_ALLOWED does not exist"
+    long_files = {x.split(":")[0] for x in _long_lines(_python_files(), root)}
+    done = sorted(set(LONG_LINES_ALLOWED) - long_files)
+    assert not done, f"no line over {WIDTH} characters any more, remove from LONG_LINES_ALLOWED: {done}"
