@@ -8,9 +8,11 @@ PKG = Path(__file__).resolve().parent.parent/"fsdp_kit"
 
 # bottom up (../shared/DESIGN.md, "Owners"): a module may import its own layer or a lower one, never a higher one
 LAYERS = [
-    ("errors", "upstream", "config", "models", "mesh", "spec", "launch", "ranks"),  # foundations (upstream: what accelerate and transformers read), the run spec and the process-group helpers
+    # foundations (upstream: what accelerate and transformers read), the run spec and the process-group helpers
+    ("errors", "upstream", "config", "models", "mesh", "spec", "launch", "ranks"),
     ("measure", "ac", "wrap", "lora"),  # instruments, activation checkpointing, the sharding recipe, adapters
-    ("train", "qlora", "cp", "checkpoint", "plan", "plan_validate", "plan_gpu", "hf", "hf_run", "peft_guide", "cp_trainer", "moe", "versions", "doctor",
+    ("train", "qlora", "cp", "checkpoint", "plan", "plan_validate", "plan_gpu", "hf", "hf_run", "peft_guide", "cp_trainer", "moe",
+     "versions", "doctor",
      "scale"),  # the labs
     ("seeds", "cli", "tour", "docs", "__main__"),  # the front
 ]
@@ -48,12 +50,14 @@ def test_no_private_name_crosses_a_module():
     mods = _modules()
     bad = [f"fsdp_kit/{m}.py:{line} imports {n} from {dep}" for m, t in mods.items()
            for dep, names, line in _imports(t) if dep in mods and dep != m for n in names if n.startswith("_")]
-    assert not bad, "private names imported across modules (make them public in their owner, or move them to their only user):\n" + "\n".join(bad)
+    assert not bad, ("private names imported across modules (make them public in their owner, or move them to their only user):\n"
+                     + "\n".join(bad))
 
 def test_no_layer_imports_a_higher_one():
     mods = _modules()
     bad = [f"fsdp_kit/{m}.py:{line} (layer {LAYER[m]}) imports {dep} (layer {LAYER[dep]})"
-           for m, t in mods.items() for dep, _, line in _imports(t) if dep in LAYER and m in LAYER and LAYER[dep] > LAYER[m] and (m, dep) not in PENDING]
+           for m, t in mods.items() for dep, _, line in _imports(t) if dep in LAYER and m in LAYER and LAYER[dep] > LAYER[m]
+           and (m, dep) not in PENDING]
     assert not bad, "a lower layer imports a higher one:\n" + "\n".join(bad)
 
 def _cycle(graph:dict) -> list:
@@ -88,12 +92,14 @@ def test_pending_imports_are_still_there():
 
 
 def test_the_wheel_ships_every_example_file(tmp_path):
-    "Notebooks and `fsdp-kit hf` read fsdp_kit/examples through the installed package (fsdp_kit.config.EXAMPLES): a wheel carries all of it."
+    "Notebooks and `fsdp-kit hf` read fsdp_kit/examples through the installed package (fsdp_kit.config.EXAMPLES)."
+    # a wheel carries all of it.
     import shutil, subprocess, sys, zipfile
     src = tmp_path / "src"  # built from a copy: pip writes build/ and egg-info/ beside the sources
     shutil.copytree(PKG, src / "fsdp_kit", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"): shutil.copy(PKG.parent / name, src / name)
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(src)],
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"),
+                          str(src)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     shipped = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist())
