@@ -1,4 +1,4 @@
-"""Keep fewer activations through forward and compute them again in backward: no layer, every layer, every k-th layer, or every layer's cheap ops only. Each policy measured on 2 ranks under FSDP2: activations at the peak, the peak, the FLOPs of a step (recomputation included) and the loss, which must not change. Then three more ways to cut a step's memory: the loss in chunks, the optimizer inside backward, activations in host memory; and CPU offload of parameters, gradients and optimizer state, with every copy it makes counted.
+"""Activation checkpointing policies measured under FSDP2; then the chunked loss, the optimizer in backward and offload, each counted.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
@@ -97,7 +97,8 @@ def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded 
     head = model.get_output_embeddings()
     labels = F.pad(tokens, (0, 1), value=-100)[..., 1:].flatten()  # transformers' ForCausalLMLoss: the next token, -100 after the last
     count = (labels != -100).sum()
-    def chunk_loss(hidden, target): return F.cross_entropy(F.linear(hidden, head.weight, head.bias).float(), target, ignore_index=-100, reduction="sum")
+    def chunk_loss(hidden, target):
+        return F.cross_entropy(F.linear(hidden, head.weight, head.bias).float(), target, ignore_index=-100, reduction="sum")
     def forward(hidden):  # in place of lm_head's forward, for this call: returns the loss where the logits would be
         pairs = zip(hidden.flatten(0, -2).tensor_split(ce_chunks), labels.tensor_split(ce_chunks))
         return sum(checkpoint(chunk_loss, h, y, use_reentrant=False) for h, y in pairs) / count
@@ -180,7 +181,8 @@ def count_copies():
             if across and (name != "to" or _names_device(args, kwargs)):
                 caller = sys._getframe(1)
                 while caller.f_code is method.__code__: caller = caller.f_back  # an inner count_copies' wrapper: its caller is the call's
-                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(), name == "copy_" or out is not self,
+                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(), name == "copy_"
+                                        or out is not self,
                                         f"{caller.f_globals.get('__name__', '?')}.{caller.f_code.co_name}"))
             return out
         return method

@@ -1,4 +1,4 @@
-"""Sharded (one file per rank, torch.distributed.checkpoint) or full (a transformers folder `from_pretrained` loads); saved under a temporary name and published by a rename; resumed bit for bit, at the same or another world size; LoRA adapters saved whole; weights loaded by rank 0 alone.
+"""Sharded or full checkpoints, published by a rename, resumed bit for bit at the same or another world size; LoRA adapters saved whole.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 
@@ -49,7 +49,8 @@ class CheckpointSpec:
         if self.kind is None: raise bad_value("state_dict", self.state_dict, "sharded or full (SHARDED_STATE_DICT or FULL_STATE_DICT)")
         for name, low in (("save_every", 0), ("keep", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low: raise bad_value(name, value, f"a whole number >= {low}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise bad_value(name, value, f"a whole number >= {low}")
         _probe_dir(self.dir)
         return self
 
@@ -121,9 +122,12 @@ def _manifest_problem(m, folder:Path) -> str:
     if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) != step:
         return f"its manifest says step {step} but the folder is {name} (edited or moved?)"
     if m.get("state_dict") not in STATE_DICT_TYPES: return f"its manifest says state_dict {m.get('state_dict')!r}, expected sharded or full"
-    if type(m.get("world_size")) is not int or m["world_size"] < 1: return f"its manifest has world_size {m.get('world_size')!r}, not a whole number >= 1"
+    if type(m.get("world_size")) is not int or m["world_size"] < 1:
+        return f"its manifest has world_size {m.get('world_size')!r}, not a whole number >= 1"
     files = m.get("files")
-    if not isinstance(files, dict): return "its manifest has no 'files' table" if files is None else f"its manifest's 'files' is {_JSON_TYPES.get(type(files), type(files).__name__)}, not a table"
+    if not isinstance(files, dict):
+        return ("its manifest has no 'files' table" if files is None
+                else f"its manifest's 'files' is {_JSON_TYPES.get(type(files), type(files).__name__)}, not a table")
     if "trainer_state.pt" not in files: return "its manifest does not list trainer_state.pt"
     for rel, info in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts: return f"its manifest names {rel!r}, outside the checkpoint"
@@ -136,7 +140,8 @@ def _checked_manifest(folder:Path) -> tuple:
     manifest = folder/"manifest.json"
     if not manifest.exists(): return None, ["it has no manifest.json: its save never finished"]
     try: m = json.loads(manifest.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: return None, [f"its manifest.json is not valid JSON ({getattr(e, 'msg', None) or e.reason})"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [f"its manifest.json is not valid JSON ({getattr(e, 'msg', None) or e.reason})"]
     except OSError as e: return None, [f"its manifest.json cannot be read ({e.strerror})"]
     if problem := _manifest_problem(m, folder): return None, [problem]
     problems = []
@@ -144,7 +149,8 @@ def _checked_manifest(folder:Path) -> tuple:
         p = folder/rel
         try:
             if not p.is_file(): problems.append(f"{rel} is missing")
-            elif p.stat().st_size != info["bytes"]: problems.append(f"{rel} has {p.stat().st_size:,} bytes, its manifest says {info['bytes']:,} (truncated?)")
+            elif p.stat().st_size != info["bytes"]:
+                problems.append(f"{rel} has {p.stat().st_size:,} bytes, its manifest says {info['bytes']:,} (truncated?)")
             elif _sha256(p) != info["sha256"]: problems.append(f"{rel} does not match its SHA-256 in the manifest (altered after the save)")
         except OSError as e: problems.append(f"{rel} cannot be read ({e.strerror})")
     return m, problems
@@ -236,7 +242,8 @@ def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tupl
     for trash in root.glob(".trash-*"): shutil.rmtree(trash, ignore_errors=True)
 
 # %% ../nbs/07_checkpoint.ipynb #58722fbf
-_ERRNO_TEXT = {errno.EFBIG: ("[Errno 27]", "File too large"), errno.ENOSPC: ("[Errno 28]", "No space left")}  # as DCP's nested tracebacks spell them
+# as DCP's nested tracebacks spell them
+_ERRNO_TEXT = {errno.EFBIG: ("[Errno 27]", "File too large"), errno.ENOSPC: ("[Errno 28]", "No space left")}
 _TORCH_WRITER = ("unexpected pos", "PytorchStreamWriter failed")  # torch's zip writer, which hides the errno
 
 def _write_failure(e:BaseException) -> str:
@@ -293,11 +300,14 @@ def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
         shutil.rmtree(tmp, ignore_errors=True)
         kinds = {kind for _, (kind, _) in failed}
         if not kinds - {""}:
-            return f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints before it are intact"
+            return (f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints "
+                    "before it are intact")
         need, free = _need_bytes(root, model, optim), shutil.disk_usage(root).free
         if "size" in kinds:
-            return (f"a file of checkpoint {name} in ckpt={str(root)!r} outgrew this process's file-size limit ({(_file_size_limit() or 0) / 1e6:.1f} MB, "
-                    f"ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): raise the limit (ulimit -f unlimited) and run "
+            return (f"a file of checkpoint {name} in ckpt={str(root)!r} outgrew this process's file-size limit "
+                    f"({(_file_size_limit() or 0) / 1e6:.1f} MB, "
+                    f"ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): raise the limit (ulimit -f unlimited) and "
+                    "run "
                     "again; the checkpoints before it are intact")
         return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
                 f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
@@ -380,7 +390,8 @@ def load_checkpoint(folder, # a checkpoint folder (step-NNNNNN)
         manifest = json.loads((folder/"manifest.json").read_text())
         trainer = torch.load(folder/"trainer_state.pt", weights_only=False)
         if manifest["state_dict"] == "sharded":
-            if not (folder/"dcp"/".metadata").is_file(): raise FileNotFoundError(errno.ENOENT, "no DCP metadata", str(folder/"dcp"/".metadata"))
+            if not (folder/"dcp"/".metadata").is_file():
+                raise FileNotFoundError(errno.ENOENT, "no DCP metadata", str(folder/"dcp"/".metadata"))
             return manifest, trainer, None, None
         if rank != 0: return manifest, trainer, {}, {}
         return manifest, trainer, _full_weights(folder, model), torch.load(folder/"optimizer.pt", weights_only=False)
@@ -424,7 +435,8 @@ def model_shape(model:str) -> dict:
 
 def _run_info(spec) -> dict:
     "What a checkpoint must agree with to be resumed by the run `spec` describes."
-    return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))  # "lora": the key manifests have always had
+    # "lora": the key manifests have always had
+    return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))
 
 def _trainer_state_problem(folder:Path, step:int) -> str:
     "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold `step`, the schedule and the RNG states."
@@ -485,7 +497,8 @@ class Saver:
             self.broken.append(folder.name)
         else: raise KitError(f"--resume: no checkpoint in ckpt={str(self.ckpt.dir)!r} could be loaded: " + " | ".join(skipped))
         if skipped: self.notes.append("; ".join(skipped) + f"; resumed from {folder.name}")
-        self.resumed_from = dict(path=str(folder), step=manifest["step"], world_size=manifest["world_size"], state_dict=manifest["state_dict"])
+        self.resumed_from = dict(path=str(folder), step=manifest["step"], world_size=manifest["world_size"],
+                                 state_dict=manifest["state_dict"])
         self.step = manifest["step"]
         return self.step
 
@@ -495,7 +508,8 @@ class Saver:
         if self.ckpt.save_every and done % self.ckpt.save_every == 0: self.save(done)
 
     def save(self, step:int):
-        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info, tuple(self.broken))
+        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info,
+                        tuple(self.broken))
         self.saved.append(step)
 
     def finish(self, steps:int) -> dict:
@@ -531,7 +545,9 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
     if manifest["state_dict"] != "sharded":
         raise bad_value("dir", str(folder), "a sharded checkpoint (this one is full already: from_pretrained reads it as it is)")
     if manifest.get("lora"):
-        raise bad_value("dir", str(folder), "a full fine-tune's checkpoint", f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base model")
+        raise bad_value("dir", str(folder), "a full fine-tune's checkpoint",
+                        f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base "
+                        "model")
     reader = dcp.FileSystemReader(str(folder/"dcp"))
     shapes = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items() if k.startswith("model.")}
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}
@@ -541,7 +557,8 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
     model = build_model(model_config(manifest["model"]), device="meta")  # the architecture, no memory
     expected = set(model.state_dict())
     if set(state["model"]) != expected:
-        raise KitError(f"{folder} does not hold the weights of model={manifest['model']!r}: missing {sorted(expected - set(state['model']))[:3]}, "
+        raise KitError(f"{folder} does not hold the weights of model={manifest['model']!r}: missing "
+                       f"{sorted(expected - set(state['model']))[:3]}, "
                        f"unexpected {sorted(set(state['model']) - expected)[:3]}")
     tmp = out.parent/f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -596,7 +613,8 @@ def rss_bytes() -> int:
 def rss_split() -> dict:
     "This process's resident memory in two parts, bytes: `own` (RssAnon: memory only it holds) and `mapped` (RssFile: pages of mapped files, shared through the page cache); Linux only, elsewhere all of it is `own`."
     try:
-        with open("/proc/self/status") as f: kb = {k: int(v.split()[0]) for k, _, v in (l.partition(":") for l in f) if k in ("RssAnon", "RssFile")}
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, _, v in (l.partition(":") for l in f) if k in ("RssAnon", "RssFile")}
         return dict(own=kb["RssAnon"] * 1024, mapped=kb["RssFile"] * 1024)
     except (OSError, KeyError): return dict(own=rss_bytes(), mapped=0)
 
@@ -643,12 +661,15 @@ def loading_worker(path:str, # a transformers folder to load
     from fsdp_kit.config import FSDPConfig
     stages = {}
     with PeakRSS() as rss:
-        model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient), on_stage=lambda s: stages.update({s: rss.mib(rss_split())}))
+        model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient),
+                             on_stage=lambda s: stages.update({s: rss.mib(rss_split())}))
     shard = sum(p.to_local().nbytes for p in model.parameters()) / 2**20  # this rank's share of the weights
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
     loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size
-    dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), most=rss.mib(rss.most), stages=stages,
+    dist.all_gather_object(rows,
+                           dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), most=rss.mib(rss.most),
+                                stages=stages,
                                       shard_mib=shard, largest_tensor_mib=max(p.nbytes for p in model.parameters()) / 2**20))
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
 

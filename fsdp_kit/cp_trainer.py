@@ -1,4 +1,4 @@
-"""What the transformers FSDP page says about evaluating with context parallelism (CP), run with an unmodified `Trainer` on 2 CPU ranks as far as torch allows: the launch flags that turn CP on, `evaluate()` through `prediction_step` with `num_items_in_batch` counted before the split, the exact error where torch's `context_parallel` stops on CPU, and the GPU check of transformers PR #48167 (`eval_loss` equal at `cp_size` 1, 2 and 4).
+"""Evaluating with context parallelism through an unmodified `Trainer` on 2 CPU ranks as far as torch allows, and the GPU check.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/cp_trainer.html.md"""
 

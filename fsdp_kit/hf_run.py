@@ -1,4 +1,4 @@
-"""The four ways people shard a transformers model with FSDP2, run for real on two CPU ranks: an unmodified `Trainer` on a transformers `fsdp_config`, TRL's `SFTTrainer` with LoRA and QLoRA under `accelerate launch`, and transformers' own `DistributedConfig`; each confirmed FSDP2 on every rank, each saved and loaded back where users load it.
+"""The four ways people shard a transformers model with FSDP2, run on two CPU ranks, each confirmed FSDP2, saved and loaded back.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 
@@ -236,7 +236,8 @@ def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
         args = trainer_arguments(spec, out, fsdp_config, max_steps=steps, save_strategy="steps", save_steps=half)
         data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, spec.steps * spec.batch * args.world_size,
                          spec.seq_len, args.world_size, spec.batch, spec.seed)
-        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
+        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args,
+                                        train_dataset=data))
         trainer.train(resume_from_checkpoint=resume)
         runs.append(trainer_losses(trainer)[-(steps - (resume is not None) * half):])  # the log carries the checkpoint's history too
     files = sorted(str(p.relative_to(Path(out, f"checkpoint-{half}"))) for p in Path(out, f"checkpoint-{half}").rglob("*") if p.is_file())
@@ -283,7 +284,8 @@ def trainer_worker(spec:HFRunSpec,
     saved = str(folder / "final")
     trainer.save_model(saved)  # FULL_STATE_DICT in the file: one safetensors file, written by rank 0
     barrier()
-    result = HFRunResult("trainer", dist.get_world_size(), True, len(facts["units"]), facts["param_types"][0], facts["mixed_precision_policy"],
+    result = HFRunResult("trainer", dist.get_world_size(), True, len(facts["units"]), facts["param_types"][0],
+                         facts["mixed_precision_policy"],
                          losses, saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"], per_rank=facts["per_rank"],
                          activation_checkpointing=facts["activation_checkpointing"], eval_loss=eval_loss,
                          distributed_type=str(trainer.accelerator.distributed_type), loading=loading)
@@ -435,11 +437,13 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
     if (cfg.get("fsdp_config") or {}).get("fsdp_version", 1) == 1:
         from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2  # what `accelerate to-fsdp2 --config_file F --output_file T` runs
         from fsdp_kit.upstream import quiet
-        with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)  # its log lines on dropped keys: the notes say what was converted
+        # its log lines on dropped keys: the notes say what was converted
+        with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)
         source.write_text(yaml.dump(cfg))
         notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: converted as `accelerate to-fsdp2` "
                      f"does, to {source}")
-    if cfg.get("num_processes") != nproc: notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
+    if cfg.get("num_processes") != nproc:
+        notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
     if (cfg.get("fsdp_config") or {}).get("fsdp_offload_params") and not torch.cuda.is_available():
         overrides += ["--fsdp_offload_params", "false"]
         notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an accelerator; on CPU the parameters "
@@ -452,7 +456,8 @@ def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:
            "--main_process_port", str(port), str(EXAMPLES / "sft_lora.py"),
            "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out, "--result_json", f"{out}/result.json",
            "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length", str(spec.seq_len),
-           "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"]
+           "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules",
+           "all-linear"]
     if spec.workflow == "qlora":
         cmd += ["--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_compute_dtype", "bfloat16",
                 "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True"]
@@ -490,7 +495,8 @@ def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
     config_file, overrides, notes = accelerate_file(spec.config_path(), folder, nproc)
     cmd = sft_command(spec, config_file, overrides, base, data, str(folder / spec.workflow), free_port())
     (folder / "tmp").mkdir(exist_ok=True)  # torchrun's log folders stay in the run's folder
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),  # the script imports this kit
+    # the script imports this kit
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                         "TMPDIR": str(folder / "tmp")}
     run_command(cmd, env, folder / f"{spec.workflow}.log", timeout, "accelerate launch")
     done(2, "accelerate launch trained, saved and loaded back")
@@ -528,10 +534,13 @@ def native_worker(spec:HFRunSpec,
     if dist.get_rank() == 0: AutoModelForCausalLM.from_pretrained(base).save_pretrained(saved, state_dict=trained)
     barrier()
     result = HFRunResult("native", world, True, len(facts["units"]), facts["param_types"][0], facts["mixed_precision_policy"],
-                         trainer_losses(trainer), saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"], per_rank=facts["per_rank"],
-                         activation_checkpointing=facts["activation_checkpointing"], distributed_type=str(trainer.accelerator.distributed_type))
+                         trainer_losses(trainer), saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"],
+                         per_rank=facts["per_rank"],
+                         activation_checkpointing=facts["activation_checkpointing"],
+                         distributed_type=str(trainer.accelerator.distributed_type))
     result.notes += [f"fsdp_plan: {json.dumps(_native_plan(model))}",
-                     f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and the model's fsdp_plan decide the units"]
+                     f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and the model's fsdp_plan decide "
+                     "the units"]
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
     done(3, "saved and loaded back")
     return result

@@ -1,4 +1,4 @@
-"""`launch()` runs a function on N real processes (gloo on CPU, NCCL on GPU) from a notebook cell or a script, and `torchrun_command()` builds the same job for `torchrun`.
+"""`launch()` runs a function on N real processes from a notebook cell or a script; `torchrun_command()` builds the job for torchrun.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 
@@ -80,7 +80,8 @@ def _init_process_group(backend:str, timeout:float):
         # rank could read a dead peer's address. Each attempt gets keys of its own.
         store = dist.PrefixStore(f"fsdp_kit/attempt_{attempt()}", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                                                is_master=False, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
     else: dist.init_process_group(backend, timeout=timeout)
 
 # %% ../nbs/10_launch.ipynb #740602c1
@@ -241,18 +242,22 @@ def rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
-    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a stack outside any collective
+    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a stack outside any
+    # collective
     silent = sorted(r for r, t in terminated.items() if r not in errors and r not in stuck and not collective_in(main_thread_stack(t)))
     if not stuck and not (timed_out and (progress or silent)): return None  # otherwise the earliest error is all we know
-    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, "")) or (errors.get(r) or {}).get("traceback") or ""
+    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, "")) or (errors.get(r) or {}).get("traceback")
+              or ""
               for r in progress | stuck | errors | dict.fromkeys(silent)}
     most = max((p["started"] for p in progress.values()), default=0)
-    behind = sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r])) or silent or sorted(stuck or timed_out)
+    behind = (sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r]))
+              or silent or sorted(stuck or timed_out))
     hung, waiters = behind[0], sorted(r for r in stacks if r not in behind)
     waited_in = sorted({c for r in waiters if (c := collective_in(stacks[r]))})
     p = progress.get(hung, {})
     where = re.findall(r"line \d+,? in (\w+)", stacks.get(hung, ""))
-    message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start step {p.get('done', 0) + 1}" if p else f"rank {hung} hung")
+    message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start step {p.get('done', 0) + 1}" if p
+               else f"rank {hung} hung")
     if waiters: message += f"; rank(s) {', '.join(map(str, waiters))} waited for it in {' / '.join(waited_in) or 'a collective'}"
     timeout = next(iter(progress.values()), {}).get("timeout")
     message += f" (no progress for {timeout:g} s)" if timeout else ""
@@ -273,7 +278,8 @@ def diagnose(run_dir, # the launch's run folder
     if silent:
         others = sorted(errors, key=lambda r: errors[r]["time"])
         return dict(rank=silent[0], kind="died", others=silent[1:] + others, traceback="",
-                    message=f"rank {silent[0]} died without reporting an error (killed by a signal such as SIGKILL, or the out-of-memory killer)"
+                    message=f"rank {silent[0]} died without reporting an error (killed by a signal such as SIGKILL, or the out-of-memory "
+                            "killer)"
                             + (f"; step {progress[silent[0]]['done']} was its last finished step" if silent[0] in progress else ""))
     if errors:
         first, *later = sorted(errors.values(), key=lambda e: e["time"])
@@ -290,7 +296,8 @@ def attempts(run_dir) -> int:
 def restarts(run_dir, before:int=None) -> list:
     "Why each earlier attempt ended: one `diagnose` dict (plus `attempt`) per attempt before `before` (default: the last)."
     before = attempts(run_dir) - 1 if before is None else before
-    return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a) for a in range(before)]
+    return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a)
+            for a in range(before)]
 
 # %% ../nbs/10_launch.ipynb #bb679095
 class WorkerError(RuntimeError):
@@ -333,7 +340,8 @@ def free_port() -> int:
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
     import importlib
-    importlib.import_module("torch.distributed.elastic.agent.server.api")  # its logger gets a level of its own when first imported: import it first
+    # its logger gets a level of its own when first imported: import it first
+    importlib.import_module("torch.distributed.elastic.agent.server.api")
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn",
                                               "torch.distributed.elastic.agent.server.api")]  # "Received 2 death signal" on Ctrl-C
     levels = [l.level for l in loggers]
@@ -411,7 +419,8 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if nnodes == 1 and rdzv_endpoint is None: cmd += ["--standalone"]
     else:
         if not rdzv_endpoint: raise bad_value("rdzv_endpoint", rdzv_endpoint, "HOST:PORT of the first node, needed when nnodes > 1")
-        if not isinstance(rdzv_id, str) or not rdzv_id.strip(): raise bad_value("rdzv_id", rdzv_id, "a non-empty name every node of the job shares")
+        if not isinstance(rdzv_id, str) or not rdzv_id.strip():
+            raise bad_value("rdzv_id", rdzv_id, "a non-empty name every node of the job shares")
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
         if rdzv_timeout is not None:
@@ -477,7 +486,8 @@ def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=Non
 def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, rdzv_timeout=None, **_) -> KitError:
     "The rendezvous ended without every node: name the nodes that never joined and how to start them."
     others = ", ".join(str(r) for r in range(nnodes) if r != node_rank)
-    return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the rendezvous at {rdzv_endpoint} (id {rdzv_id!r}) "
+    return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the rendezvous at {rdzv_endpoint} (id "
+                    f"{rdzv_id!r}) "
                     f"within {rdzv_timeout or 600} s. Start the same command on each of them with its own --node-rank, "
                     "the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout")
 
@@ -495,7 +505,8 @@ def worker_main(run_dir:str):
     run_worker(fn, args, backend, timeout, run_dir)
 
 # %% ../nbs/10_launch.ipynb #b7c1e2a1
-PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "transformers.modeling_utils")  # what every worker of the kit imports
+# what every worker of the kit imports
+PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "transformers.modeling_utils")
 
 def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
                   nproc:int, # processes per node
@@ -506,7 +517,8 @@ def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
     cmd = torchrun_command("fsdp_kit", ["worker", run_dir], nproc=nproc, python=sys.executable, **nodes)
     at = cmd.index("-m", 3)  # where torchrun's own options end and the worker's module begins
     script = importlib.util.find_spec("fsdp_kit.__main__").origin  # `python -m fsdp_kit`, as a script torchrun can run in its process
-    return [sys.executable, "-m", "fsdp_kit", "agent", "--log-dir", str(Path(run_dir)/"elastic"),  # torchrun's log folder: in the run folder, removed with it
+    # torchrun's log folder: in the run folder, removed with it
+    return [sys.executable, "-m", "fsdp_kit", "agent", "--log-dir", str(Path(run_dir)/"elastic"),
             "--run-path", "--start-method", "fork", *cmd[3:at], script, *cmd[at+2:]]
 
 def agent_main(argv:list):
@@ -544,9 +556,11 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
     if launcher == "notebook" and (nnodes != 1 or max_restarts or rdzv_timeout):
         raise bad_value("launcher", launcher, "'torchrun' with nnodes > 1, max_restarts > 0 or rdzv_timeout")
     if backend not in (None, "gloo", "nccl"): raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
-    if backend == "nccl" and not _has_cuda(): raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
+    if backend == "nccl" and not _has_cuda():
+        raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
     check_arg_types(fn, args)
-    nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout)
+    nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                 rdzv_timeout=rdzv_timeout)
     torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
     if rdzv_endpoint is not None: _check_endpoint(rdzv_endpoint)
     check_specs(args, nprocs * nnodes)
@@ -591,16 +605,19 @@ def check_specs(args:tuple, world_size:int):
         params = inspect.signature(check).parameters
         wanted = [p for p in params.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
         optional = params.get("world_size")
-        if optional is not None and optional.default is not optional.empty: check(world_size=world_size)  # a RunSpec: its mesh sizes must fill the world
+        # a RunSpec: its mesh sizes must fill the world
+        if optional is not None and optional.default is not optional.empty: check(world_size=world_size)
         elif len(wanted) == 0: check()
         elif len(wanted) == 1: check(world_size)
 
 def _check_endpoint(endpoint:str):
     "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve (torchrun would retry it silently)."
     host, _, port = str(endpoint).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536: raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a port in 1..65535")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a port in 1..65535")
     try: socket.getaddrinfo(host.strip("[]"), int(port))
-    except (socket.gaierror, UnicodeError) as e: raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a host this machine can resolve", str(e)) from None
+    except (socket.gaierror, UnicodeError) as e:
+        raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a host this machine can resolve", str(e)) from None
 
 def under_torchrun() -> bool:
     "Is this process a rank that a user's own `torchrun` started (not a worker of `launch`)?"

@@ -1,4 +1,4 @@
-"""Adapters added before `fully_shard`, gathered and saved whole in peft's format, reloaded with peft at the same loss, switched and merged while sharded.
+"""Adapters added before `fully_shard`, saved whole in peft's format, reloaded at the same loss, switched and merged while sharded.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/lora.html.md"""
 
@@ -127,7 +127,8 @@ def adapter_round_trip(model, # a sharded PeftModel
 # %% ../nbs/05a_lora.ipynb #750951ab
 def base_shards(model) -> dict:
     "A copy of this rank's part of every base weight a LoRA adapter is on (`...base_layer.weight`), in a sharded PeftModel."
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters() if n.endswith("base_layer.weight")}
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()
+            if n.endswith("base_layer.weight")}
 
 def train_steps(model, # a sharded model
                 steps:int, # optimizer steps
@@ -178,7 +179,8 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from peft.utils.other import fsdp_auto_wrap_policy
-        model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"), use_orig_params=layout.endswith("orig params"))
+        model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"),
+                     use_orig_params=layout.endswith("orig params"))
         peft = model.module
     with torch.no_grad(): model(input_ids=rank_rows(tokens, rank, world_size))
     q = peft.base_model.model.model.layers[0].self_attn.q_proj
@@ -195,7 +197,8 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
         if layout.startswith("fully_shard"):
             for m in model.modules():
                 if hasattr(m, "reshard"): m.reshard()  # what every weight holds once the gathered copies are freed
-        now = {plain_key(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in peft.named_parameters() if plain_key(n) in want}
+        now = {plain_key(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in peft.named_parameters()
+               if plain_key(n) in want}
         out |= dict(merge="no error", peft_says_merged=all(m.merged for m in peft.modules() if hasattr(m, "merged")),
                     vs_one_process_merge=max((now[k] - want[k]).abs().max().item() for k in want),
                     vs_unmerged=max((now[k] - before[k]).abs().max().item() for k in want),
@@ -242,7 +245,8 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
         return model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out_dir = out_dir or decide_on_rank0(lambda: tempfile.mkdtemp(prefix="fsdp_kit_merged_"))
-    model, tokens = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0], synthetic_tokens(256, 2 * world_size, 32, step=10_002)
+    model, tokens = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0], synthetic_tokens(
+        256, 2 * world_size, 32, step=10_002)
     switched = {}
     for name in ("second", "default"):  # set_adapter on the sharded model, each adapter's loss
         model.set_adapter(name)
@@ -266,7 +270,8 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
         saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
         result["max_weight_diff_vs_one_process_merge"] = max((saved[k] - reference[k]).abs().max().item() for k in reference)
         merged_max = max(saved[k].abs().max().item() for k in reference if k.endswith("proj.weight"))
-        result |= dict(unmerge_max_diff=restored.item(), merged_max_abs=merged_max, unmerge_bound=torch.finfo(torch.float32).eps * merged_max,
+        result |= dict(unmerge_max_diff=restored.item(), merged_max_abs=merged_max,
+                       unmerge_bound=torch.finfo(torch.float32).eps * merged_max,
                        losses_after_unmerge=went_on, losses_never_merged=never_merged, layouts=layouts)
     return result
 

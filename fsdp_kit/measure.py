@@ -1,4 +1,4 @@
-"""Per-rank memory by category (exact tensor accounting with `FSDPMemTracker`), a memory timeline across forward, backward and the optimizer step, collectives and their bytes counted as `CommDebugMode` counts them, and the step time: one `measure_step` every lab uses.
+"""Per-rank memory by category, a memory timeline, collectives and their bytes, and the step time: one `measure_step` every lab uses.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
@@ -51,7 +51,8 @@ def unit_tracker():
         "Register forward hooks on the unit's modules as fully_shard does (the tracker's own run even when forward raises); return (pre, post) handles."
         if len(state._modules) == 1:
             m = state._modules[0]
-            return m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), m.register_forward_hook(post, prepend=False, always_call=always_call)
+            return m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), m.register_forward_hook(
+                post, prepend=False, always_call=always_call)
         h = _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward, state._cast_output_dtype)
         return h, h
 
@@ -60,7 +61,8 @@ def unit_tracker():
             "(first module, state) of each FSDP unit with parameters, once per unit."
             seen = {}
             for m in self._root_mod.modules():
-                if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group: seen.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
+                if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group:
+                    seen.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
             return list(seen.values())
 
         def _instrument_fsdp_module(self):
@@ -69,7 +71,8 @@ def unit_tracker():
                 state._pre_forward_hook_handle.remove(); state._post_forward_hook_handle.remove()
                 self._instrument_fsdp_sharded_params_grads(group)
                 state._pre_forward_hook_handle, state._post_forward_hook_handle = hook(
-                    state, self._fsdp_state_pre_forward(module, state._pre_forward), self._fsdp_state_post_forward(module, state._post_forward), always_call=True)
+                    state, self._fsdp_state_pre_forward(module, state._pre_forward),
+                    self._fsdp_state_post_forward(module, state._post_forward), always_call=True)
                 self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
                 group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
                 group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
@@ -142,7 +145,8 @@ def comm_counter():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator): return func(*args, **kwargs)
-            if any(t is DTensor for t in types): return NotImplemented  # DTensor runs its local ops, collectives included, through this mode again
+            # DTensor runs its local ops, collectives included, through this mode again
+            if any(t is DTensor for t in types): return NotImplemented
             called, out = time.perf_counter(), func(*args, **kwargs)
             packet = func._overloadpacket
             if packet in registry:
@@ -185,8 +189,9 @@ def peak_by_category(tracker) -> dict:
     return out
 
 # %% ../nbs/04a_measure.ipynb #5333514a
+# torch's ModTracker (memory and FLOP trackers) on a module called twice in a step, as transformers' hub-kernel function wrappers are
 QUIET_WARNINGS = ("For backward hooks to be called", "returned a view tensor", "Full backward hook is firing",
-                  "module hierarchy tracking maybe be messed up")  # torch's ModTracker (memory and FLOP trackers) on a module called twice in a step, as transformers' hub-kernel function wrappers are
+                  "module hierarchy tracking maybe be messed up")
 
 @contextmanager
 def quiet_hook_warnings():
@@ -282,7 +287,8 @@ def _covered_data(ax, box) -> list:
     def near(points, radius, b):  # any finite point within `radius` pixels of box `b`
         p = np.asarray(points, float).reshape(-1, 2)
         p = p[np.isfinite(p).all(1)]
-        return bool(((p[:, 0] >= b.x0 - radius) & (p[:, 0] <= b.x1 + radius) & (p[:, 1] >= b.y0 - radius) & (p[:, 1] <= b.y1 + radius)).any())
+        return bool(((p[:, 0] >= b.x0 - radius) & (p[:, 0] <= b.x1 + radius) & (p[:, 1] >= b.y0 - radius) & (p[
+            :, 1] <= b.y1 + radius)).any())
     hits = []
     for line in ax.lines:
         b = where(line)
@@ -290,14 +296,16 @@ def _covered_data(ax, box) -> list:
         xy = line.get_transform().transform(np.asarray(line.get_xydata(), float))
         xy = xy[np.isfinite(xy).all(1)]
         if not len(xy): continue
-        if line.get_linestyle() not in ("None", "", " ") and line.get_linewidth() > 0 and (near(xy, 0, b) or Path(xy).intersects_bbox(b, filled=False)):
+        if (line.get_linestyle() not in ("None", "", " ") and line.get_linewidth() > 0
+            and (near(xy, 0, b) or Path(xy).intersects_bbox(b, filled=False))):
             hits.append(f"line {_named(line, ax)}")
         elif line.get_marker() not in ("None", "none", "", " ", None) and near(xy, line.get_markersize() / 2 * px, b):
             hits.append(f"markers of {_named(line, ax)}")
     for patch in ax.patches:
         b = where(patch)
         if not patch.get_visible() or b is None: continue
-        if not all(patch.get_transform().contains_branch_seperately(ax.transData)): continue  # axvspan / axhspan: a band shaded behind the data
+        # axvspan / axhspan: a band shaded behind the data
+        if not all(patch.get_transform().contains_branch_seperately(ax.transData)): continue
         path = patch.get_transform().transform_path(patch.get_path())
         ext = path.get_extents()
         if ext.width > 0.5 and ext.height > 0.5 and path.intersects_bbox(b, filled=True): hits.append(f"patch {_named(patch, ax)}")
@@ -344,14 +352,18 @@ def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
     "figure_problems' measurements, on a figure just drawn by `renderer`."
     from matplotlib.text import Text
     problems, width = [], fig.get_size_inches()[0]
-    drawn = fig.get_tightbbox(renderer).width  # the notebook saves this tight box around everything drawn: a legend beside the axes widens it
+    # the notebook saves this tight box around everything drawn: a legend beside the axes widens it
+    drawn = fig.get_tightbbox(renderer).width
     if max(width, drawn) > max_width_in:
-        problems.append(f"{max(width, drawn):.1f} inches wide (figsize {width:.1f}, as drawn {drawn:.1f}); the docs page fits {max_width_in:g}")
+        problems.append(f"{max(width, drawn):.1f} inches wide (figsize {width:.1f}, as drawn {drawn:.1f}); the docs page fits "
+                        f"{max_width_in:g}")
     small = {}
     for t in fig.findobj(Text):
-        if t.get_visible() and t.get_text().strip() and t.get_fontsize() < min_font_pt: small.setdefault(t.get_fontsize(), set()).add(t.get_text().strip()[:30])
+        if t.get_visible() and t.get_text().strip() and t.get_fontsize() < min_font_pt:
+            small.setdefault(t.get_fontsize(), set()).add(t.get_text().strip()[:30])
     if small:
-        problems.append(f"text under {min_font_pt:g} pt: " + "; ".join(f"{s:g} pt {sorted(small[s])[:3]}" + (f" and {len(small[s]) - 3} more" if len(small[s]) > 3 else "")
+        problems.append(f"text under {min_font_pt:g} pt: " + "; ".join(f"{s:g} pt {sorted(small[s])[:3]}" + (f" and {len(small[s]) - 3} "
+            "more" if len(small[s]) > 3 else "")
                                                              for s in sorted(small)))
     labels = _drawn_labels(fig)
     for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]:
@@ -387,8 +399,11 @@ def plot_timeline(timelines:dict, ax=None, mib:bool=True):
     first = next(iter(timelines.values()))
     for phase, color in (("backward", "#f3e6ff"), ("optimizer", "#e6f7ea")):
         idx = [i for i, (p, _) in enumerate(first) if p == phase]
-        if idx: ax.axvspan(idx[0] / max(1, len(first) - 1), idx[-1] / max(1, len(first) - 1), color=color, zorder=0, label=wrap_label(f"{phase} ({next(iter(timelines))})"))
-    ax.set(xlabel="progress through the step (forward, backward, optimizer)", ylabel="MiB on this rank" if mib else "bytes", title="memory over one training step")
+        if idx:
+            ax.axvspan(idx[0] / max(1, len(first) - 1), idx[-1] / max(1, len(first) - 1), color=color, zorder=0,
+                       label=wrap_label(f"{phase} ({next(iter(timelines))})"))
+    ax.set(xlabel="progress through the step (forward, backward, optimizer)", ylabel="MiB on this rank" if mib else "bytes",
+           title="memory over one training step")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, never over them
     return check_figure(ax.figure) if own else ax.figure
 
@@ -476,7 +491,8 @@ def record_label(record:dict) -> str:
     stack = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes") if v.get(k))
     if record.get("mode") == "gpu":
         return f"stored GPU record {record['file']}: {d['gpu_count']} x {d['gpu_name']}, {stack}, CUDA {d.get('cuda')}, {record['date']}"
-    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): it exercises the GPU check's code path, "
+    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): it exercises the GPU check's code "
+            "path, "
             f"these are NOT GPU numbers; {stack}, {record['date']}")
 
 def stored_gpu_lines(steps:list, # gpu_check step names, e.g. ["ac-offload"]

@@ -1,4 +1,4 @@
-"""Small transformers causal LMs built from a config (presets or any `config.json`, nothing downloaded), on a real device or on the meta device, and deterministic synthetic token batches split per rank.
+"""Small transformers causal LMs built from a config, on a real or the meta device, and deterministic synthetic token batches per rank.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/models.html.md"""
 
@@ -27,10 +27,13 @@ def read_config_json(path:Path) -> dict:
     if path.is_dir(): path = path/"config.json"
     if not path.is_file(): raise bad_value("model", str(path), f"a preset ({', '.join(PRESETS)}) or an existing config.json path")
     try: d = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e: raise bad_value("model", str(path), "a config.json in UTF-8 text", f"byte {e.start} is {e.object[e.start:e.start + 1]!r}, not UTF-8") from None
+    except UnicodeDecodeError as e:
+        raise bad_value("model", str(path), "a config.json in UTF-8 text",
+                        f"byte {e.start} is {e.object[e.start:e.start + 1]!r}, not UTF-8") from None
     except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e}") from None
     except OSError as e: raise bad_value("model", str(path), "a readable config.json", e.strerror or str(e)) from None
-    if not isinstance(d, dict): raise bad_value("model", str(path), "a config.json holding one JSON object of config keys", f"it holds a {type(d).__name__}")
+    if not isinstance(d, dict):
+        raise bad_value("model", str(path), "a config.json holding one JSON object of config keys", f"it holds a {type(d).__name__}")
     if "model_type" not in d: raise KitError(f"{path} has no 'model_type': transformers needs it to pick the architecture")
     return d
 
@@ -75,13 +78,15 @@ def try_config(config, # a transformers config
     try: tokens = synthetic_tokens(config.vocab_size, 1, 8)
     except Exception as e: raise _config_error(model, keys, e, "drawing token ids in [0, vocab_size)", ("vocab_size",)) from None
     try:
-        with torch.random.fork_rng(devices=[]): meta = build_model(copy.deepcopy(config), device="meta")  # leaves the RNG and config as they were
+        # leaves the RNG and config as they were
+        with torch.random.fork_rng(devices=[]): meta = build_model(copy.deepcopy(config), device="meta")
         if not expert_modules(meta):  # MoE routes each token by its values, which the meta device does not hold: built, not run
             with torch.no_grad():  # a cache skips the packed-sequence check, which reads values
                 meta(input_ids=tokens.to("meta"), labels=tokens.to("meta"), use_cache=True)
     except Exception as e: raise _config_error(model, keys, e, "building the model and a 1 x 8-token forward on the meta device") from None
     if not decoder_layers(meta):
-        raise _config_error(model, keys, KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard"), "looking for decoder layers", ("num_hidden_layers",))
+        raise _config_error(model, keys, KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard"),
+                            "looking for decoder layers", ("num_hidden_layers",))
     _TRIED.add(key)
     return config
 

@@ -1,4 +1,4 @@
-"""A small Mixtral built from a config, sharded with `fully_shard` two ways (the experts inside their layer's unit, and the experts as units of their own) and measured on 2 CPU ranks; then transformers' own `DistributedConfig` with `fsdp_size`, `ep_size` and `tp_size`, the tip of the transformers FSDP page, run as far as transformers 5.25.0 goes on CPU.
+"""A small Mixtral sharded two ways and measured on 2 CPU ranks; then transformers' `DistributedConfig` with fsdp, ep and tp sizes.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/moe.html.md"""
 

@@ -1,4 +1,4 @@
-"""Each note of PEFT's "FSDP + QLoRA" guide run on two CPU ranks under FSDP2, with its result asserted: `modules_to_save` saved and reloaded whole, `paged_adamw_8bit`, DoRA and QDoRA, `set_requires_grad`, prompt tuning, prefix tuning and adaption prompt, the Trainer's best model on `eval_loss`, and the guide's commands in full.
+"""Each note of PEFT's "FSDP + QLoRA" guide run on two CPU ranks under FSDP2, with its result asserted.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/peft.html.md"""
 

@@ -1,4 +1,4 @@
-"""Small process-group helpers the labs share: one decision made on rank 0, a barrier, a temporary folder every rank sees, a mean over ranks, gathers of tensors and of objects, and quiet library logs.
+"""Small process-group helpers the labs share: a decision on rank 0, a barrier, a shared temporary folder, means, gathers, quiet logs.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ranks.html.md"""
 

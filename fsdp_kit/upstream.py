@@ -1,4 +1,4 @@
-"""`upstream_reading` runs accelerate's and transformers' own code on an FSDP config file and reports what their entry point builds: for an accelerate YAML, the FSDP plugin `accelerate launch --config_file` hands the script; for a transformers `fsdp_config` JSON, the plugin `TrainingArguments(fsdp=True, fsdp_config=...)` hands accelerate. `load_fsdp_config` follows it, and notes every field where the kit runs something else.
+"""What accelerate's and transformers' own code builds from an FSDP config file, and every field where the kit runs something else.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/upstream.html.md"""
 
@@ -17,8 +17,9 @@ from pathlib import Path
 from .errors import KitError, bad_value
 
 # %% ../nbs/03a_upstream.ipynb #9987cab0
+# FSDPConfig's names
 FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "mixed_precision",
-          "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")  # FSDPConfig's names
+          "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch dtype -> the spelling of accelerate and FSDPConfig
 UPSTREAM_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # variables through which accelerate hands settings to a worker
 
@@ -93,12 +94,14 @@ def environ(env:dict):
     try: yield
     finally: os.environ.clear(); os.environ.update(saved)
 
+# torchrun's (and every TORCHELASTIC_*): read inside a worker, they would make TrainingArguments join the worker's process group
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # torchrun's (and every TORCHELASTIC_*): read inside a worker, they would make TrainingArguments join the worker's process group
+              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 def clean_environ() -> dict:
     "This process's environment without accelerate's and FSDP's own variables, nor torchrun's: a fresh shell's."
-    return {k: v for k, v in os.environ.items() if not k.startswith(UPSTREAM_ENV) and not (k in LAUNCH_ENV or k.startswith("TORCHELASTIC_"))}
+    return {k: v for k, v in os.environ.items() if not k.startswith(UPSTREAM_ENV)
+            and not (k in LAUNCH_ENV or k.startswith("TORCHELASTIC_"))}
 
 @contextlib.contextmanager
 def quiet():
@@ -113,8 +116,10 @@ def quiet():
             for l, level in zip(loggers, levels): l.setLevel(level)
 
 # %% ../nbs/03a_upstream.ipynb #ffeed71b
-NO_DEVICE = ("There are currently no available devices found",  # accelerate <= 1.15: its FSDP1 plugin looks up the current GPU for sync_module_states
-             "FSDP parameter initialization with `sync_module_states=True` is not supported on")  # accelerate >= 1.16: refused on cpu and mps
+# accelerate <= 1.15: its FSDP1 plugin looks up the current GPU for sync_module_states
+# accelerate >= 1.16: refused on cpu and mps
+NO_DEVICE = ("There are currently no available devices found",
+             "FSDP parameter initialization with `sync_module_states=True` is not supported on")
 
 def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* variables from it)
                 **kwargs # arguments of FullyShardedDataParallelPlugin, as transformers' Trainer passes them
@@ -164,8 +169,9 @@ def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND
     "One helper process per kit process and command for TrainingArguments: importing it takes seconds, and imports peft and bitsandbytes."
     import subprocess, sys
     env = {**clean_environ(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a worker's helper stays out of its process group
+    # it ends when this process closes its stdin (or dies)
     return subprocess.Popen([sys.executable, "-c", "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # it ends when this process closes its stdin (or dies)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 def serve_plugin_args():
     "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out with the answer of `plugin_args_here` or the error it raised."
@@ -203,7 +209,8 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
 def policy_name(plugin) -> str:
     "The auto-wrap policy's name in accelerate's spelling (the plugin holds torch's function)."
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-    return {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP", None: "NO_WRAP"}[plugin.auto_wrap_policy]
+    return {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP",
+            None: "NO_WRAP"}[plugin.auto_wrap_policy]
 
 def dtype_name(dtype) -> str:
     "bf16, fp16 or fp32 for a torch dtype."
@@ -222,8 +229,10 @@ def precision_reading(plugin, mixed_precision:str) -> dict:
     if mixed_precision == "no" or mixed_precision is None: return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
     plugin.set_mixed_precision(mixed_precision)
     policy = plugin.mixed_precision_policy
-    names = {k: dtype_name(getattr(policy, k)) for k in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype") if getattr(policy, k, None) is not None}
-    return dict(mixed_precision=mixed_precision, reduce_dtype=None if names["reduce_dtype"] == names["param_dtype"] else names["reduce_dtype"],
+    names = {k: dtype_name(getattr(policy, k)) for k in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
+             if getattr(policy, k, None) is not None}
+    return dict(mixed_precision=mixed_precision, reduce_dtype=None if names["reduce_dtype"] == names["param_dtype"]
+                else names["reduce_dtype"],
                 mixed_precision_policy=names)  # reduce_dtype None: the compute dtype, as FSDPConfig spells it
 
 def plugin_reading(plugin, mixed_precision:str) -> dict:
@@ -264,7 +273,9 @@ def upstream_reading(path:str, # an accelerate config .yaml (or .json) or a tran
     "What the upstream entry point for the file builds, computed by accelerate's and transformers' own code."
     data = parse_fsdp_file(Path(path))
     accelerate = isinstance(data, dict) and is_accelerate_config(data)
-    entry = f"accelerate launch {' '.join(launch_args(path))}" if accelerate else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}" + (f", {mixed_precision}=True)" if mixed_precision != "no" else ")")
+    entry = (f"accelerate launch {' '.join(launch_args(path))}" if accelerate
+             else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}" + (f", {mixed_precision}=True)" if mixed_precision != "no"
+                                                                               else ")"))
     try:
         with quiet(): reading = accelerate_reading(path) if accelerate else trainer_reading(path, mixed_precision)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:  # upstream refuses the file: say how, in its own words
@@ -290,12 +301,15 @@ def to_fsdp2(data:dict, # an accelerate config or a transformers fsdp_config for
     "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one (a transformers fsdp_config goes through it with accelerate's fsdp_ prefix)."
     from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
-    section = dict((data.get("fsdp_config") or {}) if accelerate else {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in data.items()})
+    section = dict((data.get("fsdp_config") or {}) if accelerate
+                   else {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in data.items()})
     for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):  # accelerate's numbers and lower case, as its plugin reads them
         value = section.get(key)
-        if isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip().isdigit() and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY):
+        if (isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip().isdigit()
+            and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY)):
             section[key] = FSDP_SHARDING_STRATEGY[int(value) - 1]
-        elif isinstance(value, str) and value.strip().upper().lstrip("_") in FSDP_SHARDING_STRATEGY: section[key] = value.strip().upper().lstrip("_")
+        elif isinstance(value, str) and value.strip().upper().lstrip("_") in FSDP_SHARDING_STRATEGY:
+            section[key] = value.strip().upper().lstrip("_")
     section.setdefault("fsdp_version", 1)
     with quiet(): converted = convert_config_to_fsdp2({"fsdp_config": section})["fsdp_config"]
     if accelerate: return {**data, "fsdp_config": converted}
