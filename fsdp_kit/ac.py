@@ -19,7 +19,7 @@ from .models import decoder_layers, model_checkpointing
 AC_POLICIES = ("none", "full", "selective-layer:K", "selective-op")  # what `ac` accepts; K is a whole number >= 1
 
 def parse_ac(policy:str) -> tuple:
-    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) for every K-th decoder layer or ('op', 1); a KitError naming the value otherwise."
+    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) or ('op', 1); a KitError naming the value otherwise."
     fixed = {"none": ("none", 0), "full": ("full", 1), "selective-op": ("op", 1)}
     if isinstance(policy, str) and policy in fixed: return fixed[policy]
     if isinstance(policy, str) and policy.startswith("selective-layer:"):
@@ -29,7 +29,7 @@ def parse_ac(policy:str) -> tuple:
 
 # %% ../nbs/04c_ac.ipynb #27cb1492
 def saved_ops() -> set:
-    "The ops whose outputs `selective-op` keeps: matrix multiplies (every second one excepted, see `_op_policy`) and attention, the expensive ones; every other op is recomputed."
+    "The ops whose outputs `selective-op` keeps: the expensive ones; every other op is recomputed."
     import torch
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -86,11 +86,9 @@ def ac_policy(cfg, # an FSDPConfig
 # %% ../nbs/04c_ac.ipynb #2beae0e9
 def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded or not
                    tokens, # (batch, seq) token ids; the labels are the same ids, shifted as transformers shifts them
-                   ce_chunks:int=0 # 0: the model's own loss (whole logits); N: lm_head and the loss in N chunks of tokens, each recomputed in backward
+                   ce_chunks:int=0 # 0: the model's own loss (whole logits); N: lm_head and the loss in N chunks of tokens
                   ):
-    """The mean next-token cross-entropy of `tokens`, as `model(input_ids=tokens, labels=tokens).loss` computes it. With `ce_chunks`, lm_head
-    runs inside the model's forward (where FSDP has gathered it) on one chunk of tokens at a time under a non-reentrant checkpoint: each
-    chunk's logits, their float32 copy and log-softmax are freed before the next chunk, and made again one chunk at a time in backward."""
+    "The mean next-token cross-entropy of `tokens`, as `model(input_ids=tokens, labels=tokens).loss` computes it."
     if not ce_chunks: return model(input_ids=tokens, labels=tokens).loss
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
@@ -151,7 +149,7 @@ def activations_on_host():
 # %% ../nbs/04c_ac.ipynb #7135acb8
 @dataclass
 class DeviceCopy:
-    "One call that names a device: the method, from which device to which, the bytes it was handed, whether it made a new tensor, and its caller."
+    "One call that names a device: the method, from and to, the bytes, whether it made a new tensor, and its caller."
     method:str # to, cpu, cuda or copy_
     src:str # the device of the tensor it was called on (copy_: of the source)
     dst:str # the device of what it returned (copy_: of the tensor written into)
@@ -160,16 +158,13 @@ class DeviceCopy:
     site:str # module.function that made the call
 
 def _names_device(args:tuple, kwargs:dict) -> bool:
-    "Whether a `Tensor.to` call names a device: `device=`, a device or its name or index, or a tensor whose device to take (a dtype alone does not)."
+    "Whether a `Tensor.to` call names a device (a dtype alone does not)."
     import torch
     return "device" in kwargs or any(isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
 
 @contextmanager
 def count_copies():
-    """A context that yields a list, filled with a `DeviceCopy` for every `Tensor.to` that names a device, every `.cpu()` and `.cuda()`, and every
-    `copy_` between two devices, made anywhere in this process (backward and FSDP's hooks included) while it is open. It replaces those
-    methods of `torch.Tensor` for the while: a `TorchFunctionMode` would not do, since torch takes a mode off its stack while the mode handles
-    a call, so one that sees `backward` sees nothing that backward runs."""
+    "A context that yields a list of a `DeviceCopy` for every copy between devices made in this process while it is open."
     import sys, torch
     calls, saved = [], {name: torch.Tensor.__dict__.get(name) for name in _COPY_METHODS}
     def wrap(name):

@@ -79,7 +79,7 @@ def _probe_dir(dir, field:str="ckpt"):
 
 @contextmanager
 def lock_checkpoint_dir(dir):
-    "Hold an exclusive lock on checkpoint folder `dir` (DIR/.lock, holding this pid) while the block runs; refuse if another process holds it."
+    "Hold an exclusive lock on checkpoint folder `dir` (DIR/.lock, holding this pid) while the block runs."
     import fcntl
     Path(dir).mkdir(parents=True, exist_ok=True)
     fd = os.open(Path(dir)/".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -87,7 +87,8 @@ def lock_checkpoint_dir(dir):
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise KitError(f"ckpt={str(dir)!r} is in use by another run (pid {holder}): wait for it to finish or use another folder") from None
+            raise KitError(f"ckpt={str(dir)!r} is in use by another run (pid {holder}): "
+                           "wait for it to finish or use another folder") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield Path(dir)
@@ -221,7 +222,7 @@ def _trainer_state(step:int, schedule) -> dict:
 
 # %% ../nbs/07_checkpoint.ipynb #c7311ab5
 def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tuple=()):
-    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints (`broken` ones first, never counted)."
+    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints."
     manifest["files"] = _files(tmp)
     with open(tmp/"manifest.json", "w") as f:
         f.write(json.dumps(manifest, indent=1))
@@ -260,7 +261,7 @@ def _file_size_limit():
     return None if soft == resource.RLIM_INFINITY else soft
 
 def _reraise_interrupt(e:BaseException) -> BaseException:
-    "Return `e` if it is a failure to report (DCP's CheckpointException derives from BaseException); raise it again if it is an interrupt or an exit."
+    "Return `e` if it is a failure to report; raise it again if it is an interrupt or an exit."
     if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)): raise e
     return e
 
@@ -454,7 +455,7 @@ def _first_line(e:BaseException) -> str:
     return next((l.strip() for l in str(e).splitlines() if l.strip()), "")[:300]
 
 def check_resume(spec) -> tuple:
-    "Before launching: (the checkpoint `spec` would resume from or None, notes); refuses damaged folders, other runs' checkpoints, broken trainer state."
+    "Before launching: (the checkpoint `spec` would resume from or None, notes); refuses what cannot be resumed."
     folder, notes = find_checkpoint(spec.ckpt.dir)
     if folder is None: return folder, notes
     manifest = json.loads((folder/"manifest.json").read_text())
@@ -528,7 +529,7 @@ class Saver:
 def to_full(dir, # a checkpoint folder (its newest complete checkpoint is converted), or one sharded checkpoint in it (step-NNNNNN)
             out # the folder to write: config.json and model.safetensors, what from_pretrained reads (new or empty)
            ) -> Path:
-    "A sharded (DCP) checkpoint as a transformers folder, in one process without a process group: the weights whole, the optimizer state left behind."
+    "A sharded (DCP) checkpoint as a transformers folder, in one process: the weights whole, the optimizer state left behind."
     folder, out = Path(dir), Path(out)
     if not folder.is_dir(): raise bad_value("dir", str(folder), "an existing checkpoint folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())): raise bad_value("out", str(out), "a new or empty folder")
@@ -570,7 +571,7 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
 # %% ../nbs/07_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
-                 cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: FSDPConfig(cpu_ram_efficient_loading=True))
+                 cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: that loading on)
                  on_stage=None # called with "read", "sharded", "received" as the load reaches each (to measure it); None: nothing
                 ):
     "Load a transformers checkpoint and shard it as `cfg` says; with `cfg.cpu_ram_efficient_loading`, only rank 0 reads the weights."
@@ -611,7 +612,7 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 def rss_split() -> dict:
-    "This process's resident memory in two parts, bytes: `own` (RssAnon: memory only it holds) and `mapped` (RssFile: pages of mapped files, shared through the page cache); Linux only, elsewhere all of it is `own`."
+    "This process's resident memory in two parts, bytes: `own` (RssAnon) and `mapped` (RssFile)."
     try:
         with open("/proc/self/status") as f:
             kb = {k: int(v.split()[0]) for k, _, v in (l.partition(":") for l in f) if k in ("RssAnon", "RssFile")}
@@ -619,7 +620,7 @@ def rss_split() -> dict:
     except (OSError, KeyError): return dict(own=rss_bytes(), mapped=0)
 
 class PeakRSS:
-    "The highest resident set size of this process while the block runs, sampled every `interval` seconds, its split (own, mapped) at that moment, and the highest of each part (`most`)."
+    "The highest resident set size of this process while the block runs, its split then, and each part's highest."
     def __init__(self, interval:float=0.002): self.interval, self.peak = interval, 0
     def _sample(self):
         while not self._stop.is_set():

@@ -92,7 +92,8 @@ def figure_alts(nb, page_title: str) -> list:
 
 
 def render_notebook(path: Path) -> dict:
-    "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and figures that failed `measure.check_figure`."
+    "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and failed figures."
+    # a failed figure is one `measure.check_figure` refused
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(path, as_version=4)
@@ -169,7 +170,8 @@ def api_reference(modules: list) -> str:
 
 CSS = """
 body { margin: 0; font: 15px/1.55 -apple-system, 'Segoe UI', Roboto, sans-serif; color: #1d2330; }
-nav.side { position: fixed; top: 0; left: 0; bottom: 0; width: 230px; overflow-y: auto; background: #f4f6fa; border-right: 1px solid #dde3ee; padding: 16px; box-sizing: border-box; }
+nav.side { position: fixed; top: 0; left: 0; bottom: 0; width: 230px; overflow-y: auto; background: #f4f6fa;
+           border-right: 1px solid #dde3ee; padding: 16px; box-sizing: border-box; }
 nav.side a { display: block; color: #23395b; text-decoration: none; padding: 3px 6px; border-radius: 4px; font-size: 14px; }
 nav.side a.here { background: #dbe6f7; font-weight: 600; }
 nav.side .brand { font-weight: 700; font-size: 17px; margin-bottom: 10px; }
@@ -217,7 +219,8 @@ function show() {  // the plan of the chosen setting: its row-major index over t
   const p = T.plans[i];
   if (typeof p === 'string') { out.textContent = p; return; }  // the planner's own one-line refusal
   const [peak, allocated, moment] = p, gb = (b) => (b / T.gb).toFixed(2);
-  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${peak <= mem * T.gb ? 'fits' : 'does NOT fit'} in ${mem} GB (allocated ${gb(allocated)} GB)`;
+  const fits = peak <= mem * T.gb ? 'fits' : 'does NOT fit';
+  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${fits} in ${mem} GB (allocated ${gb(allocated)} GB)`;
 }
 document.getElementById('planner').addEventListener('input', show);
 show();
@@ -227,11 +230,13 @@ DEFAULTS = dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048
 
 
 def planner_page() -> dict:
-    "The planner without a kernel: the stored table of plans (`fsdp-kit plan --export-table`) and a form that looks the chosen setting up in it."
+    "The planner without a kernel: the stored table of plans and a form that looks the chosen setting up in it."
+    # the table is what `fsdp-kit plan --export-table` writes
     from fsdp_kit.config import EXAMPLES
     stored = (EXAMPLES / "plan" / "planner_table.json").read_text()
     grid = json.loads(stored)["grid"]
-    fields = "".join(f'<label>{a} <select id="{a}">' + "".join(f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>' for v in vals)
+    option = lambda a, v: f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>'
+    fields = "".join(f'<label>{a} <select id="{a}">' + "".join(option(a, v) for v in vals)
                      + "</select></label> " for a, vals in grid.items())
     fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="0.001" step="any" required></label>'
     body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as "

@@ -108,7 +108,7 @@ def _kv_heads(user:dict) -> int:
 
 def twin_config(user:dict # the user's config.json, as parsed
                ) -> tuple:
-    "(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same architecture and module structure, a few seconds to run."
+    "(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same architecture, a few seconds to run."
     twin, shrunk = dict(user), []
     def put(key, value):
         if twin.get(key) != value: shrunk.append(dict(key=key, user=user.get(key), twin=value))
@@ -137,7 +137,7 @@ class Stage:
         return {p.name.removeprefix("stage-"): p.read_text() for p in sorted(Path(folder).glob("stage-*"))}
 
 def _float_params(model, trainable:bool=None) -> dict:
-    "dtype name -> [tensors, bytes on this rank] of the model's floating-point parameters that are (not) trained (None: all); 4-bit weights left out."
+    "dtype name -> [tensors, bytes on this rank] of the model's floating-point parameters that are (not) trained."
     out = {}
     for p in model.parameters():
         if type(p).__name__ == "Params4bit" or (trainable is not None and p.requires_grad != trainable) or not p.is_floating_point():
@@ -163,7 +163,7 @@ def _codes(model) -> dict:
     return out
 
 def _held_bytes(model, folder:str) -> tuple:
-    "(bytes of weights this rank holds in memory of its own, bytes that are views of the checkpoint files in `folder` mapped into it, which ranks share in the page cache)."
+    "(bytes of weights this rank holds in memory of its own, bytes that are views of the checkpoint files in `folder`)."
     ranges = []
     for line in open("/proc/self/maps"):
         parts = line.split()
@@ -201,13 +201,13 @@ def _load(spec:DoctorSpec, twin:str):
     return AutoModelForCausalLM.from_pretrained(twin, dtype=dtype, quantization_config=quant)
 
 def _adapt(spec:DoctorSpec, model):
-    "LoRA on every linear layer (r 8), as PEFT's and TRL's examples set it; `prepare_model_for_kbit_training` first when the user's script calls it."
+    "LoRA on every linear layer (r 8), as PEFT's and TRL's examples set it."
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     if spec.kbit_prepare: model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
 
 def _arguments(spec:DoctorSpec, folder:str):
-    "The TrainingArguments of the twin's script: the user's precision and gradient checkpointing; the JSON as fsdp_config (a YAML reaches the Trainer through accelerate launch)."
+    "The TrainingArguments of the twin's script: the user's precision and gradient checkpointing, the JSON as fsdp_config."
     import torch
     from transformers import TrainingArguments
     mp = spec.precision()
@@ -243,7 +243,7 @@ def _after_prepare(model, trainer) -> dict:
                 state_dict_type=getattr(getattr(plugin, "state_dict_type", None), "name", None))
 
 def _save_and_load(spec:DoctorSpec, trainer, twin:str, folder:str, stage) -> dict:
-    "trainer.save_model as the user's script ends, then rank 0 loads it where the user will: from_pretrained, or PeftModel.from_pretrained for an adapter."
+    "trainer.save_model as the user's script ends, then rank 0 loads it where the user will."
     import torch
     from fsdp_kit.ranks import barrier
     saved = str(Path(folder) / "final")
@@ -267,7 +267,7 @@ def _save_and_load(spec:DoctorSpec, trainer, twin:str, folder:str, stage) -> dic
 
 # %% ../nbs/12_doctor.ipynb #d0c70007
 def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
-    "Each rank of the twin's script: load, adapt, train `spec.steps` steps with the Trainer, save and load back; what it saw at each point (rank 0's)."
+    "Each rank of the twin's script: load, adapt, train, save and load back; what it saw at each point (rank 0's)."
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback
     from fsdp_kit.hf import enable_cpu_fsdp, TokenRows
@@ -306,7 +306,7 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     return seen
 
 def main():
-    "The twin's script, as `accelerate launch` or `torchrun` start it: `python -m fsdp_kit.examples.doctor_twin RUN_FOLDER`; rank 0 writes seen.json."
+    "The twin's script, as `accelerate launch` or `torchrun` start it; rank 0 writes seen.json."
     import torch.distributed as dist
     folder = sys.argv[1]
     spec = DoctorSpec(**json.loads((Path(folder) / "spec.json").read_text()))
@@ -428,7 +428,8 @@ def check_wrap(ctx) -> Check:
     if _failed_at(seen) and CONTAINER_ERROR in seen["error"]: return _container_crash(ctx)
     if _failed_at(seen, "train", "Trainer") and "layer class" in seen["error"].lower():
         return Check("wrap", "FAIL", f"the run stopped in accelerate's wrap: {seen['error']}",
-                     "name a decoder layer class of the model in transformer_layer_cls_to_wrap, or leave it empty to read _no_split_modules")
+                     "name a decoder layer class of the model in transformer_layer_cls_to_wrap, "
+                     "or leave it empty to read _no_split_modules")
     p = seen.get("prepared")
     if not p: return Check("wrap", "SKIP", _stopped(seen))
     if not p["report"]["sharded"]: return Check("wrap", "WARN", "nothing was sharded, so no policy was applied (see ddp_fallback)", "")
@@ -483,7 +484,7 @@ def check_tied(ctx) -> Check:
 
 # %% ../nbs/12_doctor.ipynb #d0c70010
 def check_quant_storage(ctx) -> Check:
-    "4. 4-bit storage dtype against the dtype FSDP sees for the other parameters; the packed codes byte for byte across fully_shard and a step."
+    "4. 4-bit storage dtype against the dtype FSDP sees for the other parameters; the packed codes byte for byte."
     spec, seen = ctx["spec"], ctx["seen"]
     if spec.method != "qlora": return Check("quant_storage", "PASS", f"method {spec.method}: no 4-bit weights")
     storage = spec.quant_storage or "uint8"
@@ -506,7 +507,9 @@ def check_quant_storage(ctx) -> Check:
                      "bnb_4bit_quant_storage equal to the load dtype")
     if others != [storage]:
         return Check("quant_storage", "FAIL",
-                     f"bnb_4bit_quant_storage={storage}, the other frozen parameters are {', '.join(others)}: FSDP gathers them in one unit", f"bnb_4bit_quant_storage={ctx['others_dtype']}")
+                     f"bnb_4bit_quant_storage={storage}, the other frozen parameters are {', '.join(others)}: "
+                     "FSDP gathers them in one unit",
+                     f"bnb_4bit_quant_storage={ctx['others_dtype']}")
     return Check("quant_storage", "PASS", f"bnb_4bit_quant_storage={storage} as the other parameters; {len(before)} 4-bit weights sharded, "
                  "their packed bytes identical before and after fully_shard and after a step")
 
@@ -577,9 +580,11 @@ def check_loading(ctx) -> Check:
     s, stored, dtype = ctx.get("scale") or {}, ctx["twin"]["checkpoint_dtype"], spec.load_dtype()
     if spec.method == "qlora":
         gb = ctx["scale"]["parameters"] * 0.5 / 1e9  # 4 bits per parameter, nearly all of them in the quantized Linear layers
-        why, fix = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)", "budget host memory for one 4-bit copy per rank"
+        why = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)"
+        fix = "budget host memory for one 4-bit copy per rank"
     elif stored != dtype:
-        why, fix = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank", f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: then every rank maps the file"
+        why = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank"
+        fix = f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: then every rank maps the file"
     else: why, fix = "each rank holds its own copy", "cpu_ram_efficient_loading: true"
     user = (f"; for your model ({gb:.1f} GB per copy) on {s['gpus']} GPUs the planner puts host memory at load at "
             f"{s['host_load_gb']['every_process_loads']:.1f} GB per node"
@@ -690,7 +695,7 @@ STAGE_CHECK = {"TrainingArguments": "fsdp_version", "from_pretrained": "loading"
                "after prepare": "wrap", "after step 1": "mixed_precision", "saving": "saving", "loading the saved model": "saving"}
 
 def stopped_by(seen:dict, checks:list) -> str:
-    "The check a run that stopped with an error belongs to: the one whose FAIL quotes the error, else the first to read what the stage makes."
+    "The check a run that stopped with an error belongs to: the one whose FAIL quotes the error, else the stage's."
     if "error" not in seen: return None
     quoted = next((c.name for c in checks if c.status == "FAIL" and seen["error"][:60] in c.reason), None)
     if quoted: return quoted
@@ -761,7 +766,7 @@ def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> t
     return file_variant(spec.fsdp_config, Path(folder) / "file", dict(min_num_params=m)), [note]
 
 def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
-    "Where the twin's run stopped with an error FIXES knows, run the twin again with the fix; what the fixed run did (None: nothing to try)."
+    "Where the twin's run stopped with an error FIXES knows, run it again with the fix; what that run did (None: none)."
     known = next((k for k in FIXES if k in (seen.get("error") or "")), None)
     if known is None: return None
     changes, drop = FIXES[known]

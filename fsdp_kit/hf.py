@@ -172,9 +172,10 @@ def plugin_kwargs(cfg:FSDPConfig) -> dict:
 
 # %% ../nbs/09_hf.ipynb #fb5a22cd
 class TokenRows:
-    "A map-style dataset for the Trainer: row k of the kit's synthetic data, laid out so that its sequential sampler feeds rank r the rows `rank_rows` gives it."
+    "A map-style dataset for the Trainer: row k of the kit's synthetic data, in the order `rank_rows` gives each rank."
     def __init__(self, vocab_size:int, rows:int, seq_len:int, world_size:int, batch:int, seed:int=0, offset:int=0):
-        self.vocab_size, self.rows, self.seq_len, self.global_rows, self.seed, self.offset = vocab_size, rows, seq_len, world_size * batch, seed, offset
+        self.vocab_size, self.rows, self.seq_len = vocab_size, rows, seq_len
+        self.global_rows, self.seed, self.offset = world_size * batch, seed, offset
     def __len__(self): return self.rows
     def __getitem__(self, k):
         from fsdp_kit.models import synthetic_tokens
@@ -184,7 +185,7 @@ class TokenRows:
 
 # %% ../nbs/09_hf.ipynb #d93e42b2
 def _with_accelerate(cfg:FSDPConfig, model, cpu:bool=False) -> dict:
-    "accelerator.prepare with an FSDP2 plugin (`Accelerator(cpu=cpu)`: only with cpu=True does accelerate see the other CPU ranks); what it did."
+    "accelerator.prepare with an FSDP2 plugin (`Accelerator(cpu=cpu)`); what it did."
     import torch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
@@ -216,7 +217,7 @@ def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
               model:str="tiny", # a preset or config.json path
               progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per path it finished (None: no lines)
              ) -> dict:
-    "Give `cfg` to accelerate and to the Trainer (as they are, then with `enable_cpu_fsdp`) and to the kit; report what each did (rank 0 returns)."
+    "Give `cfg` to accelerate, to the Trainer and to the kit; report what each did (rank 0 returns)."
     import tempfile, warnings
     import torch, torch.distributed as dist
     from fsdp_kit.ranks import quiet_libraries, progress

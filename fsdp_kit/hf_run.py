@@ -79,7 +79,7 @@ class HFRunResult:
     resume:dict=None # trainer: SHARDED_STATE_DICT checkpoint and resumed losses
     parity:dict=None # trainer: the kit's recipe on the same config, model and data
     per_rank:list=field(default_factory=list) # each rank's verdict: sharded, local and total parameters
-    loading:dict=None # FSDP_CPU_RAM_EFFICIENT_LOADING as TrainingArguments or accelerate launch set it, and where from_pretrained put each rank's weights
+    loading:dict=None # FSDP_CPU_RAM_EFFICIENT_LOADING as set, and where from_pretrained put each rank's weights
     notes:list=field(default_factory=list) # what the run changed in the user's file, and why
     seconds:float=None # wall time of the workflow, launch included
 
@@ -100,8 +100,7 @@ def unit_table(model) -> list:
     return rows
 
 def param_groups(units:list) -> list:
-    """The partition `unit_table` rows describe: per FSDP unit that holds parameters (one all-gather), its modules (a `CheckpointWrapper`'s
-    inner name without `._checkpoint_wrapped_module`), parameters and reshard setting, sorted. Two runs with equal lists gather and free the same weights together."""
+    "The partition `unit_table` rows describe: per FSDP unit that holds parameters, its modules, parameters and reshard setting."
     merged = {}
     for u in units:
         if u["group"] is None: continue
@@ -184,7 +183,7 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
                mixed_precision:str="no", # the kit's FSDPConfig.mixed_precision (the file's own setting is "no")
                steps:int=None # steps to train (None: spec.steps)
               ) -> dict:
-    "Train `base` with the kit's recipe (`apply_fsdp` on the same config file, `train_loop` on the same rows, AdamW as the Trainer's) and compare."
+    "Train `base` with the kit's recipe and compare."
     import torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from fsdp_kit.config import load_fsdp_config
@@ -255,7 +254,7 @@ def _reload_full(saved:str, trained:dict) -> dict:
 def trainer_worker(spec:HFRunSpec,
                    progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
                   ) -> HFRunResult:
-    "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save FULL and reload, resume a SHARDED checkpoint; the kit beside it."
+    "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save, reload, resume; the kit beside it."
     import torch, torch.distributed as dist
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects, progress
     phases = ["trained", "evaluated, saved and loaded back"] + ["the kit's recipe", "bf16 beside the kit"] * spec.check_parity + ["resumed"]
@@ -353,7 +352,7 @@ def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per 
 
 # %% ../nbs/09a_hf_run.ipynb #5b2e0a02
 def _first_step(trainer) -> dict:
-    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with and the upstream frames it came from."
+    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with."
     import traceback
     try: trainer.train()
     except Exception as e:
@@ -464,7 +463,7 @@ def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:
     return cmd
 
 def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
-    "Run `cmd` in a session of its own with its output in `log`; stop the whole session after `timeout` s. Raise a KitError naming `what` if it fails."
+    "Run `cmd` in a session of its own with its output in `log`, stopped after `timeout` s."
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try: out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -553,7 +552,7 @@ def run_workflow(spec:HFRunSpec, # which workflow, on which config file
                  timeout:float=120, # seconds a collective may wait (trainer, native); sft and qlora stop after SFT_RUN_LIMIT in all
                  progress_from:float=None # the command's start (`time.time()`): a line per finished phase on stderr (None: no lines)
                 ) -> HFRunResult:
-    "Run one workflow on `nproc` processes: trainer and native through the kit's torchrun launcher, sft and qlora through `accelerate launch`."
+    "Run one workflow on `nproc` processes: through the kit's torchrun launcher, or `accelerate launch`."
     from fsdp_kit.launch import launch
     spec.check()
     if spec.workflow == "native" and nproc < 2:  # refused before launching: on one rank the model would train unsharded

@@ -97,7 +97,7 @@ def _wait_for_siblings(run_dir:str, timeout:float):
 
 # %% ../nbs/10_launch.ipynb #2c7659e3
 def die_with_parent():
-    "Ask Linux to send this process SIGTERM when its parent (torchrun, or the forking kernel) dies, even by SIGKILL; exit now if it already has."
+    "Ask Linux to send this process SIGTERM when its parent dies, even by SIGKILL; exit now if it already has."
     import ctypes
     try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError): return  # not Linux: the launcher's own shutdown still stops the workers
@@ -146,7 +146,7 @@ def run_worker(fn, # the function each rank runs
 _COLLECTIVE = re.compile(r"all_gather|reduce_scatter|all_reduce|allreduce|broadcast|barrier|all_to_all|scatter|gather|\bsend\b|\brecv\b")
 
 def collective_in(stack:str) -> str:
-    "The collective calls named in a Python stack (traceback or faulthandler text), outermost first, e.g. 'foreach_all_gather > all_gather_into_tensor'; None if none."
+    "The collective calls named in a Python stack (traceback or faulthandler text), outermost first; None if none."
     frames = re.findall(r"line \d+,? in (\w+)", stack)
     if "most recent call first" in stack: frames = frames[::-1]
     names = list(dict.fromkeys(f for f in frames if _COLLECTIVE.search(f)))
@@ -175,7 +175,7 @@ def user_frames(stack:str) -> list:
 
 # %% ../nbs/10_launch.ipynb #44bcc3c5
 class Heartbeat:
-    "This rank's progress through its steps, kept in the run folder; a watchdog thread reports a step that does not finish within `timeout` s, then ends the process."
+    "This rank's progress through its steps, kept in the run folder, with a watchdog for a step that hangs."
     def __init__(self, timeout:float, # seconds without progress before the watchdog fires
                  run_dir:str=None, # the launch's run folder; None: the one `run_worker` set up
                  exit_code:int=124 # what the process exits with when the watchdog fires
@@ -209,7 +209,7 @@ class Heartbeat:
             if self.fd is not None: os.close(self.fd); self.fd = None
 
     def _watch(self):
-        "Sleep until the deadline (`timeout` after the last beat); fire if no beat moved it meanwhile. A healthy run wakes it once per `timeout`."
+        "Sleep until the deadline (`timeout` after the last beat); fire if no beat moved it meanwhile."
         while True:
             left = self.last + self.timeout - time.monotonic()
             if left <= 0: return self._fire()
@@ -493,8 +493,7 @@ def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, r
 
 # %% ../nbs/10_launch.ipynb #a2ad64d6
 def own_session():
-    """Lead a session of its own, as the workers torchrun starts as subprocesses do (`start_new_session=True`); the kit's agent forks them
-    instead, and where Linux shares CPU time out per session (autogroup), two ranks in the caller's one got about half as much under load."""
+    "Lead a session of its own, as the workers torchrun starts as subprocesses do (`start_new_session=True`)."
     try: os.setsid()
     except OSError: pass  # already a session leader: a subprocess of plain torchrun
 
@@ -512,7 +511,7 @@ def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
                   nproc:int, # processes per node
                   **nodes # multi-node settings, as `torchrun_command` takes them
                  ) -> list:
-    "The command `launch(launcher='torchrun')` runs: `torchrun_command`'s job, with torchrun started by `python -m fsdp_kit agent`, forking each worker from its own process (`--run-path --start-method fork`)."
+    "The command `launch(launcher='torchrun')` runs: `torchrun_command`'s job, each worker forked by the kit's agent."
     import importlib.util
     cmd = torchrun_command("fsdp_kit", ["worker", run_dir], nproc=nproc, python=sys.executable, **nodes)
     at = cmd.index("-m", 3)  # where torchrun's own options end and the worker's module begins
@@ -597,7 +596,7 @@ def check_arg_types(fn, args:tuple):
             raise bad_value(param.name, type(value).__name__, f"a {kind.__name__}: {getattr(fn, '__name__', fn)} runs one")
 
 def check_specs(args:tuple, world_size:int):
-    "Call `check()` on every argument that has one (`check(world_size)` where it takes the world size), so a bad spec never starts a process."
+    "Call `check()` on every argument that has one, so a bad spec never starts a process."
     import inspect
     for a in args:
         check = getattr(a, "check", None)

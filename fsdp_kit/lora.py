@@ -135,7 +135,7 @@ def train_steps(model, # a sharded model
                 seed:int=0, # data seed
                 lr:float=1e-2 # AdamW's learning rate
                ) -> list:
-    "Train `model`'s trainable parameters `steps` steps with a new AdamW on synthetic batches; each step's loss over all ranks (every rank calls this)."
+    "Train `model`'s trainable parameters `steps` steps with a new AdamW on synthetic batches; each step's loss."
     import torch, torch.distributed as dist
     rank, world_size = dist.get_rank(), dist.get_world_size()
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -160,7 +160,7 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
                 lora_model, # builds the same unsharded PeftModel on every call: adapters 'default' and 'second', non-zero
                 tokens # a batch for the forward before the merge
                ) -> dict:
-    "Shard a fresh `lora_model()` as `layout` says, run a forward, `set_adapter('second')`, `merge_adapter()`; what the base weights were and what the merge did (every rank calls this)."
+    "Shard a fresh `lora_model()` as `layout` says, forward, switch, merge; the base weights before and what the merge did."
     import torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from fsdp_kit.measure import comm_counter
@@ -231,7 +231,7 @@ def merge_and_save(model, # a sharded PeftModel
 
 # %% ../nbs/05a_lora.ipynb #335f6eb5
 def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) -> dict:
-    "Shard a model with two LoRA adapters (non-zero), switch, merge while sharded, save, unmerge and train on; compare with one process, with a model never merged, and with other ways of sharding."
+    "Shard a model with two LoRA adapters, switch, merge while sharded, save, unmerge and train on; compare."
     import torch, torch.distributed as dist
     quiet_libraries()
     from peft import LoraConfig, get_peft_model

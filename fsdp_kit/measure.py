@@ -39,16 +39,13 @@ def category_colour(category:str) -> str:
 
 # %% ../nbs/04a_measure.ipynb #48094dfa
 def unit_tracker():
-    """torch's FSDPMemTracker, taught that one FSDP unit can span several modules (`fully_shard([norm, lm_head])`, the tail `apply_fsdp` makes
-    as accelerate does): torch's own version hooks each module of such a unit as if it were a unit of its own, then puts single-module hooks back
-    when it exits, so the group's gather runs at the wrong time (or the tracker stops with "multiple iterative calls"). This one wraps each unit's
-    hooks once, the way `fully_shard` registered them (one set per module, or the group's), and restores them the same way."""
+    "torch's FSDPMemTracker, taught that one FSDP unit can span several modules (`fully_shard([norm, lm_head])`)."
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
 
     def hook(state, pre, post, always_call:bool=False):
-        "Register forward hooks on the unit's modules as fully_shard does (the tracker's own run even when forward raises); return (pre, post) handles."
+        "Register forward hooks on the unit's modules as fully_shard does; return (pre, post) handles."
         if len(state._modules) == 1:
             m = state._modules[0]
             return m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), m.register_forward_hook(
@@ -132,7 +129,8 @@ def comm_counter():
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops, NATIVE_TO_PY_MAPPING
-    registry = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | {torch.ops._dtensor.shard_dim_alltoall} | c10d_collective_ops
+    registry = (set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | {torch.ops._dtensor.shard_dim_alltoall}
+                | c10d_collective_ops)
     class CommCounter(TorchDispatchMode):
         supports_higher_order_operators = True
         def __init__(self):
@@ -176,7 +174,7 @@ class StepMeasurement:
     device:str="cpu" # device type
     allocator_peak_bytes:int=None # torch.cuda.max_memory_allocated on CUDA
     timing:dict=None # the timed steps' spread and the machine's load while they ran (see `step_timing`)
-    flops:int=None # floating-point operations of one step on this rank, recomputation included (torch's FlopCounterMode: matmuls, and attention where torch has a formula for the kernel, which the CPU one lacks)
+    flops:int=None # floating-point operations of one step on this rank, recomputation included (FlopCounterMode)
 
 # %% ../nbs/04a_measure.ipynb #3ed7d0bd
 def peak_by_category(tracker) -> dict:
@@ -277,7 +275,7 @@ def _named(artist, ax) -> str:
     return next((repr(l) for l in labels if l and not str(l).startswith("_")), type(artist).__name__)
 
 def _covered_data(ax, box) -> list:
-    "The data artists of `ax` (lines and their markers, bars and other patches, scatter points, images, collections) drawn inside the display-space `box`."
+    "The data artists of `ax` (lines, markers, patches, scatter points, images, collections) inside the display-space `box`."
     import numpy as np
     from matplotlib.collections import PathCollection
     from matplotlib.path import Path
@@ -338,7 +336,7 @@ def _drawn_labels(fig) -> list:
     return [t for t in out if t.get_visible() and t.get_text().strip()]
 
 def figure_problems(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=FIGURE_MIN_FONT_PT) -> list:
-    "What keeps `fig` from reading well on the docs page: wider than `max_width_in`, text under `min_font_pt`, a legend over data or labels. [] when nothing."
+    "What keeps `fig` from reading well on the docs page ([] when nothing)."
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     canvas = fig.canvas
     try:

@@ -132,7 +132,7 @@ def mesh_worker(spec:MeshSpec) -> MeshLayout:
 
 # %% ../nbs/02_mesh.ipynb #195d4470
 def plot_mesh(layout:MeshLayout, ax=None):
-    "Draw the rank grid of `layout`, coloured by the groups of its last axis, with each axis's groups listed beside it. The caller checks the figure (`measure.check_figure`: this foundation module imports no instrument)."
+    "Draw the rank grid of `layout`, coloured by the groups of its last axis, each axis's groups listed beside it."
     import matplotlib.pyplot as plt, numpy as np
     grid = np.array(layout.grid).reshape(-1, layout.shape[-1]) if len(layout.shape) > 1 else np.array([layout.grid])
     cell = min(1.2, 5 / grid.shape[1])  # inches per column: a wide mesh gets narrower cells, not a wider figure

@@ -38,19 +38,20 @@ def read_config_json(path:Path) -> dict:
     return d
 
 def _config_error(model, d:dict, e:Exception, what:str, blame:tuple=()) -> KitError:
-    "A one-line KitError from exception `e`: the model, the config keys in `blame` or named in its text (by name or by value), and the text."
+    "A one-line KitError from exception `e`: the model, the config keys to blame, and the text."
     text = " ".join(f"{type(e).__name__}: {e}".split())
     named = [k for k in d if k in blame or re.search(rf"(?<!\w){re.escape(k)}(?!\w)", text)]
     valued = [k for k, v in d.items() if k not in named and isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 1
               and re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w]|\.\d)", text)]  # 0 and 1 are in too many messages to point at a key
     keys = ", ".join(f"{k}={d[k]!r}" for k in named + valued)
     where = f"key{'s' if len(named + valued) > 1 else ''} {keys} of the config.json" if keys else "the config"
-    return KitError(f"model={str(model)!r}: {where} {'are' if len(named + valued) > 1 else 'is'} not allowed: {what} failed with {text}"[:2000])
+    return KitError(f"model={str(model)!r}: {where} {'are' if len(named + valued) > 1 else 'is'} not allowed: "
+                    f"{what} failed with {text}"[:2000])
 
 # %% ../nbs/01a_models.ipynb #f93a4d4d
 def model_config(model:str # a preset name, a config.json path, or a folder with one
                 ):
-    "The transformers config for `model`, checked to be a causal LM transformers can build; a config.json is validated and tried (`try_config`)."
+    "The transformers config for `model`, checked to be a causal LM transformers can build."
     is_path = str(model).endswith(".json") or "/" in str(model) or Path(model).exists()
     if not is_path and model not in PRESETS: raise bad_value("model", model, f"a preset ({', '.join(PRESETS)}) or a path to a config.json")
     d = dict(PRESETS[model]) if not is_path else read_config_json(Path(model))
@@ -67,7 +68,7 @@ def try_config(config, # a transformers config
                model:str="config", # what to call it in messages
                keys:dict=None # the keys the user gave, to name in messages (default: all of config's)
               ):
-    "Run transformers' `validate()`, build the model on the meta device and run a 1 x 8-token forward there (MoE: built only); refuse what fails."
+    "Validate, build on the meta device and run a 1 x 8-token forward there (MoE: built only); refuse what fails."
     import copy, torch
     key = config.to_json_string()
     if key in _TRIED: return config

@@ -3,8 +3,9 @@
 Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
 `nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single `torchrun` launch
 (`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch. Rank 0 prints each
-shared step's one-line result as that step ends, so the terminal shows progress while the launch runs. Every step's lines are progress, on
-stderr (a worker's stdout reaches the command's stderr through the launch); the ten results, one line each, are printed on stdout at the end.
+shared step's one-line result as that step ends, so the terminal shows progress while the launch runs. Every step's lines are progress,
+on stderr (a worker's stdout reaches the command's stderr through the launch); the ten results, one line each, are printed on stdout at
+the end.
 """
 import json, time
 from dataclasses import asdict

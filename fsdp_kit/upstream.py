@@ -143,7 +143,7 @@ def launch_args(path:str) -> list:
 
 # %% ../nbs/03a_upstream.ipynb #b5472ad1
 def launch_env(path:str, # an accelerate config file
-               flags:list=() # more `accelerate launch` options, as typed (["--use_parallelism_config", "--parallelism_config_cp_size", "2"])
+               flags:list=() # more `accelerate launch` options, as typed (["--use_parallelism_config", ...])
               ) -> dict:
     "The environment `accelerate launch --config_file path [flags] train.py` starts its workers with, from accelerate's own launch code."
     from accelerate.commands.launch import launch_command_parser, _validate_launch_command
@@ -156,7 +156,7 @@ def launch_env(path:str, # an accelerate config file
 
 # %% ../nbs/03a_upstream.ipynb #c0ccf187
 def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
-    "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in this process."
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer."
     from transformers import TrainingArguments
     with quiet(), environ(clean_environ()), tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, fsdp=True, fsdp_config=str(path), use_cpu=True, report_to="none",
@@ -164,7 +164,7 @@ def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
         return args.fsdp_plugin_args, args.mixed_precision
 
 @functools.cache
-def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR): that command's janitor ends it, so the next gets its own
+def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR); its janitor ends the helper
                        ):
     "One helper process per kit process and command for TrainingArguments: importing it takes seconds, and imports peft and bitsandbytes."
     import subprocess, sys
@@ -174,7 +174,7 @@ def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 def serve_plugin_args():
-    "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out with the answer of `plugin_args_here` or the error it raised."
+    "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out (the answer or the error raised)."
     import signal, sys
     from fsdp_kit.ranks import quiet_libraries
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the kit's to handle, not the helper's
@@ -189,7 +189,7 @@ def serve_plugin_args():
 def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
                         mixed_precision:str="no" # TrainingArguments' own precision: "bf16" for bf16=True, "fp16" for fp16=True
                        ) -> tuple:
-    "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer, computed in the helper process."
     import builtins
     scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # a helper of an earlier command may still be alive, its janitor not done yet
     helper = transformers_helper(scope)
@@ -256,7 +256,7 @@ def parallelism_reading(env:dict) -> dict:
 
 # %% ../nbs/03a_upstream.ipynb #75dd9f6a
 def accelerate_reading(path:str) -> dict:
-    "What `accelerate launch --config_file path` hands the script: the FSDP plugin its workers build, the mixed precision, the parallelism sizes."
+    "What `accelerate launch --config_file path` hands the script: FSDP plugin, mixed precision, parallelism sizes."
     env = launch_env(path)
     if not env: return dict(fsdp=False)
     return dict(**plugin_reading(fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"]), parallelism_config=parallelism_reading(env))
@@ -268,7 +268,7 @@ def trainer_reading(path:str, mixed_precision:str="no") -> dict:
 
 # %% ../nbs/03a_upstream.ipynb #5b74cf37
 def upstream_reading(path:str, # an accelerate config .yaml (or .json) or a transformers fsdp_config .json
-                     mixed_precision:str="no" # for a transformers JSON: TrainingArguments' precision ("bf16" for bf16=True), which the JSON cannot say
+                     mixed_precision:str="no" # for a transformers JSON: TrainingArguments' precision ("bf16" for bf16=True)
                     ) -> dict:
     "What the upstream entry point for the file builds, computed by accelerate's and transformers' own code."
     data = parse_fsdp_file(Path(path))
@@ -298,7 +298,7 @@ def reading_of(data:dict, # an accelerate config or a transformers fsdp_config, 
 def to_fsdp2(data:dict, # an accelerate config or a transformers fsdp_config for FSDP1
              accelerate:bool # which of the two it is
             ) -> dict:
-    "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one (a transformers fsdp_config goes through it with accelerate's fsdp_ prefix)."
+    "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one."
     from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
     section = dict((data.get("fsdp_config") or {}) if accelerate

@@ -23,7 +23,7 @@ MATRIX = EXAMPLES / "versions" / "matrix.json"  # the stored matrix the lesson a
 STATUS = ("PASS", "DIFF", "FAIL")
 
 def installed() -> dict:
-    "The versions of torch and of each library in `LIBS` this interpreter imports (from `launch.environment`, the stack every report names)."
+    "The versions of torch and of each library in `LIBS` this interpreter imports."
     from fsdp_kit.launch import environment
     return {k: environment()["versions"][k] for k in ("torch",) + LIBS}
 
@@ -126,7 +126,7 @@ def upstream_files() -> list:
                   if p.suffix in (".yaml", ".json"))
 
 def probe_upstream() -> dict:
-    "What `accelerate launch --config_file` and `TrainingArguments(fsdp=..., fsdp_config=...)` build from every shipped file (bf16 too for a JSON)."
+    "What `accelerate launch` and `TrainingArguments(fsdp=..., fsdp_config=...)` build from every shipped file."
     from fsdp_kit.upstream import upstream_reading
     out = {}
     for name in upstream_files():
@@ -175,7 +175,7 @@ def _prepared(model, mixed_precision:str="bf16", **plugin) -> tuple:
 
 # %% ../nbs/03b_versions.ipynb #8d16ce01
 def _variant_bf16(config, folder:str) -> dict:
-    "Full fine-tune, mixed precision bf16: units, the policy accelerate set, dtypes, the logits' dtype, and the optimizer steps a save takes."
+    "Full fine-tune, mixed precision bf16: units, accelerate's policy, dtypes, the logits' dtype, a save's optimizer steps."
     import torch
     from fsdp_kit.models import build_model
     from fsdp_kit.hf_run import fsdp_facts
@@ -263,7 +263,7 @@ def probe_prepare() -> dict:
 # %% ../nbs/03b_versions.ipynb #9d1523d7
 @dataclass
 class Probe:
-    "One probe: a command run with a combination's python (`{ex}` is the packaged examples folder), its time limit, and what of its JSON is compared."
+    "One probe: a command run with a combination's python, its time limit, and what of its JSON is compared."
     name:str
     args:list
     timeout:float
@@ -341,7 +341,7 @@ def differences(values:dict, reference:dict) -> list:
 
 # %% ../nbs/03b_versions.ipynb #74f9c0c3
 def mark(matrix:dict) -> dict:
-    "Each PASS that measured other values than the newest combination is a DIFF, with its differences (the newest is the first combination)."
+    "Each PASS that measured other values than the newest (first) combination is a DIFF, with its differences."
     ref = matrix["combos"][0]["probes"]
     for combo in matrix["combos"][1:]:
         for name, p in combo["probes"].items():
@@ -494,7 +494,7 @@ def findings(combo:dict, newest:dict) -> list:
 def versions_verdict(have:dict=None, # library -> version (default: what this interpreter imports)
                      matrix:dict=None # default: the stored matrix
                     ) -> dict:
-    "PASS / WARN / FAIL for these versions against the matrix: covered or not (then the nearest measured combination), and every DIFF / FAIL known for them."
+    "PASS / WARN / FAIL for these versions against the matrix, with every DIFF / FAIL known for them."
     have = {k: v for k, v in (have or installed()).items() if k in LIBS}
     if matrix is None and not MATRIX.exists():
         return dict(status="WARN", installed=have, covered=False, combination=None, findings=[], fix="python benchmarks/versions.py",
