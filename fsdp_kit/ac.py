@@ -37,8 +37,7 @@ def saved_ops() -> set:
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 def _op_policy(saved:set):
-    """A selective-checkpoint policy for one call of one layer, torchtitan's `op` policy: save the outputs of the ops in `saved`, except
-    every second `aten.mm` (counted apart in forward and in the recomputation), and recompute the rest."""
+    "A selective-checkpoint policy for one call of one layer, torchtitan's `op` policy; recompute what it does not save."
     import torch
     from torch.utils.checkpoint import CheckpointPolicy
     mm, seen = torch.ops.aten.mm.default, {False: 0, True: 0}  # matmuls so far, in forward (False) and in the recomputation (True)
@@ -106,10 +105,7 @@ def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded 
 
 # %% ../nbs/04c_ac.ipynb #4e59350c
 class OptimizerInBackward:
-    """AdamW fused into backward: one optimizer per trainable parameter, stepped by a post-accumulate-grad hook as soon as FSDP has
-    reduce-scattered that parameter's gradient, which is then freed; no moment holds every gradient. `step` and `zero_grad` do nothing (the
-    work happened in backward), so a training loop written for one optimizer runs unchanged. Gradient clipping and accumulation need every
-    gradient at once and do not combine with it."""
+    "AdamW fused into backward: one optimizer per trainable parameter, stepped as soon as its gradient is reduce-scattered."
     def __init__(self, model, # a model sharded with fully_shard (its parameters are the sharded DTensors)
                  lr:float=1e-3 # AdamW's learning rate
                 ):
@@ -130,10 +126,7 @@ class OptimizerInBackward:
 
 # %% ../nbs/04c_ac.ipynb #66fdb1f5
 def activations_on_host():
-    """A context in which autograd keeps what it saves for backward in host memory and copies each tensor back when backward needs it.
-    Leaf tensors (parameters, buffers, token ids) and views of them stay where they are. On a GPU the copies are real device-host copies;
-    on a CPU-only machine, where host and device are the same memory, a saved tensor is kept as a NumPy array (outside torch's allocator,
-    so the memory tracker sees it leave) and copied back into a new tensor, as it would be to the device."""
+    "A context in which autograd keeps what it saves for backward in host memory, copied back when backward needs it."
     import torch
     def pack(t):
         if t.is_leaf or (t._base is not None and t._base.is_leaf): return t

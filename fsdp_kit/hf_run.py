@@ -362,8 +362,7 @@ def _first_step(trainer) -> dict:
     return dict(units=fsdp_facts(trainer.model_wrapped)["units"], losses=trainer_losses(trainer))
 
 def size_policy_worker(spec:HFRunSpec, thresholds:list) -> list:
-    """Per min_num_params in `thresholds`: an unmodified Trainer on SIZE_BASED_WRAP (`spec.steps` steps), the units accelerate's size rule
-    selects (`fsdp_kit.wrap.size_policy`), and the kit's `apply_fsdp` on the same setting, or the kit's refusal."""
+    "Per min_num_params in `thresholds`: an unmodified Trainer on SIZE_BASED_WRAP, accelerate's units, and the kit's."
     import torch
     from accelerate.state import AcceleratorState
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir

@@ -98,8 +98,7 @@ def base_site() -> str:
 def make_env(folder:Path, # a new folder for the environment
              versions:dict, # library -> release to install
              timeout:float=600) -> tuple:
-    """A throwaway virtual environment at `folder` that sees this one's packages behind its own (a `.pth` line), with `versions`
-    installed by pip into it: (its python, seconds, pip's last line on failure or None)."""
+    "A throwaway virtual environment at `folder` with `versions`: (its python, seconds, pip's last line on failure or None)."
     import venv
     start = time.time()
     venv.create(folder, with_pip=False, symlinks=True)
