@@ -345,7 +345,7 @@ def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
     return str(out)
 
 def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
-    "Build the twin from the user's config.json, save it as a pretrained folder, run its script on `spec.nproc` ranks; what it saw."
+    "Build the twin from the user's config.json, save it, run its script on `spec.nproc` ranks; what it saw."
     from fsdp_kit.models import read_config_json, build_model, model_config
     from fsdp_kit.launch import free_port
     from fsdp_kit.hf_run import run_command

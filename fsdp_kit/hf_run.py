@@ -100,7 +100,7 @@ def unit_table(model) -> list:
     return rows
 
 def param_groups(units:list) -> list:
-    "The partition `unit_table` rows describe: per FSDP unit that holds parameters, its modules, parameters and reshard setting."
+    "The partition `unit_table` rows describe: per FSDP unit holding parameters, its modules, parameters, resharding."
     merged = {}
     for u in units:
         if u["group"] is None: continue

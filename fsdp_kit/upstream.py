@@ -156,7 +156,7 @@ def launch_env(path:str, # an accelerate config file
 
 # %% ../nbs/03a_upstream.ipynb #c0ccf187
 def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
-    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer."
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, fsdp_config=path)` hands the Trainer."
     from transformers import TrainingArguments
     with quiet(), environ(clean_environ()), tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, fsdp=True, fsdp_config=str(path), use_cpu=True, report_to="none",
@@ -189,7 +189,7 @@ def serve_plugin_args():
 def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
                         mixed_precision:str="no" # TrainingArguments' own precision: "bf16" for bf16=True, "fp16" for fp16=True
                        ) -> tuple:
-    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer, computed in the helper process."
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer, from the helper process."
     import builtins
     scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # a helper of an earlier command may still be alive, its janitor not done yet
     helper = transformers_helper(scope)

@@ -1,4 +1,4 @@
-"One owner per concept: no `_name` crosses a module, no import cycle, no layer imports a higher one; pyflakes and the line width."
+"One owner per concept: no `_name` crosses a module, no import cycle, no layer imports a higher one; pyflakes; line width."
 import ast
 
 import pytest
@@ -146,7 +146,7 @@ def _long_lines(paths:list, root:Path) -> list:
             for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > WIDTH]
 
 def test_no_line_is_over_140_characters():
-    "Split calls at commas, strings by implicit concatenation; long explanations go to the notebook's prose (edit notebooks, then export)."
+    "Split calls at commas and strings by implicit concatenation; long explanations go to the notebook's prose."
     root = PKG.parent
     bad = [x for x in _long_lines(_python_files(), root) if x.split(":")[0] not in LONG_LINES_ALLOWED]
     assert not bad, f"{len(bad)} line(s) over {WIDTH} characters:\n" + "\n".join(bad)
