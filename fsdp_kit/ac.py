@@ -49,7 +49,7 @@ def _op_policy(saved:set):
     return policy
 
 def _op_contexts(saved:set):
-    "The forward and recomputation contexts of one checkpointed call under `selective-op`, with a fresh policy (its own matmul count)."
+    "The forward and recomputation contexts of one checkpointed call under `selective-op`, with a fresh policy."
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     return create_selective_checkpoint_contexts(_op_policy(saved))
 

@@ -148,7 +148,7 @@ def _float_params(model, trainable:bool=None) -> dict:
     return out
 
 def _codes(model) -> dict:
-    "Each 4-bit weight's packed bytes (gathered whole where FSDP sharded it): name -> (dtype, sharded, bytes held by this rank, sha256)."
+    "Each 4-bit weight's packed bytes: name -> (dtype, sharded, bytes held by this rank, sha256)."
     import hashlib, torch
     out = {}
     for name, p in model.named_parameters():
@@ -178,7 +178,7 @@ def _held_bytes(model, folder:str) -> tuple:
     return private, mapped
 
 def _digest(model) -> str:
-    "A hash of the weights' values on this rank (None on the meta device): equal to rank 0's only where this rank read the checkpoint too."
+    "A hash of the weights' values on this rank (None on the meta device), equal to rank 0's where it read them too."
     import hashlib, torch
     h = hashlib.sha256()
     for p in model.parameters():
@@ -221,7 +221,7 @@ def _arguments(spec:DoctorSpec, folder:str):
 
 # %% ../nbs/12_doctor.ipynb #d0c70006
 def _after_prepare(model, trainer) -> dict:
-    "What accelerate's prepare built: the wrapper, its units, the dtypes FSDP holds, the policy, checkpointing, tying, the 4-bit codes."
+    "What accelerate's prepare built: wrapper, units, dtypes FSDP holds, policy, checkpointing, tying, 4-bit codes."
     from fsdp_kit.hf import fsdp_report
     from fsdp_kit.hf_run import unit_table, param_groups, fsdp_facts
     from fsdp_kit.models import decoder_layers, model_checkpointing
@@ -732,7 +732,7 @@ def scale(spec:DoctorSpec, method:str=None) -> dict:
                       host_load_gb={k: round(v / GB, 1) for k, v in p.host_load_bytes.items()})
 
 def wrap_sizes(model:str, min_num_params:int=None) -> dict:
-    "One decoder layer's parameters, the container holding the layers (its name, class, parameters) and whether the size policy selects it."
+    "One decoder layer's parameters, the container holding the layers, and whether the size policy selects it."
     from fsdp_kit.models import model_config, build_model, decoder_layers
     from fsdp_kit.wrap import size_policy  # accelerate's own FSDP2 size rule
     meta = build_model(model_config(model), device="meta")
@@ -755,7 +755,7 @@ CONTAINER_ERROR = "does not support containers that do not implement forward"  #
 FIXES = {CONTAINER_ERROR: (dict(auto_wrap_policy="TRANSFORMER_BASED_WRAP"), ("min_num_params", "transformer_layer_cls_to_wrap"))}
 
 def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> tuple:
-    "(the FSDP file the twin runs, notes): SIZE_BASED_WRAP's threshold scaled so that the twin's units are your model's (`twin_threshold`)."
+    "(the FSDP file the twin runs, notes): SIZE_BASED_WRAP's threshold scaled to the twin (`twin_threshold`)."
     n = up["min_num_params"]
     mine = wrap_sizes(twin)
     m = twin_threshold(n, sizes, mine)

@@ -149,7 +149,7 @@ def _open_fsdp_branch(init):
 
 # %% ../nbs/09_hf.ipynb #c0f5e1a2
 class enable_cpu_fsdp:
-    "Let accelerate (and so the Trainer) take its FSDP branch on CPU; says so on rank 0. Idempotent; as a context manager, undone on exit."
+    "Let accelerate (and so the Trainer) take its FSDP branch on CPU; idempotent, undone on exit as a context manager."
     def __init__(self, say:bool=True # print one line on rank 0 saying the switch is on
                 ):
         import os, torch

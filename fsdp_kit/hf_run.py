@@ -112,7 +112,7 @@ def param_groups(units:list) -> list:
 def _dtype(d) -> str: return None if d is None else str(d).replace("torch.", "")
 
 def fsdp_facts(model) -> dict:
-    "This rank's view: units, parameter classes, the root's MixedPrecisionPolicy, activation checkpointing, local and total parameters."
+    "This rank's view: units, parameter classes, mixed precision, activation checkpointing, local and total parameters."
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
@@ -138,7 +138,7 @@ def confirm_fsdp2(model, where:str) -> dict:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c005
 def base_checkpoint(spec:HFRunSpec, folder:str) -> str:
-    "The preset's weights saved with `save_pretrained` by rank 0 into `folder`/base (the 'pretrained' model every workflow starts from)."
+    "The preset's weights saved with `save_pretrained` by rank 0 into `folder`/base, where every workflow starts."
     from fsdp_kit.models import model_config, build_model
     from fsdp_kit.ranks import barrier
     import torch.distributed as dist
@@ -203,7 +203,7 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
                 mixed_precision_policy=facts["mixed_precision_policy"], config=asdict(cfg), full=full_state_dict(model))
 
 def _bf16_pair(spec:HFRunSpec, base:str, folder:Path, steps:int=3) -> dict:
-    "A few steps of the Trainer with `bf16=True` and of the kit with mixed_precision bf16, same file and rows: their policies and losses."
+    "A few steps of the Trainer with `bf16=True` and of the kit in bf16, same file and rows: policies and losses."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer
@@ -427,7 +427,7 @@ def _prepare_sft(spec:HFRunSpec, folder:Path) -> tuple:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c012
 def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
-    "The YAML `accelerate launch` gets (converted by `accelerate to-fsdp2` when the file is FSDP1), its command-line overrides, and notes."
+    "The YAML `accelerate launch` gets (converted to FSDP2 if need be), its command-line overrides, and notes."
     import yaml, torch
     from fsdp_kit.upstream import parse_fsdp_file
     source, notes, overrides = Path(path), [], ["--num_processes", str(nproc)]
@@ -511,7 +511,7 @@ def _native_plan(model) -> dict:
 def native_worker(spec:HFRunSpec,
                   progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
                  ) -> HFRunResult:
-    "transformers' own FSDP2: `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`, then the Trainer on that model."
+    "transformers' own FSDP2: `from_pretrained(distributed_config=...)`, then the Trainer on that model."
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, progress

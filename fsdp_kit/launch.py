@@ -160,7 +160,7 @@ def main_thread_stack(stack:str) -> str:
 
 # %% ../nbs/10_launch.ipynb #2c30fa6a
 def user_frames(stack:str) -> list:
-    "Frames of a Python stack (traceback or faulthandler dump) in the kit's or the user's code, innermost last, as 'path:line in function'."
+    "Frames of a Python stack in the kit's or the user's code, innermost last, as 'path:line in function'."
     import importlib.util, sysconfig
     kit = importlib.util.find_spec("fsdp_kit").submodule_search_locations[0]
     libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -439,7 +439,7 @@ def _check_importable(fn):
 
 # %% ../nbs/10_launch.ipynb #142e0b19
 def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
-    "Run `nprocs` workers under `torchrun` (`agent_command`) in a subprocess: their prints go to stderr, torchrun's log to the run folder."
+    "Run `nprocs` workers under `torchrun` in a subprocess: prints to stderr, torchrun's log to the run folder."
     _check_importable(fn)
     (Path(run_dir)/"call.pkl").write_bytes(pickle.dumps((fn, args, backend, timeout)))
     cmd = agent_command(run_dir, nprocs, **nodes)
@@ -498,7 +498,7 @@ def own_session():
     except OSError: pass  # already a session leader: a subprocess of plain torchrun
 
 def worker_main(run_dir:str):
-    "What each torchrun rank runs: in a session of its own (`own_session`), unpickle the call in `run_dir` and run it with `run_worker`."
+    "What each torchrun rank runs: unpickle the call in `run_dir` and run it, in a session of its own."
     own_session()
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
     run_worker(fn, args, backend, timeout, run_dir)
@@ -584,7 +584,7 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 def check_arg_types(fn, args:tuple):
-    "Refuse an argument that is not the dataclass `fn` declares for it (a `QLoRASpec` given to `train_worker`), before anything starts."
+    "Refuse an argument that is not the dataclass `fn` declares for it, before anything starts."
     import dataclasses, inspect, typing
     try: hints, params = typing.get_type_hints(fn), list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError, NameError): return
@@ -610,7 +610,7 @@ def check_specs(args:tuple, world_size:int):
         elif len(wanted) == 1: check(world_size)
 
 def _check_endpoint(endpoint:str):
-    "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve (torchrun would retry it silently)."
+    "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve."
     host, _, port = str(endpoint).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a port in 1..65535")

@@ -42,7 +42,7 @@ def add_lora(model, # a transformers causal LM, not yet sharded
              seed:int=0, # seed for the adapters' initial values (the same on every rank)
              targets:str="all-linear" # the Linears adapted (see `lora_targets`)
             ):
-    "Wrap `model` with peft LoRA adapters on `targets` (every Linear of the decoder by default, never lm_head); only the adapters train."
+    "Wrap `model` with peft LoRA adapters on `targets` (every decoder Linear by default); only the adapters train."
     import torch
     quiet_libraries()  # before peft imports bitsandbytes: no notice about an optional CPU kernel package
     from peft import get_peft_model
@@ -278,7 +278,7 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
 # %% ../nbs/05a_lora.ipynb #be7784ff
 def plot_merge_layouts(layouts:list # `merge_probe` results, one per layout
                       ):
-    "Per layout: the bytes of the base weight a rank held when `merge_adapter()` ran, and what the merge left (differences, or the error)."
+    "Per layout: the base weight's bytes a rank held when `merge_adapter()` ran, and what the merge left."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure
     fig, (held, left) = plt.subplots(1, 2, figsize=(9.5, 4), layout="constrained", sharey=True)

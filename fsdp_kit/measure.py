@@ -377,7 +377,7 @@ def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
     return problems
 
 def check_figure(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=FIGURE_MIN_FONT_PT):
-    "`fig` if it reads well at the docs page's width (`figure_problems` finds nothing), else a `FigureCheckError` listing what is wrong."
+    "`fig` if it reads well at the docs page's width, else a `FigureCheckError` listing what is wrong."
     problems = figure_problems(fig, max_width_in, min_font_pt)
     if problems: raise FigureCheckError("this figure would not read well on the docs page:\n- " + "\n- ".join(problems))
     return fig
@@ -427,7 +427,7 @@ def plot_categories(peaks:dict, ax=None, title:str="peak memory per rank, by cat
 def collective_timeline(forward, # forward(): the loss of one batch, on a model sharded with fully_shard
                         optim # its optimizer: its step and zero_grad end the training step
                        ) -> dict:
-    "One training step: its collectives in call order (kind, bytes, start in seconds, phase), when each phase began, its start's clock."
+    "One training step: its collectives in call order, when each phase began, and its start's clock."
     counter = comm_counter()
     with quiet_hook_warnings(), counter:
         start = time.perf_counter()
@@ -447,7 +447,7 @@ COLLECTIVE_COLORS = {"all_gather": "#4477aa", "reduce_scatter": "#ee6677", "all_
 
 def plot_collectives(ranks:list # `collective_timeline` of one step, one per rank, in rank order
                     ):
-    "One lane per rank on a shared clock: each collective a bar at its call, as tall as its buffer (MiB), on the step's shaded phases."
+    "One lane per rank on a shared clock: each collective a bar at its call, as tall as its buffer."
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 1.5 + 1.4 * len(ranks)), sharex=True, layout="constrained", squeeze=False)
     width = max(s["phases"]["end"] for s in ranks) * 1e3 / 150  # of a bar, in ms

@@ -123,7 +123,7 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
 
 def expert_modules(model) -> list:
-    "(qualified name, module) of each module holding a mixture-of-experts layer's experts: parameters of 3 dims, the expert dim first."
+    "(qualified name, module) of each module holding a mixture-of-experts layer's experts."
     return [(n, m) for n, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 def model_checkpointing(model) -> bool:

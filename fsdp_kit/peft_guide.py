@@ -74,7 +74,7 @@ def method_run(method:str, # one of METHODS
                load=None, # a function returning the base to adapt (a 4-bit model); None: the tiny Llama
                cfg:FSDPConfig=None # how to shard (None: a unit per decoder layer, fp32)
               ) -> tuple:
-    "Train `method` sharded by `apply_fsdp` and, on rank 0, on one process on the same batches: (what was measured, the sharded model)."
+    "Train `method` sharded and, on rank 0, on one process on the same batches: (measurements, sharded model)."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
@@ -89,7 +89,7 @@ def method_run(method:str, # one of METHODS
 def saved_copy_check(out_dir:str, # an adapter folder written by peft's save_pretrained
                      trained:dict, # the trained model's whole state dict
                      tokens, seed:int=0) -> dict:
-    "Reload `out_dir` with `PeftModel.from_pretrained` on a fresh tiny Llama; compare its lm_head copy and loss with the trained ones."
+    "Reload `out_dir` with `PeftModel.from_pretrained`; compare its lm_head copy and loss with the trained ones."
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -125,7 +125,7 @@ def adapter_weights(model) -> dict:
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 def freeze_probe(reshard_after_forward:bool, seed:int=0, lr:float=1e-2) -> dict:
-    "Train a sharded LoRA model a step, run a forward, freeze the adapter with peft's `set_requires_grad`, reshard, step: did it hold?"
+    "Train a sharded LoRA model a step, freeze the adapter with `set_requires_grad`, reshard, step: did it hold?"
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from fsdp_kit.mesh import build_mesh, fsdp_mesh

@@ -20,7 +20,7 @@ FAULTS = ("crash", "hang")
 
 @dataclass
 class FaultSpec:
-    "A fault injected once, in the first attempt: rank `rank` crashes (SIGKILL) or hangs (stops calling collectives) after step `step`."
+    "A fault injected once, in the first attempt: rank `rank` crashes or hangs after step `step`."
     kind:str=None # None (no fault), "crash" or "hang"
     rank:int=1 # the rank that fails
     step:int=1 # it fails after finishing this step (1 <= step < the run's steps)

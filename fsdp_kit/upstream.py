@@ -145,7 +145,7 @@ def launch_args(path:str) -> list:
 def launch_env(path:str, # an accelerate config file
                flags:list=() # more `accelerate launch` options, as typed (["--use_parallelism_config", ...])
               ) -> dict:
-    "The environment `accelerate launch --config_file path [flags] train.py` starts its workers with, from accelerate's own launch code."
+    "The environment `accelerate launch` starts its workers with, from accelerate's own launch code."
     from accelerate.commands.launch import launch_command_parser, _validate_launch_command
     from accelerate.utils.launch import prepare_multi_gpu_env
     args = launch_command_parser().parse_args(launch_args(path) + list(flags) + ["train.py"])
@@ -166,7 +166,7 @@ def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
 @functools.cache
 def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR); its janitor ends the helper
                        ):
-    "One helper process per kit process and command for TrainingArguments: importing it takes seconds, and imports peft and bitsandbytes."
+    "One helper process per kit process and command for TrainingArguments, which takes seconds to import."
     import subprocess, sys
     env = {**clean_environ(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a worker's helper stays out of its process group
     # it ends when this process closes its stdin (or dies)

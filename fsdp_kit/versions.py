@@ -57,7 +57,7 @@ DEPTH = dict(accelerate=4, transformers=3, peft=2, trl=2, bitsandbytes=2)
 def grid(releases:dict, # library -> its newest minor releases, newest first (`minors`)
          oldest:dict # library -> the oldest release the kit claims to support
         ) -> list:
-    "The combinations to measure: the newest of everything, each older minor of one library with the newest of the others, the oldest set."
+    "The combinations to measure: the newest, each older minor of one library with the newest others, the oldest."
     newest = {k: v[0] for k, v in releases.items()}
     combos = [dict(name="newest", versions=newest, varied=None)]
     for lib, vs in releases.items():
@@ -161,7 +161,7 @@ def _dtypes(model) -> dict:
     return dict(sorted(out.items()))
 
 def _prepared(model, mixed_precision:str="bf16", **plugin) -> tuple:
-    "accelerate's `prepare` of `model` and an AdamW under an FSDP2 plugin (its FSDP branch opened on CPU): (accelerator, model, optimizer)."
+    "accelerate's `prepare` of `model` and an AdamW under an FSDP2 plugin: (accelerator, model, optimizer)."
     import torch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
@@ -187,7 +187,7 @@ def _variant_bf16(config, folder:str) -> dict:
                 logits_dtype=str(logits.dtype).removeprefix("torch."), wrapper_steps_in_save=len(steps))
 
 def _variant_loading(checkpoint:str) -> dict:
-    "cpu_ram_efficient_loading on a bf16 checkpoint: the weights each rank ends with, and the memory its prepare takes (MiB, own pages)."
+    "cpu_ram_efficient_loading on a bf16 checkpoint: each rank's weights, and the memory its prepare takes."
     import torch
     from transformers import AutoModelForCausalLM
     from fsdp_kit.checkpoint import PeakRSS
@@ -300,7 +300,7 @@ NOISY = ("_mib", "seconds")  # measured keys left out of the comparison: they va
 ECHOES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer", "DistBackendError")
 
 def error_line(stderr:str, returncode:int) -> str:
-    "Why a command failed, in one line: its last exception (a rank's too) and the file and function that raised it, else its last line."
+    "Why a command failed, in one line: its last exception and where it was raised, else its last line."
     lines = [re.sub(r"^\[(?:rank|default)\d+\]:\s?", "", l) for l in stderr.splitlines()]
     raised = [i for i, l in enumerate(lines) if re.match(r"\s*[\w.]*(Error|Exception)\b[^ ]*:", l) and "ChildFailedError" not in l]
     raised = [i for i in raised if not any(w in lines[i] for w in ECHOES)] or raised  # the failing rank's own error, where it printed one
@@ -387,7 +387,7 @@ def merge(old:dict, # the stored matrix
           new:dict, # a run of some combinations (`run_matrix`)
           order:list # every combination's name, in the grid's order: combinations of `old` not in it are dropped
          ) -> dict:
-    "`old` with `new`'s combinations in place of those of the same name, in `order`; `seconds` the sum over combinations; marked again."
+    "`old` with `new`'s combinations in place of those of the same name, in `order`, marked again."
     if old["probes"] != new["probes"]: raise ValueError(f"the runs measured different probes: {old['probes']} and {new['probes']}")
     byname = {c["name"]: c for c in old["combos"]} | {c["name"]: c for c in new["combos"]}
     combos = [byname[n] for n in order if n in byname]
@@ -479,7 +479,7 @@ def _distance(a:dict, b:dict) -> tuple:
             sum(abs(vtuple(a[k])[0] * 100 + vtuple(a[k])[1] - vtuple(b[k])[0] * 100 - vtuple(b[k])[1]) for k in LIBS))
 
 def findings(combo:dict, newest:dict) -> list:
-    "A combination's probes that did not PASS: the probe, its status, the first differences or the reason, and what changed, with the fix."
+    "A combination's probes that did not PASS, with the first differences or the reason, and the fix."
     out = []
     for name, p in combo["probes"].items():
         if p["status"] == "PASS": continue
