@@ -42,7 +42,7 @@ class CheckpointSpec:
         return kind if kind in STATE_DICT_TYPES else None
 
     def check(self) -> "CheckpointSpec":
-        "Refuse settings that cannot work, naming the field; create the folder and check it is writable; return the spec, unchanged."
+        "Refuse settings that cannot work, naming the field; create the folder, check it is writable; return the spec."
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir): raise bad_value("ckpt", self.dir, "a folder path")
         if not isinstance(self.resume, bool): raise bad_value("resume", self.resume, "True or False")
         if Path(self.dir).exists() and not Path(self.dir).is_dir(): raise bad_value("ckpt", str(self.dir), "a folder (this is a file)")
@@ -248,7 +248,7 @@ _ERRNO_TEXT = {errno.EFBIG: ("[Errno 27]", "File too large"), errno.ENOSPC: ("[E
 _TORCH_WRITER = ("unexpected pos", "PytorchStreamWriter failed")  # torch's zip writer, which hides the errno
 
 def _write_failure(e:BaseException) -> str:
-    "Why a write failed: 'size' (EFBIG: the file-size limit, `ulimit -f`), 'space' (ENOSPC: the disk is full) or '' (something else)."
+    "Why a write failed: 'size' (EFBIG, `ulimit -f`), 'space' (ENOSPC, the disk is full) or '' (something else)."
     text = str(e)
     for code, kind in ((errno.EFBIG, "size"), (errno.ENOSPC, "space")):
         if (isinstance(e, OSError) and e.errno == code) or any(s in text for s in _ERRNO_TEXT[code]): return kind
@@ -266,7 +266,7 @@ def _reraise_interrupt(e:BaseException) -> BaseException:
     return e
 
 def _error_text(e:BaseException) -> str:
-    "An exception in one line: the last 'SomethingError: ...' line of its message (DCP nests tracebacks), else its first line."
+    "An exception in one line: the last 'SomethingError: ...' line of its message, else its first line."
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     nested = [l for l in lines if l.split(":")[0].endswith(("Error", "Exception"))]
     return (nested[-1] if nested else f"{type(e).__name__}: {lines[0] if lines else ''}")[:300]
@@ -367,7 +367,7 @@ def _full_weights(folder:Path, model) -> dict:
 
 # %% ../nbs/07_checkpoint.ipynb #0b3e2ae9
 def _on_every_rank(fn, what:str):
-    "Run `fn` on every rank and return its result; if it fails on any rank, raise the same KitError (`what`: why) on every rank."
+    "Run `fn` on every rank and return its result; if it fails on any rank, raise the same KitError on every rank."
     import torch.distributed as dist
     try: out, error = fn(), None
     except BaseException as e: out, error = None, _error_text(_reraise_interrupt(e))
@@ -440,7 +440,7 @@ def _run_info(spec) -> dict:
     return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))
 
 def _trainer_state_problem(folder:Path, step:int) -> str:
-    "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold `step`, the schedule and the RNG states."
+    "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold step, schedule, RNG."
     import torch
     try: state = torch.load(folder/"trainer_state.pt", weights_only=False)
     except Exception as e: return f"does not load with torch.load ({type(e).__name__}: {_first_line(e)})"
@@ -574,7 +574,7 @@ def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: that loading on)
                  on_stage=None # called with "read", "sharded", "received" as the load reaches each (to measure it); None: nothing
                 ):
-    "Load a transformers checkpoint and shard it as `cfg` says; with `cfg.cpu_ram_efficient_loading`, only rank 0 reads the weights."
+    "Load a transformers checkpoint and shard it as `cfg` says, with rank 0 alone reading under efficient loading."
     import torch, torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
@@ -650,7 +650,7 @@ LOADING_MODEL = dict(model_type="llama", vocab_size=8192, hidden_size=512, inter
 def loading_worker(path:str, # a transformers folder to load
                    efficient:bool # cpu_ram_efficient_loading
                   ) -> dict:
-    "Load and shard `path`, measuring each rank's host memory; check the loaded model's loss (rank 0 returns every rank's numbers)."
+    "Load and shard `path`, measuring each rank's host memory; check the loaded model's loss."
     import torch, torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -128,7 +128,7 @@ def twin_config(user:dict # the user's config.json, as parsed
 
 # %% ../nbs/12_doctor.ipynb #d0c70004
 class Stage:
-    "Where a rank is in the twin's run, written to a file each time it moves on: a run stopped by the timeout says where it stood."
+    "Where a rank is in the twin's run, kept in a file: a run stopped by the timeout says where it stood."
     def __init__(self, folder:str): self.path = Path(folder) / f"stage-{os.environ.get('RANK', '0')}"
     def __call__(self, name:str): self.path.write_text(name)
     @staticmethod
@@ -320,7 +320,7 @@ def main():
 
 # %% ../nbs/12_doctor.ipynb #d0c70008
 def twin_command(spec:DoctorSpec, folder:str, port:int) -> tuple:
-    "(the command that starts the twin's script through the file's entry point, notes on what was changed to run it on this machine)."
+    "(the command that starts the twin's script through the file's entry point, notes on what was changed)."
     from fsdp_kit.hf_run import accelerate_file
     module = ["-m", "fsdp_kit.examples.doctor_twin", folder]
     if not spec.is_yaml():
@@ -330,7 +330,7 @@ def twin_command(spec:DoctorSpec, folder:str, port:int) -> tuple:
             "--main_process_port", str(port), *module], notes
 
 def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
-    "A copy of the FSDP file `path` in `folder` with `changes` set and `drop` removed, each key spelled as the file spells it."
+    "A copy of the FSDP file `path` in `folder` with `changes` set and `drop` removed, in the file's spelling."
     import yaml
     from fsdp_kit.upstream import parse_fsdp_file
     source, data = Path(path), parse_fsdp_file(Path(path))
@@ -702,7 +702,7 @@ def stopped_by(seen:dict, checks:list) -> str:
     return "mixed_precision" if stage == "train" and "prepared" in seen else STAGE_CHECK.get(stage, "ddp_fallback")
 
 def run_checks(ctx:dict) -> list:
-    "Every check of CHECKS on what the run saw, in order; an error no check names is a FAIL of the check its stage belongs to."
+    "Every check of CHECKS on what the run saw, in order; an unnamed error is a FAIL of its stage's check."
     checks, seen = [c(ctx) for c in CHECKS], ctx["seen"]
     name = stopped_by(seen, checks)
     if name is None: return checks
@@ -745,7 +745,7 @@ def wrap_sizes(model:str, min_num_params:int=None) -> dict:
                 container_selected=min_num_params is not None and size_policy(min_num_params)(box))
 
 def twin_threshold(min_num_params:int, user:dict, twin:dict) -> int:
-    "The twin's min_num_params: yours scaled by its layer size over yours, kept on the side of its layer container that yours is on."
+    "The twin's min_num_params: yours scaled by its layer size over yours, on the same side of the container."
     scaled = max(1, round(min_num_params * twin["layer"] / user["layer"])) if user["layer"] else min_num_params
     return min(scaled, twin["container_params"] - 1) if user["container_selected"] else max(scaled, twin["container_params"])
 
@@ -778,7 +778,7 @@ def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
                 losses=s.get("losses"), units=len(p.get("groups", [])), layers=len(p.get("layers", [])))
 
 def _container_crash(ctx) -> Check:
-    "The wrap FAIL of a run fully_shard stopped on a container: the cause in accelerate's size policy, and the fix the doctor ran."
+    "The wrap FAIL of a run fully_shard stopped on a container: the cause, and the fix the doctor ran."
     seen, sizes, fix, n = ctx["seen"], ctx["sizes"], ctx.get("fix_run"), ctx["upstream"].get("min_num_params")
     box = (f"{sizes['container']} ({sizes['container_class']}, {sizes['container_params']:,} parameters in your model)"
            if sizes["container"] else "a container")

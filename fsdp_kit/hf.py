@@ -42,7 +42,7 @@ SPELLINGS = {  # FSDPConfig field -> (transformers fsdp_config key, accelerate Y
 TRANSFORMERS, ACCELERATE, PLUGIN = range(3)  # columns of SPELLINGS
 
 def _spell(cfg:FSDPConfig, column:int) -> dict:
-    "`cfg`'s settings under the names of one spelling (layer classes only when named, min_num_params only for SIZE_BASED_WRAP)."
+    "`cfg`'s settings under the names of one spelling (only the keys that apply)."
     _expressible(cfg.check())
     out = {}
     for name, names in SPELLINGS.items():

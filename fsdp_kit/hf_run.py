@@ -149,7 +149,7 @@ def base_checkpoint(spec:HFRunSpec, folder:str) -> str:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c006
 def trainer_arguments(spec:HFRunSpec, output_dir:str, fsdp_config, **more):
-    "`TrainingArguments` for a plain loop the kit can match: constant AdamW, no clipping, sequential data, a loss logged every step."
+    "`TrainingArguments` for a plain loop the kit can match: constant AdamW, no clipping, sequential data."
     import torch
     from transformers import TrainingArguments
     kw = dict(output_dir=output_dir, max_steps=spec.steps, per_device_train_batch_size=spec.batch, per_device_eval_batch_size=spec.batch,
@@ -224,7 +224,7 @@ def _sharded_copy(path:str) -> dict:
     return json.loads(Path(path).read_text()) | dict(state_dict_type="SHARDED_STATE_DICT")
 
 def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
-    "Stop half-way with a SHARDED_STATE_DICT checkpoint, resume from it with `resume_from_checkpoint`, compare with the straight run."
+    "Stop half-way with a SHARDED_STATE_DICT checkpoint, resume from it, compare with the straight run."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer
@@ -303,7 +303,7 @@ def trainer_worker(spec:HFRunSpec,
 
 # %% ../nbs/09a_hf_run.ipynb #9f194754
 def native_model(spec:HFRunSpec, folder:Path):
-    "`spec`'s base model loaded by transformers' own FSDP2, `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`."
+    "`spec`'s base model loaded by transformers' own FSDP2 (`DistributedConfig(fsdp_size=world)`)."
     import torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -320,13 +320,13 @@ def native_units(spec:HFRunSpec) -> list:
 
 # %% ../nbs/09a_hf_run.ipynb #954f00f7
 def _model_order(units:list) -> list:
-    "`param_groups(units)` in the model's order (`unit_table` lists the innermost unit first, so reversed it follows the model)."
+    "`param_groups(units)` in the model's order (`unit_table` lists the innermost unit first)."
     order = [u["module"].replace("._checkpoint_wrapped_module", "") for u in reversed(units)]
     return sorted(param_groups(units), key=lambda g: min(order.index(m) for m in g["modules"]))
 
 def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per FSDP unit: module, parameters, reshard_after_forward, group)
                      ):
-    "One column per run: a block per unit with weights (`param_groups`), as tall as its parameters, hatched if kept after forward."
+    "One column per run: a block per unit with weights, as tall as its parameters, hatched if kept after forward."
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     from fsdp_kit.measure import check_figure

@@ -189,7 +189,7 @@ class Heartbeat:
         threading.Thread(target=self._watch, daemon=True, name="fsdp_kit watchdog").start()
 
     def beat(self, **state):
-        "Record progress (`started=N` when step N begins, `done=N` when it ends) in the run folder and restart the watchdog's clock."
+        "Record progress (`started=N`, `done=N`) in the run folder and restart the watchdog's clock."
         self.state.update(state, time=time.time())
         self.last = time.monotonic()
         self._write()
@@ -268,7 +268,7 @@ def _hang(errors, stuck, progress, terminated) -> dict:
 def diagnose(run_dir, # the launch's run folder
              attempt_no:int # which attempt of the worker group (0 unless torchrun restarted it)
             ) -> dict:
-    "What ended a failed attempt: dict(rank, message, traceback, others, kind) for the rank it came down to; None if no rank failed."
+    "What ended a failed attempt: dict(rank, message, traceback, others, kind); None if no rank failed."
     run_dir, read = Path(run_dir), lambda kind, f=json.loads: rank_files(run_dir, kind, attempt_no, f)
     errors, stuck, progress = read("error"), read("stuck"), read("progress")
     started, done, terminated = read("started", str), read("done", str), read("terminated", str)
@@ -301,7 +301,7 @@ def restarts(run_dir, before:int=None) -> list:
 
 # %% ../nbs/10_launch.ipynb #bb679095
 class WorkerError(RuntimeError):
-    "A launched function raised: `rank` is the first rank that failed (None if none reported), `worker_traceback` its traceback."
+    "A launched function raised: `rank` is the first rank that failed, `worker_traceback` its traceback."
     def __init__(self, rank:int, message:str, worker_traceback:str='', others:tuple=()):
         self.rank, self.worker_traceback, self.others = rank, worker_traceback, tuple(others)
         if rank is None: return super().__init__(f"the launch failed before any rank reported: {message}")
@@ -318,7 +318,7 @@ class WorkerError(RuntimeError):
 def collect(run_dir:str, # the launch's run folder
             exit_note:str='' # what the launcher said, used when no rank left an error
            ):
-    "Return the result this node's first rank saved in `run_dir`, or raise `WorkerError` for the rank the last attempt came down to."
+    "Return the result this node's first rank saved in `run_dir`, or raise `WorkerError` for the failed rank."
     run_dir = Path(run_dir)
     failed = diagnose(run_dir, attempts(run_dir) - 1)
     if failed and failed["kind"] == "error" and failed["message"].startswith("KitError: "):  # a user's mistake a worker found: one line
@@ -471,7 +471,7 @@ def _stop(proc, grace:float=20):
     except subprocess.TimeoutExpired: proc.kill(); proc.wait()
 
 def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_timeout=None, every:float=10, **_):
-    "Wait for torchrun to exit; with several nodes, say every `every` s that this node is still waiting for the others to join."
+    "Wait for torchrun to exit; with several nodes, say every `every` s that this node still waits."
     start, said = time.monotonic(), 0
     while proc.poll() is None:
         try: proc.wait(1)
@@ -521,7 +521,7 @@ def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
             "--run-path", "--start-method", "fork", *cmd[3:at], script, *cmd[at+2:]]
 
 def agent_main(argv:list):
-    "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` so the workers it forks start with them."
+    "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` for the workers."
     import importlib
     for name in PRELOAD: importlib.import_module(name)
     if fork_traps(): argv[argv.index("--start-method") + 1] = "spawn"  # an import touched the device: fresh interpreters instead
@@ -623,7 +623,7 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "FSDP_KIT_RUN_DIR" not in os.environ
 
 def _launch_in_this_rank(fn, args, backend, timeout):
-    "Under a user's `torchrun ... -m fsdp_kit CMD`: this process is already one rank, so run `fn` here (one job, not a nested one)."
+    "Under a user's `torchrun ... -m fsdp_kit CMD` this process is already one rank: run `fn` here."
     run_dir = tempfile.mkdtemp(prefix=f"fsdp_kit_run_rank{os.environ.get('RANK', 0)}_")
     os.environ["FSDP_KIT_OWN_RUN_DIR"] = "1"  # each rank has a run folder of its own: no sibling to wait for
     try: return run_worker(fn, args, backend, timeout, run_dir)

@@ -33,7 +33,7 @@ CATEGORY_COLOURS = {  # every memory figure draws a category in this colour (mea
 }
 
 def category_colour(category:str) -> str:
-    "The colour of `category` in every memory figure (`CATEGORY_COLOURS`); black for a name the map lacks, so a new category shows."
+    "The colour of `category` in every memory figure (`CATEGORY_COLOURS`); black for a name the map lacks."
     return CATEGORY_COLOURS.get(category, "#000000")
 
 
@@ -123,7 +123,7 @@ def _nbytes(x) -> int:
 
 # %% ../nbs/04a_measure.ipynb #37b9742d
 def comm_counter():
-    "A dispatch mode counting the collectives `CommDebugMode` counts and their buffer bytes (`.get_comm_counts()`, `.bytes`, `.log`)."
+    "A dispatch mode counting the collectives `CommDebugMode` counts and their buffer bytes."
     import torch
     from collections import Counter
     from torch.distributed.tensor import DTensor
@@ -236,7 +236,7 @@ def step_timing(times:list) -> dict:
                 load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, cores=os.cpu_count())
 
 def busy_note(timings:list) -> str:
-    "A warning when a timing was taken with more runnable threads than cores (load average above the core count); '' otherwise."
+    "A warning when a timing was taken with more runnable threads than cores; '' otherwise."
     busy = [t for t in timings if t and t.get("load_average") is not None and t["load_average"] > t["cores"]]
     if not busy: return ""
     t = max(busy, key=lambda t: t["load_average"])
@@ -244,7 +244,7 @@ def busy_note(timings:list) -> str:
             "step times include waiting for a core and can rank settings the wrong way round; compare them on a quiet machine")
 
 def first_step_tracker(model, optim):
-    "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak by category afterwards."
+    "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak."
     class FirstStep(unit_tracker()):
         def __enter__(self):
             self.quiet = quiet_hook_warnings(); self.quiet.__enter__()
@@ -261,7 +261,7 @@ class FigureCheckError(AssertionError):
     "A figure that would not read well on the docs page; the message lists what is wrong, one problem a line."
 
 def wrap_label(label:str, width:int=32) -> str:
-    "`label` broken into lines of at most `width` characters where it has spaces, so that a legend beside the axes stays narrow."
+    "`label` broken into lines of at most `width` characters where it has spaces, for a narrow legend."
     import textwrap
     return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) for line in str(label).split("\n"))
 
@@ -385,7 +385,7 @@ def check_figure(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=
 
 # %% ../nbs/04a_measure.ipynb #92165186
 def plot_timeline(timelines:dict, ax=None, mib:bool=True):
-    "Memory over one step for each label in `timelines` (label -> list of (phase, bytes)), phases shaded, the legend beside the axes."
+    "Memory over one step for each label in `timelines`, phases shaded, the legend beside the axes."
     import matplotlib.pyplot as plt
     own = ax is None
     if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")  # the layout keeps the legend beside inside the 9 inches
@@ -484,7 +484,7 @@ def gpu_records(folder=None # a folder of gpu_check records; None: the package's
     return sorted(records, key=lambda r: (r.get("mode") == "gpu", r.get("date", ""), r["file"]), reverse=True)
 
 def record_label(record:dict) -> str:
-    "One line naming what a record was measured on: the card (or CPU mode, said to be no GPU numbers), the versions and the date."
+    "One line naming what a record was measured on: the card (or CPU mode), the versions and the date."
     v, d = record["versions"], record["device"]
     stack = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes") if v.get(k))
     if record.get("mode") == "gpu":

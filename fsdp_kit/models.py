@@ -118,7 +118,7 @@ def build_model(config, # a transformers config, from `model_config`
 
 # %% ../nbs/01a_models.ipynb #39de2ae4
 def decoder_layers(model) -> list:
-    "The model's repeated blocks: modules whose class (or the class `fully_shard` subclassed) is in `model._no_split_modules`."
+    "The model's repeated blocks: modules whose class (or the class `fully_shard` subclassed) is no-split."
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
 
@@ -127,7 +127,7 @@ def expert_modules(model) -> list:
     return [(n, m) for n, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 def model_checkpointing(model) -> bool:
-    "Whether the model's own (transformers') gradient checkpointing is on (`is_activation_checkpointing` since transformers 5)."
+    "Whether the model's own (transformers') gradient checkpointing is on."
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
 

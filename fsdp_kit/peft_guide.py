@@ -25,7 +25,7 @@ METHODS = ("lora", "dora", "modules_to_save", "prompt_tuning", "prefix_tuning", 
 def method_config(method:str, # one of METHODS
                   r:int=8 # LoRA rank of the LoRA-family methods
                  ):
-    "peft's config for `method` on the kit's Llama: the LoRA family on decoder Linears, the prompt methods with a few virtual tokens."
+    "peft's config for `method` on the kit's Llama: LoRA family on decoder Linears, prompt methods."
     if method not in METHODS: raise bad_value("method", method, f"one of {', '.join(METHODS)}")
     from peft import PromptTuningConfig, PrefixTuningConfig, AdaptionPromptConfig
     match method:
@@ -161,7 +161,7 @@ def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint
                           folder:str, # where the Trainer would write its checkpoint
                           settings:tuple=((2, 8), (2, 64), (1, 64)) # (FSDP version, LoRA rank): r x 64 values per lora_A, 512 or 4096
                          ) -> list:
-    "The Trainer with optim='paged_adamw_8bit' on a 4-bit LoRA model under FSDP, saving at step 2: how far it gets, per setting."
+    "The Trainer with optim='paged_adamw_8bit' on a 4-bit LoRA model under FSDP: how far it gets."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import Trainer
@@ -216,7 +216,7 @@ def best_model_run(base:str, # a saved tiny Llama (hf_run.base_checkpoint)
                    state_dict_type:str="FULL_STATE_DICT", # how the checkpoints are saved
                    lr:float=1e-2, # high enough that eval_loss turns up before max_steps
                    max_steps:int=20, patience:int=1) -> dict:
-    "An unmodified Trainer under FSDP2 evaluating and saving every 2 steps, `load_best_model_at_end` on eval_loss, early stopping."
+    "An unmodified Trainer under FSDP2 keeping its best model on eval_loss, with early stopping."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer, EarlyStoppingCallback
@@ -319,7 +319,7 @@ def command_flags(command:str) -> list:
     return pairs
 
 def script_reading(command:str) -> dict:
-    "Which of `command`'s arguments examples/sft_lora.py's own `HfArgumentParser` (with TRL's `SFTConfig`) knows, and which not."
+    "Which of `command`'s arguments examples/sft_lora.py's own parser knows, and which not."
     from transformers import HfArgumentParser
     from trl import SFTConfig
     from fsdp_kit.examples.sft_lora import ModelArguments, DataArguments

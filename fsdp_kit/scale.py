@@ -37,7 +37,7 @@ class FaultSpec:
 
 # %% ../nbs/11_scale.ipynb #66ac4281
 def inject_fault(kind:str):
-    "Fail this process now: `crash` kills it with SIGKILL (nothing runs after), `hang` sleeps forever without calling a collective."
+    "Fail this process now: `crash` kills it with SIGKILL, `hang` sleeps forever without calling a collective."
     if kind == "crash": os.kill(os.getpid(), signal.SIGKILL)
     while True: time.sleep(3600)  # the other ranks wait for this one in their next collective
 
@@ -92,7 +92,7 @@ def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to surviv
                        timeout:float=120, # seconds a step may take before the watchdog ends the run
                        progress:bool=False # print `step n/N, loss` on rank 0 after each step (a launch puts it on the command's stderr)
                       ):
-    "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming from the last checkpoint after a torchrun restart."
+    "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming after a torchrun restart."
     now = attempt()
     # torchrun restarted us: continue from the last complete checkpoint (a variant; the spec stays as given)
     if now and spec.ckpt is not None:
@@ -116,7 +116,7 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
                  time_limit:str=None, # #SBATCH --time, e.g. 01:00:00
                  job_name:str="fsdp-kit" # #SBATCH --job-name
                 ) -> str:
-    "An sbatch script: one srun task per node, each running `fsdp-kit ARGS` through torchrun with the rendezvous on the first node."
+    "An sbatch script: one srun task per node, each running `fsdp-kit ARGS` through torchrun."
     for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1: raise bad_value(name, value, "a whole number >= 1")
     args = list(map(str, args))

@@ -137,7 +137,7 @@ def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* va
 
 # %% ../nbs/03a_upstream.ipynb #f1261c20
 def launch_args(path:str) -> list:
-    "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none (accelerate asks for it then)."
+    "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none."
     data = parse_fsdp_file(Path(path))  # parsed once per command (checked: size, aliases, text), as every reader of the file gets it
     return ["--config_file", str(path)] + ([] if int(data.get("num_processes", -1)) > 0 else ["--num_processes", "2"])
 
@@ -225,7 +225,7 @@ def reshard_reading(plugin):
 
 # %% ../nbs/03a_upstream.ipynb #060edf03
 def precision_reading(plugin, mixed_precision:str) -> dict:
-    "The mixed precision policy accelerate sets on `plugin` for `mixed_precision` (what `AcceleratorState` does), as dtype names."
+    "The mixed precision policy accelerate sets on `plugin` for `mixed_precision`, as dtype names."
     if mixed_precision == "no" or mixed_precision is None: return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
     plugin.set_mixed_precision(mixed_precision)
     policy = plugin.mixed_precision_policy
@@ -262,7 +262,7 @@ def accelerate_reading(path:str) -> dict:
     return dict(**plugin_reading(fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"]), parallelism_config=parallelism_reading(env))
 
 def trainer_reading(path:str, mixed_precision:str="no") -> dict:
-    "What `TrainingArguments(fsdp=True, fsdp_config=path)` hands accelerate: the plugin its Trainer builds, the mixed precision."
+    "What `TrainingArguments(fsdp=True, fsdp_config=path)` hands accelerate: its plugin, the mixed precision."
     plugin_args, mixed_precision = trainer_plugin_args(path, mixed_precision)
     return dict(**plugin_reading(fsdp_plugin(clean_environ(), **plugin_args), mixed_precision), parallelism_config=None)
 

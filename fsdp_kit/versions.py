@@ -120,7 +120,7 @@ def make_env(folder:Path, # a new folder for the environment
 
 # %% ../nbs/03b_versions.ipynb #dfac1715
 def upstream_files() -> list:
-    "Every FSDP config the kit ships (the seeds' three, the upstream-style ones, the doctor's), as paths relative to `EXAMPLES`."
+    "Every FSDP config the kit ships, as paths relative to `EXAMPLES`."
     return sorted(str(p.relative_to(EXAMPLES)) for d in ("fsdp_configs", "upstream_configs", "doctor") for p in (EXAMPLES / d).iterdir()
                   if p.suffix in (".yaml", ".json"))
 
@@ -214,7 +214,7 @@ def _variant_lora(config) -> dict:
     return dict(units=_units(model), dtypes=_dtypes(model))
 
 def _variant_qlora(checkpoint:str, storage:str) -> dict:
-    "LoRA on a 4-bit base stored in `storage`, mixed precision bf16: which weights FSDP shards, dtypes, and what accelerate warns."
+    "LoRA on a 4-bit base stored in `storage`, bf16: which weights FSDP shards, dtypes, accelerate's warnings."
     import warnings
     from fsdp_kit.qlora import QLoRASpec, load_lora_model
     with warnings.catch_warnings(record=True) as said:
@@ -225,7 +225,7 @@ def _variant_qlora(checkpoint:str, storage:str) -> dict:
 
 # %% ../nbs/03b_versions.ipynb #4d3b5f45
 def prepare_worker() -> dict:
-    "On every rank: each of accelerate's prepare variants, each error kept as its variant's value; rank 0's values, loading per rank."
+    "On every rank: each of accelerate's prepare variants, an error kept as its value; rank 0's values."
     import shutil, warnings, torch
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects
     from fsdp_kit.models import model_config, build_model
@@ -313,7 +313,7 @@ def error_line(stderr:str, returncode:int) -> str:
     return plain[-1][:300] if plain else f"exit status {returncode}"
 
 def run_probe(py, probe:Probe, cwd:str) -> dict:
-    "Run `probe` with interpreter `py` in `cwd`: status PASS or FAIL (with the reason: its error's last line), seconds, values."
+    "Run `probe` with interpreter `py` in `cwd`: status PASS or FAIL (with the reason), seconds, values."
     cmd = [str(py)] + [a.replace("{ex}", str(EXAMPLES)) for a in probe.args]
     start = time.time()
     try: r = subprocess.run(cmd, capture_output=True, text=True, timeout=probe.timeout, cwd=cwd, start_new_session=True)
@@ -463,7 +463,7 @@ CHANGES = [
 
 
 def change_of(key:str, probe:str=None, versions:dict=None):
-    "The entry of CHANGES for a compared key of `probe` that differs at these `versions` (None: a difference no entry explains)."
+    "The entry of CHANGES for a compared key of `probe` that differs at these `versions` (None: none)."
     minor = lambda v: ".".join(v.split(".")[:2])
     return next((c for c in CHANGES if c.get("probe", probe) == probe and (key.endswith(c["key"]) or f".{c['key']}." in f".{key}.")
                  and (versions is None or minor(versions[c["lib"]]) in c["old"])), None)
