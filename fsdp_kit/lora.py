@@ -245,8 +245,8 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
         return model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out_dir = out_dir or decide_on_rank0(lambda: tempfile.mkdtemp(prefix="fsdp_kit_merged_"))
-    model, tokens = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0], synthetic_tokens(
-        256, 2 * world_size, 32, step=10_002)
+    model = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0]
+    tokens = synthetic_tokens(256, 2 * world_size, 32, step=10_002)
     switched = {}
     for name in ("second", "default"):  # set_adapter on the sharded model, each adapter's loss
         model.set_adapter(name)

@@ -48,8 +48,8 @@ def unit_tracker():
         "Register forward hooks on the unit's modules as fully_shard does; return (pre, post) handles."
         if len(state._modules) == 1:
             m = state._modules[0]
-            return m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), m.register_forward_hook(
-                post, prepend=False, always_call=always_call)
+            before = m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+            return before, m.register_forward_hook(post, prepend=False, always_call=always_call)
         h = _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward, state._cast_output_dtype)
         return h, h
 
@@ -285,8 +285,8 @@ def _covered_data(ax, box) -> list:
     def near(points, radius, b):  # any finite point within `radius` pixels of box `b`
         p = np.asarray(points, float).reshape(-1, 2)
         p = p[np.isfinite(p).all(1)]
-        return bool(((p[:, 0] >= b.x0 - radius) & (p[:, 0] <= b.x1 + radius) & (p[:, 1] >= b.y0 - radius) & (p[
-            :, 1] <= b.y1 + radius)).any())
+        x, y = p[:, 0], p[:, 1]
+        return bool(((x >= b.x0 - radius) & (x <= b.x1 + radius) & (y >= b.y0 - radius) & (y <= b.y1 + radius)).any())
     hits = []
     for line in ax.lines:
         b = where(line)

@@ -127,8 +127,8 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
     command = " ".join(["python -m fsdp_kit", *map(shlex.quote, args), "--nnodes", str(nodes), "--nproc", str(gpus_per_node),
                         '--node-rank "$SLURM_NODEID" --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID"'])
     runs = " ".join(torchrun_command("fsdp_kit", ["worker", "RUN_DIR"], nproc=gpus_per_node, nnodes=nodes, node_rank=0,
-                                     rdzv_endpoint="$head_node:$rdzv_port", rdzv_id="$SLURM_JOB_ID")).replace(
-                                         "--node-rank 0", "--node-rank $SLURM_NODEID")
+                                     rdzv_endpoint="$head_node:$rdzv_port", rdzv_id="$SLURM_JOB_ID"))
+    runs = runs.replace("--node-rank 0", "--node-rank $SLURM_NODEID")
     header = [f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
               f"#SBATCH --gpus-per-node={gpus_per_node}"]
     header += [f"#SBATCH --partition={partition}"] * bool(partition) + [f"#SBATCH --time={time_limit}"] * bool(time_limit)

@@ -84,9 +84,9 @@ def matrix_table(matrix:dict) -> str:
     head = "| combination | " + " | ".join(LIBS) + " | " + " | ".join(probes) + " |"
     rows = [head, "|" + "---|" * (1 + len(LIBS) + len(probes))]
     for c in matrix["combos"]:
-        rows.append(f"| {c['name']} | " + " | ".join(c["versions"][k]
-                                                     for k in LIBS) + " | " + " | ".join(
-                                                         c["probes"].get(p, {}).get("status", "") for p in probes) + " |")
+        versions = " | ".join(c["versions"][k] for k in LIBS)
+        statuses = " | ".join(c["probes"].get(p, {}).get("status", "") for p in probes)
+        rows.append(f"| {c['name']} | " + versions + " | " + statuses + " |")
     return "\n".join(rows)
 
 # %% ../nbs/03b_versions.ipynb #c5e65995
