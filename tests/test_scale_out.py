@@ -1,12 +1,13 @@
 """Scale-out from the command line: crashes and hangs fail fast naming the rank with nothing left behind; the sbatch script runs.
 Two loopback nodes giving one node's losses, and a SIGKILLed worker restarted by torchrun resuming bit for bit, are asserted
 by the scale-out lesson (nbs/11_scale.ipynb), which runs them."""
-import json, os, signal, subprocess, sys, threading, time
+import inspect, json, os, signal, subprocess, sys, threading, time
 from pathlib import Path
 import psutil, pytest
 from tests.conftest import ROOT
 from tests.badinput import refused
 from fsdp_kit.launch import free_port
+from fsdp_kit.scale import inject_fault
 
 pytestmark = pytest.mark.timeout(400)
 TRAIN = ("train", "--model", "tiny", "--seq-len", 32)
@@ -96,7 +97,9 @@ def test_crash_and_hang_fail_fast_naming_the_rank_leaving_nothing(tmp_path, hang
     assert "(no progress for 15 s). Rank 1 was in inject_fault" in err, err[-3000:]
     # the hung rank's own frames (the kit's and the user's code), not torch's and runpy's; the whole trace only with --debug
     assert len(err.strip().splitlines()) <= 15 and "Traceback" not in err and "runpy" not in err, err[-3000:]
-    assert "fsdp_kit/scale.py:40 in inject_fault" in err and "(--debug prints the whole trace)" in err, err[-3000:]
+    src, first = inspect.getsourcelines(inject_fault)
+    asleep = first + next(i for i, line in enumerate(src) if "time.sleep" in line)  # where the hung rank waits, wherever the line moves
+    assert f"fsdp_kit/scale.py:{asleep} in inject_fault" in err and "(--debug prints the whole trace)" in err, err[-3000:]
     # ended within --timeout + 10 s of the workers' start (the fault comes two tiny steps later)
     assert hang.workers_started is not None and seconds - hang.workers_started < 15 + 10, (seconds, hang.workers_started)
 
