@@ -22,7 +22,8 @@ STATUSES = ("passed", "failed", "timed_out", "skipped")
 def plan(cpu: bool, ranks: int) -> list:
     "The steps for this machine, in order: dict(name, argv after `fsdp-kit`, limit_s, needs (packages), ranks (at least), why)."
     size = ["--model", "tiny", "--steps", "2", "--batch", "2", "--seq-len", "32"] if cpu else ["--model", "small", "--steps", "10"]
-    hf = lambda run: ["hf", "--run", run, "--fsdp-config", str(EXAMPLES / "fsdp_configs" / HF_CONFIGS[run]), "--steps", "2" if cpu else "10"]
+    hf = lambda run: ["hf", "--run", run, "--fsdp-config", str(EXAMPLES / "fsdp_configs" / HF_CONFIGS[run]), "--steps", "2" if cpu
+                      else "10"]
     n = ["--nproc", str(ranks)]
     cp = ["--cp", "2", "--nproc", "2"] if ranks >= 2 else ["--cp", "1", "--nproc", "1"]
     cp_len = ["--seq-len", "64", "--batch", "2"] if cpu else ["--seq-len", "1024"]
@@ -32,7 +33,8 @@ def plan(cpu: bool, ranks: int) -> list:
              dict(name="qlora", argv=["qlora", *n, *size, "--quant-storage", "bfloat16"], limit_s=150, needs=("bitsandbytes",)),
              dict(name="ac-offload", argv=["train", *n, *size, "--fsdp-config", "{offload_config}"], limit_s=150),
              *[dict(name=f"cp-eval-{r}", argv=["cp-eval", *cp, *cp_len, "--rotate", r], limit_s=120) for r in ("allgather", "alltoall")],
-             dict(name="hf-check", argv=["hf", "--check", "--fsdp-config", str(EXAMPLES / "fsdp_configs" / HF_CONFIGS["trainer"]), *n], limit_s=150),
+             dict(name="hf-check", argv=["hf", "--check", "--fsdp-config", str(EXAMPLES / "fsdp_configs" / HF_CONFIGS["trainer"]), *n],
+                  limit_s=150),
              dict(name="hf-trainer", argv=[*hf("trainer"), *n], limit_s=180),
              dict(name="hf-sft", argv=[*hf("sft"), *n], limit_s=240, needs=("trl",)),
              dict(name="hf-qlora", argv=[*hf("qlora"), *n], limit_s=240, needs=("trl", "bitsandbytes")),
@@ -104,22 +106,27 @@ def _validate_line(d) -> str:
 
 
 SUMMARY = {  # step -> one line from the JSON its command wrote
-    "env": lambda d: (f"{d['device_type']}, backend {d['backend']}, " + (f"{d['gpu_count']} x {d['gpu_name']}" if d["gpu_count"] else "no GPU")
+    "env": lambda d: (f"{d['device_type']}, backend {d['backend']}, " + (f"{d['gpu_count']} x {d['gpu_name']}" if d["gpu_count"]
+                                                                         else "no GPU")
                       + f", torch {d['versions']['torch']}"),
     "train": lambda d: (f"{d['world_size']} ranks, {_losses(d)}, |sharded - one process| {d['max_param_diff']:.1e}, "
                         f"step {d['step_seconds'] * 1e3:.1f} ms, {d['tokens_per_second']:,.0f} tokens/s"),
-    "train-hsdp": lambda d: f"{d['mesh']['dp_replicate']} x {d['mesh']['dp_shard']} mesh, {_losses(d)}, |sharded - one process| {d['max_param_diff']:.1e}",
-    "ac-offload": lambda d: (f"cpu_offload={d['config']['cpu_offload']}, {d['world_size']} ranks, {_losses(d)}, step {d['step_seconds'] * 1e3:.1f} ms, "
+    "train-hsdp": lambda d: f"{d['mesh']['dp_replicate']} x {d['mesh']['dp_shard']} mesh, {_losses(d)}, |sharded - one process| "
+                            f"{d['max_param_diff']:.1e}",
+    "ac-offload": lambda d: (f"cpu_offload={d['config']['cpu_offload']}, {d['world_size']} ranks, {_losses(d)}, step "
+                             f"{d['step_seconds'] * 1e3:.1f} ms, "
                              f"{d['tokens_per_second']:,.0f} tokens/s"),
     "qlora": lambda d: (f"{d['world_size']} ranks, 4-bit base in {d['quant_storage']}, matmuls in {d['compute_dtype']}, "
-                        f"|sharded - one process| loss {d['sharded_vs_unsharded_loss_diff']:.1e}, adapter reload {d['adapter']['reload_loss_diff']:.1e}"),
+                        f"|sharded - one process| loss {d['sharded_vs_unsharded_loss_diff']:.1e}, adapter reload "
+                        f"{d['adapter']['reload_loss_diff']:.1e}"),
     "cp-eval": lambda d: (f"{d['world_size']} ranks, cp={d['cp_size']} {d['rotate_method']}, eval_loss |diff| {d['loss_diff']:.1e}, "
                      f"predictions match: {d['predictions_match_reference']}, peak {d['peak_bytes'][0] / 2**20:.1f} MiB, {d['attention']}"),
     "hf-check": lambda d: " | ".join(d["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit")),
     "plan-validate": _validate_line,
     "doctor": lambda d: ", ".join(f"{n} {s}" for s, n in sorted(_count(d).items())),
     **{f"hf-{w}": (lambda d: f"{'FSDP2' if d['sharded'] else 'NOT sharded'}, {d['fsdp_units']} units, {d['param_type']}, "
-                             f"{d['world_size']} ranks, {d['distributed_type']}, {_losses(d)}") for w in ("trainer", "sft", "qlora", "native")},
+                             f"{d['world_size']} ranks, {d['distributed_type']}, {_losses(d)}")
+                             for w in ("trainer", "sft", "qlora", "native")},
 }
 
 
@@ -146,7 +153,8 @@ def device_info(cpu: bool) -> dict:
 def check(cpu: bool = False, ranks: int = None, only: list = None, limits: dict = None, budget_s: float = 480, say=print) -> dict:
     "Run every step (or `only` these), each within its limit and all within `budget_s`; the record."
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
-    record = dict(mode="cpu" if cpu else "gpu", date=datetime.date.today().isoformat(), started=datetime.datetime.now().isoformat(timespec="seconds"))
+    record = dict(mode="cpu" if cpu else "gpu", date=datetime.date.today().isoformat(),
+                  started=datetime.datetime.now().isoformat(timespec="seconds"))
     record |= device_info(cpu)
     ranks = ranks or (1 if cpu else record["device"]["gpu_count"])
     steps = plan(cpu, ranks)
@@ -181,7 +189,8 @@ def main(argv=None):
     p.add_argument("--only", help="run only these steps, comma-separated")
     p.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS", help="another time limit for one step")
     p.add_argument("--budget", type=float, default=480, help="seconds for all steps together")
-    p.add_argument("--out", help="the record's path (default: fsdp_kit/examples/gpu/<gpu-name>-<date>.json; CPU mode: ./cpu-mode-<date>.json)")
+    p.add_argument("--out",
+                   help="the record's path (default: fsdp_kit/examples/gpu/<gpu-name>-<date>.json; CPU mode: ./cpu-mode-<date>.json)")
     a = p.parse_args(argv)
     if not a.cpu:
         import torch

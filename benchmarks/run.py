@@ -24,8 +24,10 @@ def log(msg):
 def machine() -> dict:
     "What the numbers were measured on."
     import torch
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    mem = next((int(l.split()[1]) // 1024 // 1024 for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
+    cpu = (next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")),
+                platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor())
+    mem = (next((int(l.split()[1]) // 1024 // 1024 for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")),
+                None) if Path("/proc/meminfo").exists() else None)
     return dict(cpu=cpu, cores=os.cpu_count(), memory_gib=mem, python=platform.python_version(), torch=torch.__version__,
                 gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, date=datetime.date.today().isoformat())
 
@@ -58,7 +60,8 @@ def bench_layout(pairs: int) -> dict:
 
 
 def bench_same_window(rounds: int, model="small", batch=4, seq_len=128) -> dict:
-    "The kit's step and the plain loop's alternated step by step in one job (benchmarks/same_window.py): the per-step cost of the kit alone."
+    "The kit's step and the plain loop's alternated step by step in one job (benchmarks/same_window.py)."
+    # the per-step cost of the kit alone.
     with tempfile.TemporaryDirectory() as tmp:
         run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/same_window.py", "--model", model,
              "--batch", str(batch), "--seq-len", str(seq_len), "--rounds", str(rounds), "--out", f"{tmp}/sw.json"],
@@ -136,7 +139,8 @@ def bench_launch(repeats: int) -> dict:
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("first", "exit")} for k, v in sides.items()}
     ratio = lambda side, m: statistics.median(a[m] / b[m] for a, b in zip(sides[side], sides["torchrun"]))
     return dict(seconds=med, rounds=sides, first_collective_ratio_script=ratio("launch_script", "first"),
-                first_collective_ratio_notebook=ratio("launch_notebook", "first"), exit_ratio_script=ratio("launch_script", "exit"), target=1.1)
+                first_collective_ratio_notebook=ratio("launch_notebook", "first"), exit_ratio_script=ratio("launch_script", "exit"),
+                target=1.1)
 
 
 def overhead_worker(steps: int):
@@ -201,7 +205,8 @@ def peak_flops(name: str):
 
 
 def flops_per_token(config_path: str, seq_len: int) -> tuple:
-    "(training FLOPs per token, parameters): 6 x parameters for the matmuls, plus 12 x layers x hidden x sequence for attention (as in PaLM's MFU)."
+    "(training FLOPs per token, parameters)."
+    # 6 x parameters for the matmuls, plus 12 x layers x hidden x sequence for attention (as in PaLM's MFU).
     from fsdp_kit.models import model_config, build_model
     cfg = model_config(config_path)
     n = sum(p.numel() for p in build_model(cfg, device="meta").parameters())  # shapes only: no memory, no random init
@@ -222,7 +227,8 @@ def bench_gpu(pairs: int = 2, model="benchmarks/llama-1b.json", batch=4, seq_len
             kit.append(json.load(open(f"{tmp}/kit.json"))["tokens_per_second"])
 
         def run_plain():
-            run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "benchmarks/plain_fsdp.py", "--model", model,
+            run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "benchmarks/plain_fsdp.py", "--model",
+                 model,
                  "--batch", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--bf16", "--out", f"{tmp}/plain.json"])
             plain.append(json.load(open(f"{tmp}/plain.json"))["tokens_per_second"])
 
@@ -255,12 +261,16 @@ def summary(results: dict) -> dict:
     add("first collective, launch() in a notebook kernel / torchrun", l.get("first_collective_ratio_notebook"), 1.1)
     add("exit, launch() from a script / torchrun", l.get("exit_ratio_script"), 1.1)
     for k in ("memory_tracking_ratio", "comm_counting_ratio"):
-        if k in o: rows[f"step with {k.split('_')[0]} {'tracking' if 'memory' in k else 'counting'} on / off"] = dict(ratio=round(o[k], 3), target=None, met=None)
+        if k in o:
+            rows[f"step with {k.split('_')[0]} {'tracking' if 'memory' in k else 'counting'} on / off"] = dict(
+                ratio=round(o[k], 3), target=None, met=None)
     add("GPU step, plain tokens/s / kit tokens/s", g.get("ratio"), 1.02)
     labs = results.get("labs", {})
     if "nbval_seconds" in labs:
-        rows["slowest notebook under nbval, seconds"] = dict(value=max(labs["nbval_seconds"].values()), target=120, met=max(labs["nbval_seconds"].values()) <= 120)
-        rows["all notebooks under nbval, seconds"] = dict(value=labs["nbval_total_seconds"], target=600, met=labs["nbval_total_seconds"] <= 600)
+        rows["slowest notebook under nbval, seconds"] = dict(value=max(labs["nbval_seconds"].values()), target=120,
+                                                             met=max(labs["nbval_seconds"].values()) <= 120)
+        rows["all notebooks under nbval, seconds"] = dict(value=labs["nbval_total_seconds"], target=600,
+                                                          met=labs["nbval_total_seconds"] <= 600)
     return rows
 
 
@@ -285,13 +295,15 @@ def main():
               lambda: bench_train(a.pairs)),
              ("layout", f"train step: accelerate's units vs per layer, the plain loop, {a.pairs} alternating pairs",
               lambda: bench_layout(a.pairs)),
-             ("same_window", f"train step: the kit's step vs the plain loop's, alternated for {a.rounds} rounds in one job", lambda: bench_same_window(a.rounds)),
+             ("same_window", f"train step: the kit's step vs the plain loop's, alternated for {a.rounds} rounds in one job",
+              lambda: bench_same_window(a.rounds)),
              ("launch", "launch: launch() vs bare torchrun", lambda: bench_launch(a.repeats)),
              ("overhead", "measurement overhead", lambda: bench_overhead(5))]
     if torch.cuda.is_available():
         steps.append(("gpu", "GPU: tokens/s and MFU in bf16, fsdp-kit train vs the plain loop", bench_gpu))
     else:
-        results["gpu"] = dict(available=False, note="no GPU on this machine; the GPU benchmark (bench_gpu) runs where torch.cuda.is_available()")
+        results["gpu"] = dict(available=False,
+                              note="no GPU on this machine; the GPU benchmark (bench_gpu) runs where torch.cuda.is_available()")
     if not a.skip_labs:
         steps.append(("labs", "labs: every notebook under nbval, then the tour", bench_labs))
     if a.only:

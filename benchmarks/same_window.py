@@ -7,8 +7,9 @@ within seconds), so their step times differ by more than anything the kit could 
 the same model: one set up and stepped exactly as `fsdp-kit train` does (`wrap.apply_fsdp` with the default config over the kit's mesh,
 `train.make_optimizer`, `train.train_loop` with the heartbeat, watchdog and loss log of `scale.StepWatch`, its first step
 inside the memory tracker as `train.train_worker` runs it), one as `plain_fsdp.py` does, in the same units as the kit's
-by default (`--layout accelerate`), so the ratio is the kit's own cost and not its layout's. Each round runs one step of each, the order flipping every round; the kit's time includes
-everything it does after a step (heartbeat, loss log). The ratio is the median over rounds of kit / plain.
+by default (`--layout accelerate`), so the ratio is the kit's own cost and not its layout's. Each round runs one step of each,
+the order flipping every round; the kit's time includes everything it does after a step (heartbeat, loss log). The ratio is
+the median over rounds of kit / plain.
 """
 import argparse, dataclasses, json, os, statistics, sys, tempfile, time
 from pathlib import Path
@@ -68,7 +69,8 @@ def main():
         ratios = [k / p for k, p in zip(times["kit"], times["plain"])]
         json.dump(dict(rounds=a.rounds, layout=a.layout,
                        kit_step_seconds=statistics.median(times["kit"]), plain_step_seconds=statistics.median(times["plain"]),
-                       ratio=statistics.median(ratios), ratios=ratios, kit_times=times["kit"], plain_times=times["plain"]), open(a.out, "w"))
+                       ratio=statistics.median(ratios), ratios=ratios, kit_times=times["kit"], plain_times=times["plain"]),
+                       open(a.out, "w"))
     dist.barrier()  # leave together: a gloo rank that tears down while its peer still writes can abort it
     dist.destroy_process_group()
 

@@ -82,7 +82,8 @@ def main():
     results = dict(machine=machine(), own=own_cost(a.pairs), layout=layout_cost(a.pairs))
     Path(a.json).write_text(json.dumps(results, indent=2))
     own, acc, per_layer = results["own"], results["layout"]["layouts"]["accelerate"], results["layout"]["layouts"]["layers"]
-    print(f"kit / plain throughput, same units: {own['throughput_ratio']:.3f} (spread {1 / own['spread'][1]:.3f}-{1 / own['spread'][0]:.3f}); "
+    print(f"kit / plain throughput, same units: {own['throughput_ratio']:.3f} (spread "
+          f"{1 / own['spread'][1]:.3f}-{1 / own['spread'][0]:.3f}); "
           f"accelerate / layers step time: {results['layout']['ratio']:.3f}; all-gathers {acc['all_gathers_per_step']} vs "
           f"{per_layer['all_gathers_per_step']}; peak MiB {acc['peak_mib']} vs {per_layer['peak_mib']}")
 

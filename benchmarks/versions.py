@@ -12,16 +12,19 @@ minutes on 2 CPU cores for 10 combinations.
 import argparse, sys, time
 from pathlib import Path
 import json, tempfile
-from fsdp_kit.versions import MATRIX, DEPTH, LIBS, PROBES, grid, minors, pypi_releases, supported_oldest, run_matrix, matrix_table, merge, load_matrix
+from fsdp_kit.versions import (MATRIX, DEPTH, LIBS, PROBES, grid, minors, pypi_releases, supported_oldest, run_matrix, matrix_table, merge,
+                               load_matrix)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=MATRIX, help=f"the matrix JSON (default: {MATRIX})")
-    p.add_argument("--only", default=None, help="comma-separated combination names to run again (default: all), e.g. 'newest,accelerate 1.15.0'; "
+    p.add_argument("--only", default=None,
+                   help="comma-separated combination names to run again (default: all), e.g. 'newest,accelerate 1.15.0'; "
                    "they replace those of the same name in --out, the others are kept")
     p.add_argument("--probes", default=None, help=f"comma-separated probes (default: all of {', '.join(x.name for x in PROBES)})")
-    p.add_argument("--keep", metavar="DIR", default=None, help="make the environments in DIR and keep them (default: a temporary folder, removed)")
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="make the environments in DIR and keep them (default: a temporary folder, removed)")
     a = p.parse_args(argv)
     releases = {lib: minors(pypi_releases(lib), DEPTH[lib]) for lib in LIBS}
     everything = combos = grid(releases, supported_oldest())

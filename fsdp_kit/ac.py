@@ -1,4 +1,4 @@
-"""Keep fewer activations through forward and compute them again in backward: no layer, every layer, every k-th layer, or every layer's cheap ops only. Each policy measured on 2 ranks under FSDP2: activations at the peak, the peak, the FLOPs of a step (recomputation included) and the loss, which must not change. Then three more ways to cut a step's memory: the loss in chunks, the optimizer inside backward, activations in host memory; and CPU offload of parameters, gradients and optimizer state, with every copy it makes counted.
+"""Activation checkpointing policies measured under FSDP2; then the chunked loss, the optimizer in backward and offload, each counted.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
@@ -19,7 +19,7 @@ from .models import decoder_layers, model_checkpointing
 AC_POLICIES = ("none", "full", "selective-layer:K", "selective-op")  # what `ac` accepts; K is a whole number >= 1
 
 def parse_ac(policy:str) -> tuple:
-    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) for every K-th decoder layer or ('op', 1); a KitError naming the value otherwise."
+    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) or ('op', 1); a KitError naming the value otherwise."
     fixed = {"none": ("none", 0), "full": ("full", 1), "selective-op": ("op", 1)}
     if isinstance(policy, str) and policy in fixed: return fixed[policy]
     if isinstance(policy, str) and policy.startswith("selective-layer:"):
@@ -29,7 +29,7 @@ def parse_ac(policy:str) -> tuple:
 
 # %% ../nbs/04c_ac.ipynb #27cb1492
 def saved_ops() -> set:
-    "The ops whose outputs `selective-op` keeps: matrix multiplies (every second one excepted, see `_op_policy`) and attention, the expensive ones; every other op is recomputed."
+    "The ops whose outputs `selective-op` keeps: the expensive ones; every other op is recomputed."
     import torch
     aten = torch.ops.aten
     names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -37,8 +37,7 @@ def saved_ops() -> set:
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 def _op_policy(saved:set):
-    """A selective-checkpoint policy for one call of one layer, torchtitan's `op` policy: save the outputs of the ops in `saved`, except
-    every second `aten.mm` (counted apart in forward and in the recomputation), and recompute the rest."""
+    "A selective-checkpoint policy for one call of one layer, torchtitan's `op` policy; recompute what it does not save."
     import torch
     from torch.utils.checkpoint import CheckpointPolicy
     mm, seen = torch.ops.aten.mm.default, {False: 0, True: 0}  # matmuls so far, in forward (False) and in the recomputation (True)
@@ -50,7 +49,7 @@ def _op_policy(saved:set):
     return policy
 
 def _op_contexts(saved:set):
-    "The forward and recomputation contexts of one checkpointed call under `selective-op`, with a fresh policy (its own matmul count)."
+    "The forward and recomputation contexts of one checkpointed call under `selective-op`, with a fresh policy."
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     return create_selective_checkpoint_contexts(_op_policy(saved))
 
@@ -86,18 +85,17 @@ def ac_policy(cfg, # an FSDPConfig
 # %% ../nbs/04c_ac.ipynb #2beae0e9
 def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded or not
                    tokens, # (batch, seq) token ids; the labels are the same ids, shifted as transformers shifts them
-                   ce_chunks:int=0 # 0: the model's own loss (whole logits); N: lm_head and the loss in N chunks of tokens, each recomputed in backward
+                   ce_chunks:int=0 # 0: the model's own loss (whole logits); N: lm_head and the loss in N chunks of tokens
                   ):
-    """The mean next-token cross-entropy of `tokens`, as `model(input_ids=tokens, labels=tokens).loss` computes it. With `ce_chunks`, lm_head
-    runs inside the model's forward (where FSDP has gathered it) on one chunk of tokens at a time under a non-reentrant checkpoint: each
-    chunk's logits, their float32 copy and log-softmax are freed before the next chunk, and made again one chunk at a time in backward."""
+    "The mean next-token cross-entropy of `tokens`, as `model(input_ids=tokens, labels=tokens).loss` computes it."
     if not ce_chunks: return model(input_ids=tokens, labels=tokens).loss
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
     head = model.get_output_embeddings()
     labels = F.pad(tokens, (0, 1), value=-100)[..., 1:].flatten()  # transformers' ForCausalLMLoss: the next token, -100 after the last
     count = (labels != -100).sum()
-    def chunk_loss(hidden, target): return F.cross_entropy(F.linear(hidden, head.weight, head.bias).float(), target, ignore_index=-100, reduction="sum")
+    def chunk_loss(hidden, target):
+        return F.cross_entropy(F.linear(hidden, head.weight, head.bias).float(), target, ignore_index=-100, reduction="sum")
     def forward(hidden):  # in place of lm_head's forward, for this call: returns the loss where the logits would be
         pairs = zip(hidden.flatten(0, -2).tensor_split(ce_chunks), labels.tensor_split(ce_chunks))
         return sum(checkpoint(chunk_loss, h, y, use_reentrant=False) for h, y in pairs) / count
@@ -107,10 +105,7 @@ def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded 
 
 # %% ../nbs/04c_ac.ipynb #4e59350c
 class OptimizerInBackward:
-    """AdamW fused into backward: one optimizer per trainable parameter, stepped by a post-accumulate-grad hook as soon as FSDP has
-    reduce-scattered that parameter's gradient, which is then freed; no moment holds every gradient. `step` and `zero_grad` do nothing (the
-    work happened in backward), so a training loop written for one optimizer runs unchanged. Gradient clipping and accumulation need every
-    gradient at once and do not combine with it."""
+    "AdamW fused into backward: one optimizer per trainable parameter, stepped as soon as its gradient is reduce-scattered."
     def __init__(self, model, # a model sharded with fully_shard (its parameters are the sharded DTensors)
                  lr:float=1e-3 # AdamW's learning rate
                 ):
@@ -131,10 +126,7 @@ class OptimizerInBackward:
 
 # %% ../nbs/04c_ac.ipynb #66fdb1f5
 def activations_on_host():
-    """A context in which autograd keeps what it saves for backward in host memory and copies each tensor back when backward needs it.
-    Leaf tensors (parameters, buffers, token ids) and views of them stay where they are. On a GPU the copies are real device-host copies;
-    on a CPU-only machine, where host and device are the same memory, a saved tensor is kept as a NumPy array (outside torch's allocator,
-    so the memory tracker sees it leave) and copied back into a new tensor, as it would be to the device."""
+    "A context in which autograd keeps what it saves for backward in host memory, copied back when backward needs it."
     import torch
     def pack(t):
         if t.is_leaf or (t._base is not None and t._base.is_leaf): return t
@@ -150,7 +142,7 @@ def activations_on_host():
 # %% ../nbs/04c_ac.ipynb #7135acb8
 @dataclass
 class DeviceCopy:
-    "One call that names a device: the method, from which device to which, the bytes it was handed, whether it made a new tensor, and its caller."
+    "One call that names a device: the method, from and to, the bytes, whether it made a new tensor, and its caller."
     method:str # to, cpu, cuda or copy_
     src:str # the device of the tensor it was called on (copy_: of the source)
     dst:str # the device of what it returned (copy_: of the tensor written into)
@@ -159,16 +151,13 @@ class DeviceCopy:
     site:str # module.function that made the call
 
 def _names_device(args:tuple, kwargs:dict) -> bool:
-    "Whether a `Tensor.to` call names a device: `device=`, a device or its name or index, or a tensor whose device to take (a dtype alone does not)."
+    "Whether a `Tensor.to` call names a device (a dtype alone does not)."
     import torch
     return "device" in kwargs or any(isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
 
 @contextmanager
 def count_copies():
-    """A context that yields a list, filled with a `DeviceCopy` for every `Tensor.to` that names a device, every `.cpu()` and `.cuda()`, and every
-    `copy_` between two devices, made anywhere in this process (backward and FSDP's hooks included) while it is open. It replaces those
-    methods of `torch.Tensor` for the while: a `TorchFunctionMode` would not do, since torch takes a mode off its stack while the mode handles
-    a call, so one that sees `backward` sees nothing that backward runs."""
+    "A context that yields a list of a `DeviceCopy` for every copy between devices made in this process while it is open."
     import sys, torch
     calls, saved = [], {name: torch.Tensor.__dict__.get(name) for name in _COPY_METHODS}
     def wrap(name):
@@ -180,7 +169,8 @@ def count_copies():
             if across and (name != "to" or _names_device(args, kwargs)):
                 caller = sys._getframe(1)
                 while caller.f_code is method.__code__: caller = caller.f_back  # an inner count_copies' wrapper: its caller is the call's
-                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(), name == "copy_" or out is not self,
+                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(), name == "copy_"
+                                        or out is not self,
                                         f"{caller.f_globals.get('__name__', '?')}.{caller.f_code.co_name}"))
             return out
         return method

@@ -1,4 +1,4 @@
-"""Sharded (one file per rank, torch.distributed.checkpoint) or full (a transformers folder `from_pretrained` loads); saved under a temporary name and published by a rename; resumed bit for bit, at the same or another world size; LoRA adapters saved whole; weights loaded by rank 0 alone.
+"""Sharded or full checkpoints, published by a rename, resumed bit for bit at the same or another world size; LoRA adapters saved whole.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 
@@ -42,14 +42,15 @@ class CheckpointSpec:
         return kind if kind in STATE_DICT_TYPES else None
 
     def check(self) -> "CheckpointSpec":
-        "Refuse settings that cannot work, naming the field; create the folder and check it is writable; return the spec, unchanged."
+        "Refuse settings that cannot work, naming the field; create the folder, check it is writable; return the spec."
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir): raise bad_value("ckpt", self.dir, "a folder path")
         if not isinstance(self.resume, bool): raise bad_value("resume", self.resume, "True or False")
         if Path(self.dir).exists() and not Path(self.dir).is_dir(): raise bad_value("ckpt", str(self.dir), "a folder (this is a file)")
         if self.kind is None: raise bad_value("state_dict", self.state_dict, "sharded or full (SHARDED_STATE_DICT or FULL_STATE_DICT)")
         for name, low in (("save_every", 0), ("keep", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low: raise bad_value(name, value, f"a whole number >= {low}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise bad_value(name, value, f"a whole number >= {low}")
         _probe_dir(self.dir)
         return self
 
@@ -78,7 +79,7 @@ def _probe_dir(dir, field:str="ckpt"):
 
 @contextmanager
 def lock_checkpoint_dir(dir):
-    "Hold an exclusive lock on checkpoint folder `dir` (DIR/.lock, holding this pid) while the block runs; refuse if another process holds it."
+    "Hold an exclusive lock on checkpoint folder `dir` (DIR/.lock, holding this pid) while the block runs."
     import fcntl
     Path(dir).mkdir(parents=True, exist_ok=True)
     fd = os.open(Path(dir)/".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -86,7 +87,8 @@ def lock_checkpoint_dir(dir):
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise KitError(f"ckpt={str(dir)!r} is in use by another run (pid {holder}): wait for it to finish or use another folder") from None
+            raise KitError(f"ckpt={str(dir)!r} is in use by another run (pid {holder}): "
+                           "wait for it to finish or use another folder") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield Path(dir)
@@ -121,9 +123,12 @@ def _manifest_problem(m, folder:Path) -> str:
     if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) != step:
         return f"its manifest says step {step} but the folder is {name} (edited or moved?)"
     if m.get("state_dict") not in STATE_DICT_TYPES: return f"its manifest says state_dict {m.get('state_dict')!r}, expected sharded or full"
-    if type(m.get("world_size")) is not int or m["world_size"] < 1: return f"its manifest has world_size {m.get('world_size')!r}, not a whole number >= 1"
+    if type(m.get("world_size")) is not int or m["world_size"] < 1:
+        return f"its manifest has world_size {m.get('world_size')!r}, not a whole number >= 1"
     files = m.get("files")
-    if not isinstance(files, dict): return "its manifest has no 'files' table" if files is None else f"its manifest's 'files' is {_JSON_TYPES.get(type(files), type(files).__name__)}, not a table"
+    if not isinstance(files, dict):
+        return ("its manifest has no 'files' table" if files is None
+                else f"its manifest's 'files' is {_JSON_TYPES.get(type(files), type(files).__name__)}, not a table")
     if "trainer_state.pt" not in files: return "its manifest does not list trainer_state.pt"
     for rel, info in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts: return f"its manifest names {rel!r}, outside the checkpoint"
@@ -136,7 +141,8 @@ def _checked_manifest(folder:Path) -> tuple:
     manifest = folder/"manifest.json"
     if not manifest.exists(): return None, ["it has no manifest.json: its save never finished"]
     try: m = json.loads(manifest.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: return None, [f"its manifest.json is not valid JSON ({getattr(e, 'msg', None) or e.reason})"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [f"its manifest.json is not valid JSON ({getattr(e, 'msg', None) or e.reason})"]
     except OSError as e: return None, [f"its manifest.json cannot be read ({e.strerror})"]
     if problem := _manifest_problem(m, folder): return None, [problem]
     problems = []
@@ -144,7 +150,8 @@ def _checked_manifest(folder:Path) -> tuple:
         p = folder/rel
         try:
             if not p.is_file(): problems.append(f"{rel} is missing")
-            elif p.stat().st_size != info["bytes"]: problems.append(f"{rel} has {p.stat().st_size:,} bytes, its manifest says {info['bytes']:,} (truncated?)")
+            elif p.stat().st_size != info["bytes"]:
+                problems.append(f"{rel} has {p.stat().st_size:,} bytes, its manifest says {info['bytes']:,} (truncated?)")
             elif _sha256(p) != info["sha256"]: problems.append(f"{rel} does not match its SHA-256 in the manifest (altered after the save)")
         except OSError as e: problems.append(f"{rel} cannot be read ({e.strerror})")
     return m, problems
@@ -215,7 +222,7 @@ def _trainer_state(step:int, schedule) -> dict:
 
 # %% ../nbs/07_checkpoint.ipynb #c7311ab5
 def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tuple=()):
-    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints (`broken` ones first, never counted)."
+    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop old checkpoints."
     manifest["files"] = _files(tmp)
     with open(tmp/"manifest.json", "w") as f:
         f.write(json.dumps(manifest, indent=1))
@@ -236,11 +243,12 @@ def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tupl
     for trash in root.glob(".trash-*"): shutil.rmtree(trash, ignore_errors=True)
 
 # %% ../nbs/07_checkpoint.ipynb #58722fbf
-_ERRNO_TEXT = {errno.EFBIG: ("[Errno 27]", "File too large"), errno.ENOSPC: ("[Errno 28]", "No space left")}  # as DCP's nested tracebacks spell them
+# as DCP's nested tracebacks spell them
+_ERRNO_TEXT = {errno.EFBIG: ("[Errno 27]", "File too large"), errno.ENOSPC: ("[Errno 28]", "No space left")}
 _TORCH_WRITER = ("unexpected pos", "PytorchStreamWriter failed")  # torch's zip writer, which hides the errno
 
 def _write_failure(e:BaseException) -> str:
-    "Why a write failed: 'size' (EFBIG: the file-size limit, `ulimit -f`), 'space' (ENOSPC: the disk is full) or '' (something else)."
+    "Why a write failed: 'size' (EFBIG, `ulimit -f`), 'space' (ENOSPC, the disk is full) or '' (something else)."
     text = str(e)
     for code, kind in ((errno.EFBIG, "size"), (errno.ENOSPC, "space")):
         if (isinstance(e, OSError) and e.errno == code) or any(s in text for s in _ERRNO_TEXT[code]): return kind
@@ -253,12 +261,12 @@ def _file_size_limit():
     return None if soft == resource.RLIM_INFINITY else soft
 
 def _reraise_interrupt(e:BaseException) -> BaseException:
-    "Return `e` if it is a failure to report (DCP's CheckpointException derives from BaseException); raise it again if it is an interrupt or an exit."
+    "Return `e` if it is a failure to report; raise it again if it is an interrupt or an exit."
     if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)): raise e
     return e
 
 def _error_text(e:BaseException) -> str:
-    "An exception in one line: the last 'SomethingError: ...' line of its message (DCP nests tracebacks), else its first line."
+    "An exception in one line: the last 'SomethingError: ...' line of its message, else its first line."
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     nested = [l for l in lines if l.split(":")[0].endswith(("Error", "Exception"))]
     return (nested[-1] if nested else f"{type(e).__name__}: {lines[0] if lines else ''}")[:300]
@@ -293,11 +301,14 @@ def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
         shutil.rmtree(tmp, ignore_errors=True)
         kinds = {kind for _, (kind, _) in failed}
         if not kinds - {""}:
-            return f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints before it are intact"
+            return (f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints "
+                    "before it are intact")
         need, free = _need_bytes(root, model, optim), shutil.disk_usage(root).free
         if "size" in kinds:
-            return (f"a file of checkpoint {name} in ckpt={str(root)!r} outgrew this process's file-size limit ({(_file_size_limit() or 0) / 1e6:.1f} MB, "
-                    f"ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): raise the limit (ulimit -f unlimited) and run "
+            return (f"a file of checkpoint {name} in ckpt={str(root)!r} outgrew this process's file-size limit "
+                    f"({(_file_size_limit() or 0) / 1e6:.1f} MB, "
+                    f"ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): raise the limit (ulimit -f unlimited) and "
+                    "run "
                     "again; the checkpoints before it are intact")
         return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
                 f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
@@ -356,7 +367,7 @@ def _full_weights(folder:Path, model) -> dict:
 
 # %% ../nbs/07_checkpoint.ipynb #0b3e2ae9
 def _on_every_rank(fn, what:str):
-    "Run `fn` on every rank and return its result; if it fails on any rank, raise the same KitError (`what`: why) on every rank."
+    "Run `fn` on every rank and return its result; if it fails on any rank, raise the same KitError on every rank."
     import torch.distributed as dist
     try: out, error = fn(), None
     except BaseException as e: out, error = None, _error_text(_reraise_interrupt(e))
@@ -380,7 +391,8 @@ def load_checkpoint(folder, # a checkpoint folder (step-NNNNNN)
         manifest = json.loads((folder/"manifest.json").read_text())
         trainer = torch.load(folder/"trainer_state.pt", weights_only=False)
         if manifest["state_dict"] == "sharded":
-            if not (folder/"dcp"/".metadata").is_file(): raise FileNotFoundError(errno.ENOENT, "no DCP metadata", str(folder/"dcp"/".metadata"))
+            if not (folder/"dcp"/".metadata").is_file():
+                raise FileNotFoundError(errno.ENOENT, "no DCP metadata", str(folder/"dcp"/".metadata"))
             return manifest, trainer, None, None
         if rank != 0: return manifest, trainer, {}, {}
         return manifest, trainer, _full_weights(folder, model), torch.load(folder/"optimizer.pt", weights_only=False)
@@ -424,10 +436,11 @@ def model_shape(model:str) -> dict:
 
 def _run_info(spec) -> dict:
     "What a checkpoint must agree with to be resumed by the run `spec` describes."
-    return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))  # "lora": the key manifests have always had
+    # "lora": the key manifests have always had
+    return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))
 
 def _trainer_state_problem(folder:Path, step:int) -> str:
-    "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold `step`, the schedule and the RNG states."
+    "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold step, schedule, RNG."
     import torch
     try: state = torch.load(folder/"trainer_state.pt", weights_only=False)
     except Exception as e: return f"does not load with torch.load ({type(e).__name__}: {_first_line(e)})"
@@ -442,7 +455,7 @@ def _first_line(e:BaseException) -> str:
     return next((l.strip() for l in str(e).splitlines() if l.strip()), "")[:300]
 
 def check_resume(spec) -> tuple:
-    "Before launching: (the checkpoint `spec` would resume from or None, notes); refuses damaged folders, other runs' checkpoints, broken trainer state."
+    "Before launching: (the checkpoint `spec` would resume from or None, notes); refuses what cannot be resumed."
     folder, notes = find_checkpoint(spec.ckpt.dir)
     if folder is None: return folder, notes
     manifest = json.loads((folder/"manifest.json").read_text())
@@ -485,7 +498,8 @@ class Saver:
             self.broken.append(folder.name)
         else: raise KitError(f"--resume: no checkpoint in ckpt={str(self.ckpt.dir)!r} could be loaded: " + " | ".join(skipped))
         if skipped: self.notes.append("; ".join(skipped) + f"; resumed from {folder.name}")
-        self.resumed_from = dict(path=str(folder), step=manifest["step"], world_size=manifest["world_size"], state_dict=manifest["state_dict"])
+        self.resumed_from = dict(path=str(folder), step=manifest["step"], world_size=manifest["world_size"],
+                                 state_dict=manifest["state_dict"])
         self.step = manifest["step"]
         return self.step
 
@@ -495,7 +509,8 @@ class Saver:
         if self.ckpt.save_every and done % self.ckpt.save_every == 0: self.save(done)
 
     def save(self, step:int):
-        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info, tuple(self.broken))
+        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info,
+                        tuple(self.broken))
         self.saved.append(step)
 
     def finish(self, steps:int) -> dict:
@@ -514,7 +529,7 @@ class Saver:
 def to_full(dir, # a checkpoint folder (its newest complete checkpoint is converted), or one sharded checkpoint in it (step-NNNNNN)
             out # the folder to write: config.json and model.safetensors, what from_pretrained reads (new or empty)
            ) -> Path:
-    "A sharded (DCP) checkpoint as a transformers folder, in one process without a process group: the weights whole, the optimizer state left behind."
+    "A sharded (DCP) checkpoint as a transformers folder, in one process: the weights whole, the optimizer state left behind."
     folder, out = Path(dir), Path(out)
     if not folder.is_dir(): raise bad_value("dir", str(folder), "an existing checkpoint folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())): raise bad_value("out", str(out), "a new or empty folder")
@@ -531,7 +546,9 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
     if manifest["state_dict"] != "sharded":
         raise bad_value("dir", str(folder), "a sharded checkpoint (this one is full already: from_pretrained reads it as it is)")
     if manifest.get("lora"):
-        raise bad_value("dir", str(folder), "a full fine-tune's checkpoint", f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base model")
+        raise bad_value("dir", str(folder), "a full fine-tune's checkpoint",
+                        f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base "
+                        "model")
     reader = dcp.FileSystemReader(str(folder/"dcp"))
     shapes = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items() if k.startswith("model.")}
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}
@@ -541,7 +558,8 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
     model = build_model(model_config(manifest["model"]), device="meta")  # the architecture, no memory
     expected = set(model.state_dict())
     if set(state["model"]) != expected:
-        raise KitError(f"{folder} does not hold the weights of model={manifest['model']!r}: missing {sorted(expected - set(state['model']))[:3]}, "
+        raise KitError(f"{folder} does not hold the weights of model={manifest['model']!r}: missing "
+                       f"{sorted(expected - set(state['model']))[:3]}, "
                        f"unexpected {sorted(set(state['model']) - expected)[:3]}")
     tmp = out.parent/f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -553,10 +571,10 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
 # %% ../nbs/07_checkpoint.ipynb #0a857094
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
-                 cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: FSDPConfig(cpu_ram_efficient_loading=True))
+                 cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: that loading on)
                  on_stage=None # called with "read", "sharded", "received" as the load reaches each (to measure it); None: nothing
                 ):
-    "Load a transformers checkpoint and shard it as `cfg` says; with `cfg.cpu_ram_efficient_loading`, only rank 0 reads the weights."
+    "Load a transformers checkpoint and shard it as `cfg` says, with rank 0 alone reading under efficient loading."
     import torch, torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
@@ -594,14 +612,15 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 def rss_split() -> dict:
-    "This process's resident memory in two parts, bytes: `own` (RssAnon: memory only it holds) and `mapped` (RssFile: pages of mapped files, shared through the page cache); Linux only, elsewhere all of it is `own`."
+    "This process's resident memory in two parts, bytes: `own` (RssAnon) and `mapped` (RssFile)."
     try:
-        with open("/proc/self/status") as f: kb = {k: int(v.split()[0]) for k, _, v in (l.partition(":") for l in f) if k in ("RssAnon", "RssFile")}
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, _, v in (l.partition(":") for l in f) if k in ("RssAnon", "RssFile")}
         return dict(own=kb["RssAnon"] * 1024, mapped=kb["RssFile"] * 1024)
     except (OSError, KeyError): return dict(own=rss_bytes(), mapped=0)
 
 class PeakRSS:
-    "The highest resident set size of this process while the block runs, sampled every `interval` seconds, its split (own, mapped) at that moment, and the highest of each part (`most`)."
+    "The highest resident set size of this process while the block runs, its split then, and each part's highest."
     def __init__(self, interval:float=0.002): self.interval, self.peak = interval, 0
     def _sample(self):
         while not self._stop.is_set():
@@ -631,7 +650,7 @@ LOADING_MODEL = dict(model_type="llama", vocab_size=8192, hidden_size=512, inter
 def loading_worker(path:str, # a transformers folder to load
                    efficient:bool # cpu_ram_efficient_loading
                   ) -> dict:
-    "Load and shard `path`, measuring each rank's host memory; check the loaded model's loss (rank 0 returns every rank's numbers)."
+    "Load and shard `path`, measuring each rank's host memory; check the loaded model's loss."
     import torch, torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -643,12 +662,15 @@ def loading_worker(path:str, # a transformers folder to load
     from fsdp_kit.config import FSDPConfig
     stages = {}
     with PeakRSS() as rss:
-        model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient), on_stage=lambda s: stages.update({s: rss.mib(rss_split())}))
+        model = load_sharded(path, mesh, FSDPConfig(cpu_ram_efficient_loading=efficient),
+                             on_stage=lambda s: stages.update({s: rss.mib(rss_split())}))
     shard = sum(p.to_local().nbytes for p in model.parameters()) / 2**20  # this rank's share of the weights
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
     loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size
-    dist.all_gather_object(rows, dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), most=rss.mib(rss.most), stages=stages,
+    dist.all_gather_object(rows,
+                           dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), most=rss.mib(rss.most),
+                                stages=stages,
                                       shard_mib=shard, largest_tensor_mib=max(p.nbytes for p in model.parameters()) / 2**20))
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
 

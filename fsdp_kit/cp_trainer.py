@@ -1,4 +1,4 @@
-"""What the transformers FSDP page says about evaluating with context parallelism (CP), run with an unmodified `Trainer` on 2 CPU ranks as far as torch allows: the launch flags that turn CP on, `evaluate()` through `prediction_step` with `num_items_in_batch` counted before the split, the exact error where torch's `context_parallel` stops on CPU, and the GPU check of transformers PR #48167 (`eval_loss` equal at `cp_size` 1, 2 and 4).
+"""Evaluating with context parallelism through an unmodified `Trainer` on 2 CPU ranks as far as torch allows, and the GPU check.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/cp_trainer.html.md"""
 
@@ -49,7 +49,7 @@ class PromptRows(TokenRows):
         return dict(input_ids=row["input_ids"], labels=labels)
 
 def counting_trainer():
-    "A Trainer whose `prediction_step` counts the batch's valid tokens before and inside the CP context, then runs the Trainer's own."
+    "A Trainer whose `prediction_step` counts valid tokens before and inside the CP context, then runs its own."
     from transformers import Trainer
     class CountingTrainer(Trainer):
         counts = []
@@ -84,7 +84,7 @@ def one_process_loss(base:str, spec:CPTrainerSpec, world:int) -> float:
 
 # %% ../nbs/06a_cp_trainer.ipynb #60e0bcc4
 def trainer_eval(spec:CPTrainerSpec, base:str, folder:Path, cp:int) -> dict:
-    "`Trainer.evaluate()` under `ParallelismConfig(cp_size=cp)` on this process group: eval_loss or the error, and the token counts."
+    "`Trainer.evaluate()` under `ParallelismConfig(cp_size=cp)`: eval_loss or the error, and the token counts."
     import torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from accelerate.parallelism_config import ParallelismConfig
@@ -105,7 +105,7 @@ def trainer_eval(spec:CPTrainerSpec, base:str, folder:Path, cp:int) -> dict:
     return out | dict(counted_before=before, counted_inside=gather_objects(inside))
 
 def cp_trainer_worker(spec:CPTrainerSpec) -> dict:
-    "Evaluate one saved model with an unmodified Trainer at each cp size of `spec`, beside one process's loss over the same rows."
+    "Evaluate one saved model with an unmodified Trainer at each cp size, beside one process's loss."
     import torch.distributed as dist
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir
     from fsdp_kit.hf import enable_cpu_fsdp

@@ -33,7 +33,9 @@ def page_name(notebook: Path) -> str:
 
 
 def course_key(notebook: Path) -> tuple:
-    "Where a notebook sits in the course: the landing page, then the lessons by number and letter (`01_train`, `01a_models`, `02_mesh`, ...), then the unnumbered pages (the benchmark report) by name."
+    "Where a notebook sits in the course."
+    # the landing page, then the lessons by number and letter (`01_train`, `01a_models`, `02_mesh`, ...), then the unnumbered pages (the
+    # benchmark report) by name.
     m = re.match(r"^(\d+)([a-z]?)_", notebook.stem)
     if notebook.stem == "index": return (0, 0, "", notebook.name)
     return (1, int(m.group(1)), m.group(2), notebook.name) if m else (2, 0, "", notebook.name)
@@ -45,7 +47,8 @@ def notebooks(nbs: Path) -> list:
 
 
 def _clean(nb):
-    "Drop hidden cells and directive lines; a widget becomes a one-line note (its `interactive(children=...)` repr means nothing on a page)."
+    "Drop hidden cells and directive lines."
+    # a widget becomes a one-line note (its `interactive(children=...)` repr means nothing on a page).
     keep = []
     for cell in nb.cells:
         lines = cell.source.splitlines()
@@ -56,7 +59,8 @@ def _clean(nb):
             if not cell.source:
                 continue
             for out in cell.get("outputs", []):
-                if WIDGET_MIME in out.get("data", {}):  # a page has no kernel: say so instead of the widget's Python repr; the lesson shows its default state next
+                # a page has no kernel: say so instead of the widget's Python repr; the lesson shows its default state next
+                if WIDGET_MIME in out.get("data", {}):
                     out["data"] = {"text/plain": "[an interactive widget: run the notebook to use it; its default state is shown below]"}
         keep.append(cell)
     nb.cells = keep
@@ -88,13 +92,16 @@ def figure_alts(nb, page_title: str) -> list:
 
 
 def render_notebook(path: Path) -> dict:
-    "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and figures that failed `measure.check_figure`."
+    "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and failed figures."
+    # a failed figure is one `measure.check_figure` refused
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(path, as_version=4)
     errors = sum(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
-    figure_errors = sum(o.get("ename") == "FigureCheckError" for c in nb.cells for o in c.get("outputs", []))  # a legend over data, too wide, text too small
-    figures = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []) if not any(HIDDEN.match(l) for l in c.source.splitlines()))
+    # a legend over data, too wide, text too small
+    figure_errors = sum(o.get("ename") == "FigureCheckError" for c in nb.cells for o in c.get("outputs", []))
+    figures = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])
+                  if not any(HIDDEN.match(l) for l in c.source.splitlines()))
     nb = _clean(nb)
     # the template passes every code cell's pygments HTML through bleach (`clean_html`), which leaves it unchanged (pygments
     # escapes the source) and took most of the rendering time: skipped; markdown and HTML outputs are not sanitized either way
@@ -102,8 +109,10 @@ def render_notebook(path: Path) -> dict:
     body = re.sub(r'<div class="prompt[^"]*">.*?</div>', "", body, flags=re.S)  # no In [ ]: prompts
     alts = iter(figure_alts(nb, _title(nb, path.stem)))  # nbconvert writes "No description has been provided for this image" on each
     body = re.sub(r'alt="No description has been provided for this image"', lambda m: f'alt="{html.escape(next(alts, "a figure"))}"', body)
-    toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor, text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
-    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, figure_errors=figure_errors, page=page_name(path), source=path.name)
+    toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor,
+           text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
+    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, figure_errors=figure_errors,
+                page=page_name(path), source=path.name)
 
 
 def _signature_comments(obj) -> dict:
@@ -154,13 +163,15 @@ def api_reference(modules: list) -> str:
             comments = _signature_comments(obj)
             rows = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{_code(v)}</td></tr>" for k, v in comments.items())
             parts.append(f'<div class="api"><h3 id="{name}.{attr}"><code>{attr}{html.escape(sig)}</code></h3>'
-                         f"<p>{_code(inspect.getdoc(obj) or '')}</p>" + (f'<table class="params">{rows}</table>' if rows else "") + "</div>")
+                         f"<p>{_code(inspect.getdoc(obj) or '')}</p>" + (f'<table class="params">{rows}</table>' if rows
+                                                                         else "") + "</div>")
     return "\n".join(parts)
 
 
 CSS = """
 body { margin: 0; font: 15px/1.55 -apple-system, 'Segoe UI', Roboto, sans-serif; color: #1d2330; }
-nav.side { position: fixed; top: 0; left: 0; bottom: 0; width: 230px; overflow-y: auto; background: #f4f6fa; border-right: 1px solid #dde3ee; padding: 16px; box-sizing: border-box; }
+nav.side { position: fixed; top: 0; left: 0; bottom: 0; width: 230px; overflow-y: auto; background: #f4f6fa;
+           border-right: 1px solid #dde3ee; padding: 16px; box-sizing: border-box; }
 nav.side a { display: block; color: #23395b; text-decoration: none; padding: 3px 6px; border-radius: 4px; font-size: 14px; }
 nav.side a.here { background: #dbe6f7; font-weight: 600; }
 nav.side .brand { font-weight: 700; font-size: 17px; margin-bottom: 10px; }
@@ -208,7 +219,8 @@ function show() {  // the plan of the chosen setting: its row-major index over t
   const p = T.plans[i];
   if (typeof p === 'string') { out.textContent = p; return; }  // the planner's own one-line refusal
   const [peak, allocated, moment] = p, gb = (b) => (b / T.gb).toFixed(2);
-  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${peak <= mem * T.gb ? 'fits' : 'does NOT fit'} in ${mem} GB (allocated ${gb(allocated)} GB)`;
+  const fits = peak <= mem * T.gb ? 'fits' : 'does NOT fit';
+  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${fits} in ${mem} GB (allocated ${gb(allocated)} GB)`;
 }
 document.getElementById('planner').addEventListener('input', show);
 show();
@@ -218,27 +230,34 @@ DEFAULTS = dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048
 
 
 def planner_page() -> dict:
-    "The planner without a kernel: the stored table of plans (`fsdp-kit plan --export-table`) and a form that looks the chosen setting up in it."
+    "The planner without a kernel: the stored table of plans and a form that looks the chosen setting up in it."
+    # the table is what `fsdp-kit plan --export-table` writes
     from fsdp_kit.config import EXAMPLES
     stored = (EXAMPLES / "plan" / "planner_table.json").read_text()
     grid = json.loads(stored)["grid"]
-    fields = "".join(f'<label>{a} <select id="{a}">' + "".join(f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>' for v in vals)
+    option = lambda a, v: f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>'
+    fields = "".join(f'<label>{a} <select id="{a}">' + "".join(option(a, v) for v in vals)
                      + "</select></label> " for a, vals in grid.items())
     fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="0.001" step="any" required></label>'
-    body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as <code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
-            f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan --export-table</code>); change a field and the plan changes. "
+    body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as "
+            "<code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
+            f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan --export-table</code>); change a field "
+            "and the plan changes. "
             "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook plan any other setting.</p>"
             f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The plan</h2><pre id="plan"></pre>'
             f'<script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
-    return dict(title="Planner (no kernel)", body=body, toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0, errors=0,
+    return dict(title="Planner (no kernel)", body=body, toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0,
+                errors=0,
                 figure_errors=0, page="planner.html", source=None)
 
 
 def _page(page: dict, pages: list) -> str:
     "A whole HTML page: sidebar, content, table of contents, previous / next."
     from pygments.formatters import HtmlFormatter
-    links = "".join(f'<a href="{p["page"]}" class="{"here" if p["page"] == page["page"] else ""}">{html.escape(p["title"])}</a>' for p in pages)
-    toc = "".join(f'<a class="l{level}" href="#{anchor}">{html.escape(html.unescape(text))}</a>' for level, anchor, text in page.get("toc", []))
+    links = "".join(f'<a href="{p["page"]}" class="{"here" if p["page"] == page["page"] else ""}">{html.escape(p["title"])}</a>'
+                    for p in pages)
+    toc = "".join(f'<a class="l{level}" href="#{anchor}">{html.escape(html.unescape(text))}</a>' for level, anchor,
+                  text in page.get("toc", []))
     i = [p["page"] for p in pages].index(page["page"])
     prev = f'<a href="{pages[i - 1]["page"]}">&larr; {html.escape(pages[i - 1]["title"])}</a>' if i > 0 else "<span></span>"
     nxt = f'<a href="{pages[i + 1]["page"]}">{html.escape(pages[i + 1]["title"])} &rarr;</a>' if i + 1 < len(pages) else "<span></span>"
@@ -261,11 +280,13 @@ def build_site(out: str, nbs: str = None) -> dict:
     pages = [render_notebook(p) for p in notebooks(nbs)]
     pages.append(planner_page())
     modules = exported_modules(nbs)
-    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(modules), toc=[(2, m, f"fsdp_kit.{m}") for m in modules],
+    pages.append(dict(title="API reference", body="<h1>API reference</h1>" + api_reference(modules),
+                      toc=[(2, m, f"fsdp_kit.{m}") for m in modules],
                       figures=0, errors=0, figure_errors=0, page="api.html", source=None))
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))
-    manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "figure_errors", "source")} for p in pages])
+    manifest = dict(builder="nbconvert",
+                    pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "figure_errors", "source")} for p in pages])
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 

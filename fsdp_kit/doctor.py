@@ -1,4 +1,4 @@
-"""`fsdp-kit doctor`: a small twin of your own model, run with your own FSDP config through the entry point the file belongs to, on two CPU ranks; twelve checks for the silent failures that otherwise cost a GPU day.
+"""`fsdp-kit doctor`: a small twin of your own model, run with your FSDP config on two CPU ranks; twelve checks for silent failures.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/doctor.html.md"""
 
@@ -92,9 +92,12 @@ class DoctorSpec:
         return low if low and self.method != "full" else "float32"
 
 # %% ../nbs/12_doctor.ipynb #d0c70003
-SHRINK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256, max_position_embeddings=512,
-              head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
-              num_experts_per_tok=2, max_window_layers=1, sliding_window=64, first_k_dense_replace=1)  # key -> the twin's value (never grown)
+# key -> the twin's value (never grown)
+SHRINK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+              max_position_embeddings=512,
+              head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
+              n_routed_experts=4,
+              num_experts_per_tok=2, max_window_layers=1, sliding_window=64, first_k_dense_replace=1)
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")  # the sizes a checkpoint's config.json always states
 DROP = ("quantization_config",)  # keys of a published checkpoint the twin leaves out: its weights are made here, not downloaded
 
@@ -105,14 +108,15 @@ def _kv_heads(user:dict) -> int:
 
 def twin_config(user:dict # the user's config.json, as parsed
                ) -> tuple:
-    "(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same architecture and module structure, a few seconds to run."
+    "(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same architecture, a few seconds to run."
     twin, shrunk = dict(user), []
     def put(key, value):
         if twin.get(key) != value: shrunk.append(dict(key=key, user=user.get(key), twin=value))
         twin[key] = value
     for key, small in SHRINK.items():
         v = user.get(key)
-        if key == "num_hidden_layers" or (isinstance(v, int) and not isinstance(v, bool) and v > small): put(key, small if key != "num_hidden_layers" else min(small, v or small))
+        if key == "num_hidden_layers" or (isinstance(v, int) and not isinstance(v, bool) and v > small):
+            put(key, small if key != "num_hidden_layers" else min(small, v or small))
     if "num_key_value_heads" in user: put("num_key_value_heads", _kv_heads(user))
     if isinstance(user.get("layer_types"), list):  # one layer of each kind, in the order they come
         kinds = list(dict.fromkeys(user["layer_types"]))
@@ -124,7 +128,7 @@ def twin_config(user:dict # the user's config.json, as parsed
 
 # %% ../nbs/12_doctor.ipynb #d0c70004
 class Stage:
-    "Where a rank is in the twin's run, written to a file each time it moves on: a run stopped by the timeout says where it stood."
+    "Where a rank is in the twin's run, kept in a file: a run stopped by the timeout says where it stood."
     def __init__(self, folder:str): self.path = Path(folder) / f"stage-{os.environ.get('RANK', '0')}"
     def __call__(self, name:str): self.path.write_text(name)
     @staticmethod
@@ -133,30 +137,33 @@ class Stage:
         return {p.name.removeprefix("stage-"): p.read_text() for p in sorted(Path(folder).glob("stage-*"))}
 
 def _float_params(model, trainable:bool=None) -> dict:
-    "dtype name -> [tensors, bytes on this rank] of the model's floating-point parameters that are (not) trained (None: all); 4-bit weights left out."
+    "dtype name -> [tensors, bytes on this rank] of the model's floating-point parameters that are (not) trained."
     out = {}
     for p in model.parameters():
-        if type(p).__name__ == "Params4bit" or (trainable is not None and p.requires_grad != trainable) or not p.is_floating_point(): continue
+        if type(p).__name__ == "Params4bit" or (trainable is not None and p.requires_grad != trainable) or not p.is_floating_point():
+            continue
         local = p.to_local() if hasattr(p, "to_local") else p
         row = out.setdefault(str(p.dtype).removeprefix("torch."), [0, 0])
         row[0] += 1; row[1] += local.numel() * local.element_size()
     return out
 
 def _codes(model) -> dict:
-    "Each 4-bit weight's packed bytes (gathered whole where FSDP sharded it): name -> (dtype, sharded, bytes held by this rank, sha256)."
+    "Each 4-bit weight's packed bytes: name -> (dtype, sharded, bytes held by this rank, sha256)."
     import hashlib, torch
     out = {}
     for name, p in model.named_parameters():
-        if type(p).__name__ != "Params4bit" and not (hasattr(p, "_local_tensor") and type(p._local_tensor).__name__ == "Params4bit"): continue
+        if type(p).__name__ != "Params4bit" and not (hasattr(p, "_local_tensor") and type(p._local_tensor).__name__ == "Params4bit"):
+            continue
         sharded = hasattr(p, "full_tensor")
         whole = (p.full_tensor() if sharded else p.data).detach().contiguous()
         local = p.to_local() if sharded else p
-        out[name.replace("_fsdp_wrapped_module.", "")] = (str(p.dtype).removeprefix("torch."), sharded, local.numel() * local.element_size(),
+        out[name.replace("_fsdp_wrapped_module.", "")] = (str(p.dtype).removeprefix("torch."), sharded,
+                                                          local.numel() * local.element_size(),
                                                           hashlib.sha256(whole.view(torch.uint8).numpy().tobytes()).hexdigest())
     return out
 
 def _held_bytes(model, folder:str) -> tuple:
-    "(bytes of weights this rank holds in memory of its own, bytes that are views of the checkpoint files in `folder` mapped into it, which ranks share in the page cache)."
+    "(bytes of weights this rank holds in memory of its own, bytes that are views of the checkpoint files in `folder`)."
     ranges = []
     for line in open("/proc/self/maps"):
         parts = line.split()
@@ -171,7 +178,7 @@ def _held_bytes(model, folder:str) -> tuple:
     return private, mapped
 
 def _digest(model) -> str:
-    "A hash of the weights' values on this rank (None on the meta device): equal to rank 0's only where this rank read the checkpoint too."
+    "A hash of the weights' values on this rank (None on the meta device), equal to rank 0's where it read them too."
     import hashlib, torch
     h = hashlib.sha256()
     for p in model.parameters():
@@ -188,31 +195,33 @@ def _load(spec:DoctorSpec, twin:str):
     quant = None
     if spec.method == "qlora":
         compute = getattr(torch, PRECISION[spec.precision()] or "float32")  # "no": fp32
-        storage = dict(bnb_4bit_quant_storage=getattr(torch, spec.quant_storage)) if spec.quant_storage else {}  # none given: bitsandbytes' uint8
+        # none given: bitsandbytes' uint8
+        storage = dict(bnb_4bit_quant_storage=getattr(torch, spec.quant_storage)) if spec.quant_storage else {}
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, **storage)
     return AutoModelForCausalLM.from_pretrained(twin, dtype=dtype, quantization_config=quant)
 
 def _adapt(spec:DoctorSpec, model):
-    "LoRA on every linear layer (r 8), as PEFT's and TRL's examples set it; `prepare_model_for_kbit_training` first when the user's script calls it."
+    "LoRA on every linear layer (r 8), as PEFT's and TRL's examples set it."
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     if spec.kbit_prepare: model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
 
 def _arguments(spec:DoctorSpec, folder:str):
-    "The TrainingArguments of the twin's script: the user's precision and gradient checkpointing; the JSON as fsdp_config (a YAML reaches the Trainer through accelerate launch)."
+    "The TrainingArguments of the twin's script: the user's precision and gradient checkpointing, the JSON as fsdp_config."
     import torch
     from transformers import TrainingArguments
     mp = spec.precision()
     if spec.gradient_checkpointing: kw_ac = dict(activation_checkpointing=True)  # transformers 5's name for gradient_checkpointing
     else: kw_ac = {}
     kw = dict(fsdp=True, fsdp_config=str(Path(spec.fsdp_config).resolve())) if not spec.is_yaml() else {}
-    return TrainingArguments(output_dir=str(Path(folder) / "trainer"), max_steps=spec.steps, per_device_train_batch_size=1, learning_rate=1e-3,
+    return TrainingArguments(output_dir=str(Path(folder) / "trainer"), max_steps=spec.steps, per_device_train_batch_size=1,
+                             learning_rate=1e-3,
                              logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
                              bf16=mp == "bf16", fp16=mp == "fp16", seed=spec.seed, **kw_ac, **kw)
 
 # %% ../nbs/12_doctor.ipynb #d0c70006
 def _after_prepare(model, trainer) -> dict:
-    "What accelerate's prepare built: the wrapper, its units, the dtypes FSDP holds, the policy, checkpointing, tying, the 4-bit codes."
+    "What accelerate's prepare built: wrapper, units, dtypes FSDP holds, policy, checkpointing, tying, 4-bit codes."
     from fsdp_kit.hf import fsdp_report
     from fsdp_kit.hf_run import unit_table, param_groups, fsdp_facts
     from fsdp_kit.models import decoder_layers, model_checkpointing
@@ -224,15 +233,17 @@ def _after_prepare(model, trainer) -> dict:
     layers = [names[id(m)] for m in decoder_layers(model.get_base_model() if hasattr(model, "get_base_model") else model)]
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    return dict(report=report, units=units, groups=param_groups(units), layers=layers, mixed_precision_policy=facts.get("mixed_precision_policy"),
+    return dict(report=report, units=units, groups=param_groups(units), layers=layers,
+                mixed_precision_policy=facts.get("mixed_precision_policy"),
                 embed=names.get(id(emb)), head=names.get(id(head)), tied=head is not None and emb.weight is head.weight,
-                checkpoint_wrapped=sum(isinstance(m, CheckpointWrapper) for m in model.modules()), gradient_checkpointing=model_checkpointing(model),
+                checkpoint_wrapped=sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+                gradient_checkpointing=model_checkpointing(model),
                 trained=_float_params(model, True), frozen=_float_params(model, False), codes=_codes(model),
                 distributed_type=str(trainer.accelerator.distributed_type), fsdp_version=getattr(plugin, "fsdp_version", None),
                 state_dict_type=getattr(getattr(plugin, "state_dict_type", None), "name", None))
 
 def _save_and_load(spec:DoctorSpec, trainer, twin:str, folder:str, stage) -> dict:
-    "trainer.save_model as the user's script ends, then rank 0 loads it where the user will: from_pretrained, or PeftModel.from_pretrained for an adapter."
+    "trainer.save_model as the user's script ends, then rank 0 loads it where the user will."
     import torch
     from fsdp_kit.ranks import barrier
     saved = str(Path(folder) / "final")
@@ -244,16 +255,19 @@ def _save_and_load(spec:DoctorSpec, trainer, twin:str, folder:str, stage) -> dic
     if int(os.environ.get("RANK", "0")) == 0:
         from transformers import AutoModelForCausalLM
         try:
-            if spec.method == "full": AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32); out["loaded_with"] = "AutoModelForCausalLM.from_pretrained"
+            if spec.method == "full":
+                AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+                out["loaded_with"] = "AutoModelForCausalLM.from_pretrained"
             else:
                 from peft import PeftModel
-                PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32), saved); out["loaded_with"] = "PeftModel.from_pretrained"
+                PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32), saved)
+                out["loaded_with"] = "PeftModel.from_pretrained"
         except Exception as e: out["load_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     return out
 
 # %% ../nbs/12_doctor.ipynb #d0c70007
 def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
-    "Each rank of the twin's script: load, adapt, train `spec.steps` steps with the Trainer, save and load back; what it saw at each point (rank 0's)."
+    "Each rank of the twin's script: load, adapt, train, save and load back; what it saw at each point (rank 0's)."
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback
     from fsdp_kit.hf import enable_cpu_fsdp, TokenRows
@@ -270,7 +284,8 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
                         floats=_float_params(model), codes=_codes(model))
     held, digests = gather_objects(_held_bytes(model, twin)), gather_objects(_digest(model))
     seen["load"] |= dict(private_bytes=[h[0] for h in held], mapped_bytes=[h[1] for h in held])
-    seen["load"]["read_checkpoint"] = [d is not None and d == digests[0] for d in digests]  # placeholders (torch.empty, meta) differ from rank 0's weights
+    # placeholders (torch.empty, meta) differ from rank 0's weights
+    seen["load"]["read_checkpoint"] = [d is not None and d == digests[0] for d in digests]
     if spec.method != "full":
         stage("peft"); model = _adapt(spec, model)
         seen["adapted"] = dict(frozen=_float_params(model, False))
@@ -291,20 +306,21 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     return seen
 
 def main():
-    "The twin's script, as `accelerate launch` or `torchrun` start it: `python -m fsdp_kit.examples.doctor_twin RUN_FOLDER`; rank 0 writes seen.json."
+    "The twin's script, as `accelerate launch` or `torchrun` start it; rank 0 writes seen.json."
     import torch.distributed as dist
     folder = sys.argv[1]
     spec = DoctorSpec(**json.loads((Path(folder) / "spec.json").read_text()))
     seen = {}
     try: twin_worker(spec, str(Path(folder) / "twin"), folder, seen)
     except Exception as e:  # upstream refused what it was given: every rank raises the same, so the finding is the message
-        seen |= dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}", stage=Stage.read(folder).get(os.environ.get("RANK", "0")))
+        seen |= dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
+                     stage=Stage.read(folder).get(os.environ.get("RANK", "0")))
     if int(os.environ.get("RANK", "0")) == 0: (Path(folder) / "seen.json").write_text(json.dumps(seen, indent=1, default=str))
     if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../nbs/12_doctor.ipynb #d0c70008
 def twin_command(spec:DoctorSpec, folder:str, port:int) -> tuple:
-    "(the command that starts the twin's script through the file's entry point, notes on what was changed to run it on this machine)."
+    "(the command that starts the twin's script through the file's entry point, notes on what was changed)."
     from fsdp_kit.hf_run import accelerate_file
     module = ["-m", "fsdp_kit.examples.doctor_twin", folder]
     if not spec.is_yaml():
@@ -314,7 +330,7 @@ def twin_command(spec:DoctorSpec, folder:str, port:int) -> tuple:
             "--main_process_port", str(port), *module], notes
 
 def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
-    "A copy of the FSDP file `path` in `folder` with `changes` set and `drop` removed, each key spelled as the file spells it."
+    "A copy of the FSDP file `path` in `folder` with `changes` set and `drop` removed, in the file's spelling."
     import yaml
     from fsdp_kit.upstream import parse_fsdp_file
     source, data = Path(path), parse_fsdp_file(Path(path))
@@ -329,8 +345,7 @@ def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
     return str(out)
 
 def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
-    """Build the twin from the user's config.json, save it as a pretrained folder, run its script on `spec.nproc` ranks; what it saw.
-    `variant(twin_config_path)` may return (another FSDP file for the twin, notes): a threshold scaled to the twin's sizes."""
+    "Build the twin from the user's config.json, save it, run its script on `spec.nproc` ranks; what it saw."
     from fsdp_kit.models import read_config_json, build_model, model_config
     from fsdp_kit.launch import free_port
     from fsdp_kit.hf_run import run_command
@@ -347,7 +362,8 @@ def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
     import torch
     stored = str(user.get("dtype") or user.get("torch_dtype") or "float32")  # the dtype the user's checkpoint files hold
     stored = stored if stored in STORAGE_DTYPES[1:] else "float32"
-    build_model(config, spec.seed).to(getattr(torch, stored)).save_pretrained(str(Path(folder) / "twin"))  # in that dtype: a load converts or maps as the user's does
+    # in that dtype: a load converts or maps as the user's does
+    build_model(config, spec.seed).to(getattr(torch, stored)).save_pretrained(str(Path(folder) / "twin"))
     file, more = variant(str(Path(folder) / "twin" / "config.json")) if variant else (None, [])
     run = replace(spec, fsdp_config=file) if file else spec
     (Path(folder) / "spec.json").write_text(json.dumps(asdict(run)))
@@ -356,7 +372,8 @@ def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
     small = ", ".join(f"{s['key']} {s['user']} -> {s['twin']}" for s in shrunk)
     say(f"twin of {type(config).__name__.removesuffix('Config')}: {small}; "
         f"running it on {spec.nproc} CPU ranks: {' '.join(cmd[2:5])} ...")
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),  # the script imports this kit
+    # the script imports this kit
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                         "OMP_NUM_THREADS": "1", "TMPDIR": folder}
     start = time.time()
     try: run_command(cmd, env, Path(folder) / "twin.log", spec.timeout, "the twin's run")
@@ -365,8 +382,10 @@ def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
         seen.setdefault("error", str(e).splitlines()[0]); seen["timed_out"] = "ran past" in str(e)
         seen.setdefault("stage", Stage.read(folder).get("0"))
     else: seen = json.loads((Path(folder) / "seen.json").read_text())
-    twin = dict(architecture=type(config).__name__.removesuffix("Config"), model_type=config.model_type, shrunk=shrunk, checkpoint_dtype=stored,
-                tied=bool(getattr(config, "tie_word_embeddings", False)), parameters=sum(p.numel() for p in build_model(config, device="meta").parameters()),
+    twin = dict(architecture=type(config).__name__.removesuffix("Config"), model_type=config.model_type, shrunk=shrunk,
+                checkpoint_dtype=stored,
+                tied=bool(getattr(config, "tie_word_embeddings", False)),
+                parameters=sum(p.numel() for p in build_model(config, device="meta").parameters()),
                 folder=str(Path(folder) / "twin"), command=" ".join(cmd), seconds=round(time.time() - start, 1), notes=notes)
     return dict(twin=twin, seen=seen)
 
@@ -392,8 +411,10 @@ def _failed_at(seen:dict, *stages) -> bool:
 def check_fsdp_version(ctx) -> Check:
     "1. The file runs FSDP1 under its entry point."
     up = ctx["upstream"]
-    if "refused" in up: return Check("fsdp_version", "FAIL", f"{up['entry_point']} refuses the file: {up['refused']}", "fix the key the message names")
-    if up.get("fsdp") is False: return Check("fsdp_version", "FAIL", f"{up['entry_point']} does not run FSDP with this file", "distributed_type: FSDP")
+    if "refused" in up:
+        return Check("fsdp_version", "FAIL", f"{up['entry_point']} refuses the file: {up['refused']}", "fix the key the message names")
+    if up.get("fsdp") is False:
+        return Check("fsdp_version", "FAIL", f"{up['entry_point']} does not run FSDP with this file", "distributed_type: FSDP")
     if up["fsdp_version"] == 1:
         key = "fsdp_version: 2 under fsdp_config" if ctx["spec"].is_yaml() else '"version": 2'
         return Check("fsdp_version", "FAIL", f"{up['entry_point']} builds an FSDP1 plugin (fsdp_version 1): FSDP1, not FSDP2, would train",
@@ -405,25 +426,36 @@ def check_wrap(ctx) -> Check:
     seen, policy = ctx["seen"], ctx["upstream"].get("auto_wrap_policy")
     if _failed_at(seen) and CONTAINER_ERROR in seen["error"]: return _container_crash(ctx)
     if _failed_at(seen, "train", "Trainer") and "layer class" in seen["error"].lower():
-        return Check("wrap", "FAIL", f"the run stopped in accelerate's wrap: {seen['error']}", "name a decoder layer class of the model in transformer_layer_cls_to_wrap, or leave it empty to read _no_split_modules")
+        return Check("wrap", "FAIL", f"the run stopped in accelerate's wrap: {seen['error']}",
+                     "name a decoder layer class of the model in transformer_layer_cls_to_wrap, "
+                     "or leave it empty to read _no_split_modules")
     p = seen.get("prepared")
     if not p: return Check("wrap", "SKIP", _stopped(seen))
     if not p["report"]["sharded"]: return Check("wrap", "WARN", "nothing was sharded, so no policy was applied (see ddp_fallback)", "")
     if policy == "SIZE_BASED_WRAP":  # a threshold in parameters: judged against the user's model, whose layers the twin's are not
         n, layer, sizes = ctx["upstream"].get("min_num_params"), ctx["layer_params"], ctx["sizes"]
-        if n >= layer: return Check("wrap", "FAIL", f"SIZE_BASED_WRAP with min_num_params {n:,}: none of your model's decoder layers ({layer:,} parameters each) reaches it, "
+        if n >= layer:
+            return Check("wrap", "FAIL",
+                         f"SIZE_BASED_WRAP with min_num_params {n:,}: none of your model's decoder layers ({layer:,} parameters each) "
+                         "reaches it, "
                                     "so every layer's weights are gathered at once, in the root unit",
-                                    f"TRANSFORMER_BASED_WRAP with the layer class (a min_num_params below {layer:,} also selects {sizes['container']}, "
+                                    f"TRANSFORMER_BASED_WRAP with the layer class (a min_num_params below {layer:,} also selects "
+                                    f"{sizes['container']}, "
                                     f"{sizes['container_params']:,} parameters, which fully_shard refuses)")
-        return Check("wrap", "PASS", f"SIZE_BASED_WRAP with min_num_params {n:,}: each of your model's decoder layers ({layer:,} parameters) is above it "
+        return Check("wrap", "PASS",
+                     f"SIZE_BASED_WRAP with min_num_params {n:,}: each of your model's decoder layers ({layer:,} parameters) is above it "
                      "(the twin's smaller layers cannot show it; judged on your model's sizes)")
     root = {u["module"] for u in p["units"] if u["module"] == ""}
-    wrapped = [l for l in p["layers"] if any(u["module"].replace("._checkpoint_wrapped_module", "") in (l,) for u in p["units"] if u["module"] not in root)]
+    wrapped = [l for l in p["layers"]
+               if any(u["module"].replace("._checkpoint_wrapped_module", "") in (l,) for u in p["units"] if u["module"] not in root)]
     if not wrapped:
         why = "NO_WRAP" if policy == "NO_WRAP" else f"{policy} wraps none of the {len(p['layers'])} decoder layers"
-        return Check("wrap", "WARN" if policy == "NO_WRAP" else "FAIL", f"{why}: every layer's weights are gathered at once, in the root unit",
-                     "TRANSFORMER_BASED_WRAP with the layer class" + (" (or a min_num_params below one layer's parameters)" if policy == "SIZE_BASED_WRAP" else ""))
-    return Check("wrap", "PASS", f"{len(wrapped)} of {len(p['layers'])} decoder layers are FSDP units of their own ({len(p['groups'])} units hold weights)")
+        return Check("wrap", "WARN" if policy == "NO_WRAP" else "FAIL",
+                     f"{why}: every layer's weights are gathered at once, in the root unit",
+                     "TRANSFORMER_BASED_WRAP with the layer class" + (" (or a min_num_params below one layer's parameters)"
+                                                                      if policy == "SIZE_BASED_WRAP" else ""))
+    return Check("wrap", "PASS",
+                 f"{len(wrapped)} of {len(p['layers'])} decoder layers are FSDP units of their own ({len(p['groups'])} units hold weights)")
 
 def check_tied(ctx) -> Check:
     "3. Tied input/output embeddings in different units, or a wrap that fails on them."
@@ -433,34 +465,50 @@ def check_tied(ctx) -> Check:
                      "keep the embedding out of transformer_layer_cls_to_wrap: accelerate puts tied embeddings in one unit with lm_head")
     p = seen.get("prepared")
     if not p and tied: return Check("tied_embeddings", "SKIP", _stopped(seen))
-    if not p or not p["report"]["sharded"]: return Check("tied_embeddings", "WARN" if tied else "PASS", "the run built no FSDP units to check" if tied else "the model does not tie its embeddings")
+    if not p or not p["report"]["sharded"]:
+        return Check("tied_embeddings", "WARN" if tied else "PASS", "the run built no FSDP units to check" if tied
+                     else "the model does not tie its embeddings")
     where = [g["modules"] for g in p["groups"] if p["embed"] in g["modules"] or p["head"] in g["modules"]]
-    if not tied: return Check("tied_embeddings", "PASS", f"untied: embeddings and lm_head in unit(s) {' and '.join('[' + ', '.join(w) + ']' for w in where)}")
-    if not p["tied"]: return Check("tied_embeddings", "FAIL", "the config ties embed_tokens and lm_head, but after prepare they are two tensors: twice the memory, and they drift apart", "load with tie_word_embeddings as in the config and do not re-create lm_head")
-    if len(where) != 1: return Check("tied_embeddings", "FAIL", f"the shared weight is in {len(where)} units: {where}", "put embed_tokens and lm_head in one unit (accelerate's FSDP2 path does)")
+    if not tied:
+        return Check("tied_embeddings", "PASS",
+                     f"untied: embeddings and lm_head in unit(s) {' and '.join('[' + ', '.join(w) + ']' for w in where)}")
+    if not p["tied"]:
+        return Check("tied_embeddings", "FAIL",
+                     "the config ties embed_tokens and lm_head, but after prepare they are two tensors: twice the memory, and they drift "
+                     "apart", "load with tie_word_embeddings as in the config and do not re-create lm_head")
+    if len(where) != 1:
+        return Check("tied_embeddings", "FAIL", f"the shared weight is in {len(where)} units: {where}",
+                     "put embed_tokens and lm_head in one unit (accelerate's FSDP2 path does)")
     return Check("tied_embeddings", "PASS", f"tied: one weight, in one unit [{', '.join(where[0])}]")
 
 # %% ../nbs/12_doctor.ipynb #d0c70010
 def check_quant_storage(ctx) -> Check:
-    "4. 4-bit storage dtype against the dtype FSDP sees for the other parameters; the packed codes byte for byte across fully_shard and a step."
+    "4. 4-bit storage dtype against the dtype FSDP sees for the other parameters; the packed codes byte for byte."
     spec, seen = ctx["spec"], ctx["seen"]
     if spec.method != "qlora": return Check("quant_storage", "PASS", f"method {spec.method}: no 4-bit weights")
     storage = spec.quant_storage or "uint8"
     before, p, after = seen.get("load", {}).get("codes", {}), seen.get("prepared"), seen.get("stepped", {}).get("codes", {})
     if not p: return Check("quant_storage", "SKIP", _stopped(seen))
     kept = [n for n, c in p["codes"].items() if not c[1]]
-    others = sorted(p["frozen"])  # the frozen parameters FSDP shards beside the 4-bit weights (the adapters are trained, in their own dtype)
+    # the frozen parameters FSDP shards beside the 4-bit weights (the adapters are trained, in their own dtype)
+    others = sorted(p["frozen"])
     if kept:
         held = sum(p["codes"][n][2] for n in kept)
-        return Check("quant_storage", "FAIL", f"bnb_4bit_quant_storage={storage}: {len(kept)} of {len(p['codes'])} 4-bit weights are not sharded "
+        return Check("quant_storage", "FAIL",
+                     f"bnb_4bit_quant_storage={storage}: {len(kept)} of {len(p['codes'])} 4-bit weights are not sharded "
                      f"(accelerate leaves non-float 4-bit weights out of FSDP): every rank holds all {_mib(held)} of them",
                      f"bnb_4bit_quant_storage={ctx['others_dtype']} (the dtype of the other parameters)")
     changed = [n for n in before if n in p["codes"] and p["codes"][n][3] != before[n][3]]
     stepped = [n for n in before if n in after and after[n][3] != before[n][3]]
     if changed or stepped:
-        return Check("quant_storage", "FAIL", f"the packed 4-bit bytes changed: {len(changed)} weight(s) across fully_shard, {len(stepped)} after a step", "bnb_4bit_quant_storage equal to the load dtype")
+        return Check("quant_storage", "FAIL",
+                     f"the packed 4-bit bytes changed: {len(changed)} weight(s) across fully_shard, {len(stepped)} after a step",
+                     "bnb_4bit_quant_storage equal to the load dtype")
     if others != [storage]:
-        return Check("quant_storage", "FAIL", f"bnb_4bit_quant_storage={storage}, the other frozen parameters are {', '.join(others)}: FSDP gathers them in one unit", f"bnb_4bit_quant_storage={ctx['others_dtype']}")
+        return Check("quant_storage", "FAIL",
+                     f"bnb_4bit_quant_storage={storage}, the other frozen parameters are {', '.join(others)}: "
+                     "FSDP gathers them in one unit",
+                     f"bnb_4bit_quant_storage={ctx['others_dtype']}")
     return Check("quant_storage", "PASS", f"bnb_4bit_quant_storage={storage} as the other parameters; {len(before)} 4-bit weights sharded, "
                  "their packed bytes identical before and after fully_shard and after a step")
 
@@ -470,15 +518,21 @@ def check_base_upcast(ctx) -> Check:
     if spec.method == "full": return Check("frozen_base", "PASS", "method full: no frozen base")
     load, p = seen.get("load", {}).get("floats", {}), seen.get("prepared")
     if not p: return Check("frozen_base", "SKIP", _stopped(seen))
-    grew = p["frozen"].get("float32", [0, 0])[0] - load.get("float32", [0, 0])[0]  # tensors: at load all are counted, after prepare the frozen ones
+    # tensors: at load all are counted, after prepare the frozen ones
+    grew = p["frozen"].get("float32", [0, 0])[0] - load.get("float32", [0, 0])[0]
     total = sum(b for _, b in p["frozen"].values())
     if grew > 0:
         who = "prepare_model_for_kbit_training" if spec.kbit_prepare else "the prepare step"
-        return Check("frozen_base", "FAIL", f"{who} upcast {grew} frozen tensors from {', '.join(d for d in load if d != 'float32')} to float32: "
-                     f"the frozen base holds {_mib(total)} on this rank ({', '.join(f'{d} {_mib(b)}' for d, (_, b) in p['frozen'].items())})",
-                     "do not call prepare_model_for_kbit_training under FSDP (the QLoRA recipe for FSDP leaves the base in the storage dtype)" if spec.kbit_prepare else "load in the compute dtype")
+        return Check("frozen_base", "FAIL",
+                     f"{who} upcast {grew} frozen tensors from {', '.join(d for d in load if d != 'float32')} to float32: "
+                     f"the frozen base holds {_mib(total)} on this rank "
+                     f"({', '.join(f'{d} {_mib(b)}' for d, (_, b) in p['frozen'].items())})",
+                     "do not call prepare_model_for_kbit_training under FSDP (the QLoRA recipe for FSDP leaves the base in the storage "
+                     "dtype)" if spec.kbit_prepare else "load in the compute dtype")
     if spec.precision() != "no" and "float32" in p["frozen"]:
-        return Check("frozen_base", "WARN", f"the frozen base is kept in float32 ({_mib(p['frozen']['float32'][1])} on this rank) while computing in {spec.precision()}",
+        return Check("frozen_base", "WARN",
+                     f"the frozen base is kept in float32 ({_mib(p['frozen']['float32'][1])} on this rank) while computing in "
+                     f"{spec.precision()}",
                      "from_pretrained(..., dtype=torch.bfloat16): a frozen weight needs no fp32 master copy")
     return Check("frozen_base", "PASS", f"the frozen base stays as loaded ({', '.join(p['frozen'])}, {_mib(total)} on this rank)")
 
@@ -488,15 +542,21 @@ def check_precision(ctx) -> Check:
     p = seen.get("prepared")
     if not p: return Check("mixed_precision", "SKIP", _stopped(seen))
     low = [d for d in p["trained"] if d != "float32"]
-    if low: return Check("mixed_precision", "FAIL", f"trained parameters are kept in {', '.join(low)}: updates below its resolution are lost (no fp32 master weights)",
+    if low:
+        return Check("mixed_precision", "FAIL",
+                     f"trained parameters are kept in {', '.join(low)}: updates below its resolution are lost (no fp32 master weights)",
                          "load in float32 and set mixed_precision bf16: accelerate keeps fp32 weights and computes in bf16")
     mp = p["mixed_precision_policy"] or {}
     reduce = mp.get("reduce_dtype")
     if reduce in ("bfloat16", "float16"):
         n = spec.gpus or seen.get("world_size", spec.nproc)
-        return Check("mixed_precision", "WARN", f"gradients are reduce-scattered in {reduce}: each one sums {n} ranks' values with {8 if reduce == 'bfloat16' else 11} significant bits, "
-                     "so small gradients are lost more as ranks grow", "MixedPrecisionPolicy(reduce_dtype=torch.float32) (fsdp-kit: reduce_dtype fp32) if the loss drifts from an fp32 run")
-    return Check("mixed_precision", "PASS", f"fp32 master weights; compute {mp.get('param_dtype') or 'float32'}, reduce {reduce or 'float32'}")
+        return Check("mixed_precision", "WARN",
+                     f"gradients are reduce-scattered in {reduce}: each one sums {n} ranks' values with "
+                     f"{8 if reduce == 'bfloat16' else 11} significant bits, "
+                     "so small gradients are lost more as ranks grow",
+                     "MixedPrecisionPolicy(reduce_dtype=torch.float32) (fsdp-kit: reduce_dtype fp32) if the loss drifts from an fp32 run")
+    return Check("mixed_precision", "PASS",
+                 f"fp32 master weights; compute {mp.get('param_dtype') or 'float32'}, reduce {reduce or 'float32'}")
 
 # %% ../nbs/12_doctor.ipynb #d0c70011
 def check_loading(ctx) -> Check:
@@ -509,15 +569,24 @@ def check_loading(ctx) -> Check:
     copies = sum(p > 0.1 * (private[0] + mapped[0]) for p in private)  # ranks that hold (some of) the weights in memory of their own
     held = ", ".join(f"rank {r}: {_mib(p)} own, {_mib(m)} mapped" for r, (p, m) in enumerate(zip(private, mapped)))
     said = f"cpu_ram_efficient_loading {'on' if on else 'off'}, {sum(read)} of {len(read)} ranks read the checkpoint ({held})"
-    if copies <= 1: return Check("loading", "PASS", f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which the ranks share in the page cache"
-                                                                   if copies == 0 else "only one rank holds the weights; the others receive them by broadcast"))
+    if copies <= 1:
+        return Check("loading", "PASS",
+                     f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which the ranks share in the page "
+                                    "cache"
+                                                                   if copies == 0
+                                                                   else "only one rank holds the weights; the others receive them by "
+                                                                        "broadcast"))
     s, stored, dtype = ctx.get("scale") or {}, ctx["twin"]["checkpoint_dtype"], spec.load_dtype()
     if spec.method == "qlora":
         gb = ctx["scale"]["parameters"] * 0.5 / 1e9  # 4 bits per parameter, nearly all of them in the quantized Linear layers
-        why, fix = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)", "budget host memory for one 4-bit copy per rank"
-    elif stored != dtype: why, fix = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank", f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: then every rank maps the file"
+        why = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)"
+        fix = "budget host memory for one 4-bit copy per rank"
+    elif stored != dtype:
+        why = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank"
+        fix = f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: then every rank maps the file"
     else: why, fix = "each rank holds its own copy", "cpu_ram_efficient_loading: true"
-    user = (f"; for your model ({gb:.1f} GB per copy) on {s['gpus']} GPUs the planner puts host memory at load at {s['host_load_gb']['every_process_loads']:.1f} GB per node"
+    user = (f"; for your model ({gb:.1f} GB per copy) on {s['gpus']} GPUs the planner puts host memory at load at "
+            f"{s['host_load_gb']['every_process_loads']:.1f} GB per node"
             if s.get("host_load_gb") else f"; for your model that is {gb:.1f} GB of host memory per rank")
     return Check("loading", "WARN", f"{said}: {copies} ranks hold a copy of their own: {why}{user}", fix)
 
@@ -525,15 +594,21 @@ def check_checkpointing(ctx) -> Check:
     "8. Activation checkpointing set twice, or not on the layers the user expects."
     seen, up = ctx["seen"], ctx["upstream"]
     if "error" in seen and "activation_checkpointing" in seen["error"] and "both" in seen["error"]:
-        return Check("activation_checkpointing", "FAIL", f"set twice: {seen['error']}", "keep activation_checkpointing in the FSDP config and drop gradient_checkpointing from TrainingArguments")
+        return Check("activation_checkpointing", "FAIL", f"set twice: {seen['error']}",
+                     "keep activation_checkpointing in the FSDP config and drop gradient_checkpointing from TrainingArguments")
     p = seen.get("prepared")
     if not p: return Check("activation_checkpointing", "SKIP", _stopped(seen))
     n, wrapped = len(p["layers"]), p["checkpoint_wrapped"]
-    if wrapped and p["gradient_checkpointing"]: return Check("activation_checkpointing", "FAIL", f"set twice: {wrapped} layers in CheckpointWrapper and the model's gradient checkpointing on",
+    if wrapped and p["gradient_checkpointing"]:
+        return Check("activation_checkpointing", "FAIL",
+                     f"set twice: {wrapped} layers in CheckpointWrapper and the model's gradient checkpointing on",
                                                              "keep one: activation_checkpointing in the FSDP config")
     if up.get("activation_checkpointing") and wrapped != n:
-        return Check("activation_checkpointing", "WARN", f"activation_checkpointing is on, {wrapped} of {n} decoder layers are checkpointed", "name the decoder layer class in the wrap policy")
-    how = f"FSDP's, on {wrapped} of {n} decoder layers" if wrapped else "the model's gradient checkpointing" if p["gradient_checkpointing"] else "off"
+        return Check("activation_checkpointing", "WARN",
+                     f"activation_checkpointing is on, {wrapped} of {n} decoder layers are checkpointed",
+                     "name the decoder layer class in the wrap policy")
+    how = (f"FSDP's, on {wrapped} of {n} decoder layers" if wrapped else "the model's gradient checkpointing"
+           if p["gradient_checkpointing"] else "off")
     return Check("activation_checkpointing", "PASS", f"activation checkpointing: {how}")
 
 def check_context_parallel(ctx) -> Check:
@@ -541,14 +616,26 @@ def check_context_parallel(ctx) -> Check:
     data, up, twin = ctx["file"], ctx["upstream"], ctx["twin_keys"]
     section = data.get("parallelism_config") or {}
     asked = max([int(v) for k, v in section.items() if str(k).endswith("cp_size") and str(v).isdigit()] +
-                [int(v) for k, v in data.items() if str(k).removeprefix("fsdp_") in ("cp_size", "context_parallel_size") and str(v).isdigit()] or [1])
+                [int(v) for k, v in data.items() if str(k).removeprefix("fsdp_") in ("cp_size", "context_parallel_size")
+                 and str(v).isdigit()] or [1])
     ran = ((up.get("parallelism_config") or {}).get("cp_size") or 1)
-    if asked > 1 and ran == 1: return Check("context_parallel", "FAIL", f"cp_size {asked} is in the file, but {up['entry_point']} runs without context parallelism: the key is ignored",
-                                            "accelerate: a parallelism_config section (parallelism_config_cp_size) in the YAML; transformers: TrainingArguments(parallelism_config=...)")
-    sliding = twin.get("use_sliding_window") or (twin.get("sliding_window") and twin.get("use_sliding_window", True) and twin.get("model_type") not in ("qwen2",)) or "sliding_attention" in (twin.get("layer_types") or [])
-    if ran > 1 and sliding: return Check("context_parallel", "FAIL", f"cp_size {ran} with a sliding-window model: context parallelism runs causal SDPA without a mask, so the window is dropped",
+    if asked > 1 and ran == 1:
+        return Check("context_parallel", "FAIL",
+                     f"cp_size {asked} is in the file, but {up['entry_point']} runs without context parallelism: the key is ignored",
+                                            "accelerate: a parallelism_config section (parallelism_config_cp_size) in the YAML; "
+                                            "transformers: TrainingArguments(parallelism_config=...)")
+    sliding = (twin.get("use_sliding_window")
+               or (twin.get("sliding_window") and twin.get("use_sliding_window", True) and twin.get("model_type") not in ("qwen2",))
+               or "sliding_attention" in (twin.get("layer_types") or []))
+    if ran > 1 and sliding:
+        return Check("context_parallel", "FAIL",
+                     f"cp_size {ran} with a sliding-window model: context parallelism runs causal SDPA without a mask, so the window is "
+                     "dropped",
                                          "no context parallelism for this model, or full attention")
-    if ran > 1: return Check("context_parallel", "WARN", f"cp_size {ran}: attention runs causal without an attention mask, so padding is attended to", "pack sequences without padding")
+    if ran > 1:
+        return Check("context_parallel", "WARN",
+                     f"cp_size {ran}: attention runs causal without an attention mask, so padding is attended to",
+                     "pack sequences without padding")
     return Check("context_parallel", "PASS", "no context parallelism asked for")
 
 # %% ../nbs/12_doctor.ipynb #d0c70012
@@ -556,25 +643,33 @@ def check_saving(ctx) -> Check:
     "10. The saved model cannot be loaded where the user will load it, or the save does not finish."
     spec, seen = ctx["spec"], ctx["seen"]
     if seen.get("timed_out") and seen.get("stage") == "saving":
-        return Check("saving", "FAIL", f"the save did not finish within {spec.timeout:g} s", "FULL_STATE_DICT for the final save, and every rank calling save_model")
+        return Check("saving", "FAIL", f"the save did not finish within {spec.timeout:g} s",
+                     "FULL_STATE_DICT for the final save, and every rank calling save_model")
     save = seen.get("save")
     if not save: return Check("saving", "SKIP", _stopped(seen))
     where = "AutoModelForCausalLM.from_pretrained" if spec.method == "full" else "PeftModel.from_pretrained"
     if not save["files"]:
         sdt = (seen.get("prepared") or {}).get("state_dict_type")
-        return Check("saving", "FAIL", f"save_model with {sdt} finished in {save['seconds']:.1f} s and wrote nothing to {Path(save['saved']).name}/: "
-                     f"{where} has nothing to load", "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints)")
+        return Check("saving", "FAIL",
+                     f"save_model with {sdt} finished in {save['seconds']:.1f} s and wrote nothing to {Path(save['saved']).name}/: "
+                     f"{where} has nothing to load",
+                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints)")
     if "load_error" in save:
         sdt = (seen.get("prepared") or {}).get("state_dict_type")
-        return Check("saving", "FAIL", f"{where} cannot load what save_model wrote with {sdt} ({', '.join(save['files'][:4])}): {save['load_error'][:160]}",
-                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints, then `accelerate merge-weights`)")
+        return Check("saving", "FAIL",
+                     f"{where} cannot load what save_model wrote with {sdt} ({', '.join(save['files'][:4])}): {save['load_error'][:160]}",
+                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints, then `accelerate "
+                     "merge-weights`)")
     return Check("saving", "PASS", f"save_model took {save['seconds']:.1f} s; {save.get('loaded_with', where)} loads it")
 
 def check_keys(ctx) -> Check:
     "11. Keys the entry point ignores, or that the kit and upstream read differently."
-    notes = [n for n in ctx["notes"] if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply", "refuses", "not applied", "runs FSDP1"))]
+    notes = [n for n in ctx["notes"]
+             if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply", "refuses", "not applied", "runs FSDP1"))]
     if ctx.get("read_error"): return Check("keys", "FAIL", f"the kit cannot read the file as upstream does: {ctx['read_error']}", "")
-    if notes: return Check("keys", "WARN", f"{len(notes)} key(s) do not do what they say: " + " | ".join(notes), "remove them, or spell them as the entry point reads them")
+    if notes:
+        return Check("keys", "WARN", f"{len(notes)} key(s) do not do what they say: " + " | ".join(notes),
+                     "remove them, or spell them as the entry point reads them")
     return Check("keys", "PASS", f"every key is read by {ctx['upstream'].get('entry_point', 'the entry point')} as written")
 
 def check_ddp_fallback(ctx) -> Check:
@@ -583,18 +678,23 @@ def check_ddp_fallback(ctx) -> Check:
     p = seen.get("prepared")
     if not p: return Check("ddp_fallback", "SKIP", _stopped(seen))
     r = p["report"]
-    if not r["sharded"]: return Check("ddp_fallback", "FAIL", f"{r['kind']} ({p['distributed_type']}): every rank holds all {r['parameters']:,} parameters",
+    if not r["sharded"]:
+        return Check("ddp_fallback", "FAIL", f"{r['kind']} ({p['distributed_type']}): every rank holds all {r['parameters']:,} parameters",
                                       "distributed_type: FSDP in the accelerate config, or fsdp + fsdp_config in TrainingArguments")
-    return Check("ddp_fallback", "PASS", f"FSDP2 ({p['distributed_type']}): {r['fsdp_units']} units, rank 0 holds {r['local_parameters']:,} of {r['parameters']:,} parameters")
+    return Check("ddp_fallback", "PASS",
+                 f"FSDP2 ({p['distributed_type']}): {r['fsdp_units']} units, rank 0 holds {r['local_parameters']:,} of {r['parameters']:,} "
+                 "parameters")
 
-CHECKS = [check_fsdp_version, check_wrap, check_tied, check_quant_storage, check_base_upcast, check_precision, check_loading, check_checkpointing,
+CHECKS = [check_fsdp_version, check_wrap, check_tied, check_quant_storage, check_base_upcast, check_precision, check_loading,
+          check_checkpointing,
           check_context_parallel, check_saving, check_keys, check_ddp_fallback]
 
+# stage -> check
 STAGE_CHECK = {"TrainingArguments": "fsdp_version", "from_pretrained": "loading", "peft": "frozen_base", "Trainer": "wrap", "train": "wrap",
-               "after prepare": "wrap", "after step 1": "mixed_precision", "saving": "saving", "loading the saved model": "saving"}  # stage -> check
+               "after prepare": "wrap", "after step 1": "mixed_precision", "saving": "saving", "loading the saved model": "saving"}
 
 def stopped_by(seen:dict, checks:list) -> str:
-    "The check a run that stopped with an error belongs to: the one whose FAIL quotes the error, else the first to read what the stage makes."
+    "The check a run that stopped with an error belongs to: the one whose FAIL quotes the error, else the stage's."
     if "error" not in seen: return None
     quoted = next((c.name for c in checks if c.status == "FAIL" and seen["error"][:60] in c.reason), None)
     if quoted: return quoted
@@ -602,13 +702,14 @@ def stopped_by(seen:dict, checks:list) -> str:
     return "mixed_precision" if stage == "train" and "prepared" in seen else STAGE_CHECK.get(stage, "ddp_fallback")
 
 def run_checks(ctx:dict) -> list:
-    "Every check of CHECKS on what the run saw, in order; an error no check names is a FAIL of the check its stage belongs to."
+    "Every check of CHECKS on what the run saw, in order; an unnamed error is a FAIL of its stage's check."
     checks, seen = [c(ctx) for c in CHECKS], ctx["seen"]
     name = stopped_by(seen, checks)
     if name is None: return checks
     i = next(i for i, c in enumerate(checks) if c.name == name)
     if checks[i].status != "FAIL":
-        checks[i] = Check(name, "FAIL", f"the run stopped at '{seen.get('stage')}' with an exception: {seen['error'][:300]}", "the error names what upstream refused")
+        checks[i] = Check(name, "FAIL", f"the run stopped at '{seen.get('stage')}' with an exception: {seen['error'][:300]}",
+                          "the error names what upstream refused")
     return checks
 
 def exit_status(result:dict, strict:bool=False) -> int:
@@ -625,12 +726,13 @@ def scale(spec:DoctorSpec, method:str=None) -> dict:
     if spec.gpus is None: return out
     mp = spec.precision()
     p = plan_gpu(spec.model, gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, method=spec.method, mixed_precision=mp if mp != "fp16" else "bf16")
-    return out | dict(gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, per_gpu_peak_gb=round(p.per_gpu_peak_bytes / GB, 2), fits=p.fits, peak_moment=p.peak_moment,
+    return out | dict(gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, per_gpu_peak_gb=round(p.per_gpu_peak_bytes / GB, 2), fits=p.fits,
+                      peak_moment=p.peak_moment,
                       line=plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, spec.gpu_mem_gb),
                       host_load_gb={k: round(v / GB, 1) for k, v in p.host_load_bytes.items()})
 
 def wrap_sizes(model:str, min_num_params:int=None) -> dict:
-    "One decoder layer's parameters, the container holding the layers (its name, class, parameters) and whether the size policy selects it."
+    "One decoder layer's parameters, the container holding the layers, and whether the size policy selects it."
     from fsdp_kit.models import model_config, build_model, decoder_layers
     from fsdp_kit.wrap import size_policy  # accelerate's own FSDP2 size rule
     meta = build_model(model_config(model), device="meta")
@@ -643,16 +745,17 @@ def wrap_sizes(model:str, min_num_params:int=None) -> dict:
                 container_selected=min_num_params is not None and size_policy(min_num_params)(box))
 
 def twin_threshold(min_num_params:int, user:dict, twin:dict) -> int:
-    "The twin's min_num_params: yours scaled by its layer size over yours, kept on the side of its layer container that yours is on."
+    "The twin's min_num_params: yours scaled by its layer size over yours, on the same side of the container."
     scaled = max(1, round(min_num_params * twin["layer"] / user["layer"])) if user["layer"] else min_num_params
     return min(scaled, twin["container_params"] - 1) if user["container_selected"] else max(scaled, twin["container_params"])
 
 # %% ../nbs/12_doctor.ipynb #9c98a6a0
 CONTAINER_ERROR = "does not support containers that do not implement forward"  # torch's fully_shard on a ModuleList
-FIXES = {CONTAINER_ERROR: (dict(auto_wrap_policy="TRANSFORMER_BASED_WRAP"), ("min_num_params", "transformer_layer_cls_to_wrap"))}  # error -> (set, drop)
+# error -> (set, drop)
+FIXES = {CONTAINER_ERROR: (dict(auto_wrap_policy="TRANSFORMER_BASED_WRAP"), ("min_num_params", "transformer_layer_cls_to_wrap"))}
 
 def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> tuple:
-    "(the FSDP file the twin runs, notes): SIZE_BASED_WRAP's threshold scaled so that the twin's units are your model's (`twin_threshold`)."
+    "(the FSDP file the twin runs, notes): SIZE_BASED_WRAP's threshold scaled to the twin (`twin_threshold`)."
     n = up["min_num_params"]
     mine = wrap_sizes(twin)
     m = twin_threshold(n, sizes, mine)
@@ -662,7 +765,7 @@ def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> t
     return file_variant(spec.fsdp_config, Path(folder) / "file", dict(min_num_params=m)), [note]
 
 def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
-    "Where the twin's run stopped with an error FIXES knows, run the twin again with the fix; what the fixed run did (None: nothing to try)."
+    "Where the twin's run stopped with an error FIXES knows, run it again with the fix; what that run did (None: none)."
     known = next((k for k in FIXES if k in (seen.get("error") or "")), None)
     if known is None: return None
     changes, drop = FIXES[known]
@@ -670,19 +773,23 @@ def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
     say(f"the twin's run stopped ({known}); running it again with {', '.join(f'{k}={v}' for k, v in changes.items())} ...")
     s = run_twin(replace(spec, fsdp_config=fixed), str(Path(folder) / "fix"), say)["seen"]
     p = s.get("prepared") or {}
-    return dict(changes=changes, dropped=list(drop), ok="error" not in s and bool(s.get("save", {}).get("loaded_with")), error=s.get("error"),
+    return dict(changes=changes, dropped=list(drop), ok="error" not in s and bool(s.get("save", {}).get("loaded_with")),
+                error=s.get("error"),
                 losses=s.get("losses"), units=len(p.get("groups", [])), layers=len(p.get("layers", [])))
 
 def _container_crash(ctx) -> Check:
-    "The wrap FAIL of a run fully_shard stopped on a container: the cause in accelerate's size policy, and the fix the doctor ran."
+    "The wrap FAIL of a run fully_shard stopped on a container: the cause, and the fix the doctor ran."
     seen, sizes, fix, n = ctx["seen"], ctx["sizes"], ctx.get("fix_run"), ctx["upstream"].get("min_num_params")
-    box = f"{sizes['container']} ({sizes['container_class']}, {sizes['container_params']:,} parameters in your model)" if sizes["container"] else "a container"
-    reason = (f"the run stopped in accelerate's prepare: {seen['error'][:110]}...; cause: accelerate's FSDP2 size policy calls fully_shard on every "
+    box = (f"{sizes['container']} ({sizes['container_class']}, {sizes['container_params']:,} parameters in your model)"
+           if sizes["container"] else "a container")
+    reason = (f"the run stopped in accelerate's prepare: {seen['error'][:110]}...; cause: accelerate's FSDP2 size policy calls fully_shard "
+              "on every "
               f"module above min_num_params {n:,}, and {box} is one, but a container has no forward for fully_shard to hook")
     key = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" if ctx["spec"].is_yaml() else '"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"'
     if fix and fix["ok"]:
         losses = fix["losses"] or [0]
-        return Check("wrap", "FAIL", reason, f"{key}, without min_num_params (the doctor ran the twin with it: {fix['units']} units hold weights, "
+        return Check("wrap", "FAIL", reason,
+                     f"{key}, without min_num_params (the doctor ran the twin with it: {fix['units']} units hold weights, "
                      f"{len(fix['losses'] or [])} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, saved and loaded back)")
     tried = f" (the doctor's run with it stopped too: {(fix or {}).get('error', '')[:120]})" if fix else ""
     return Check("wrap", "FAIL", reason, f"{key}, without min_num_params{tried}")
@@ -700,7 +807,8 @@ def doctor(spec:DoctorSpec, say=print,
     spec.check()
     folder = spec.out or tempfile.mkdtemp(prefix="fsdp_kit_doctor_")
     Path(folder).mkdir(parents=True, exist_ok=True)
-    ctx = dict(spec=spec, file=parse_fsdp_file(Path(spec.fsdp_config)), upstream=upstream_reading(spec.fsdp_config, spec.precision() if not spec.is_yaml() else "no"))
+    ctx = dict(spec=spec, file=parse_fsdp_file(Path(spec.fsdp_config)),
+               upstream=upstream_reading(spec.fsdp_config, spec.precision() if not spec.is_yaml() else "no"))
     try: ctx["notes"] = load_fsdp_config(spec.fsdp_config).notes
     except KitError as e: ctx["notes"], ctx["read_error"] = [], str(e)
     ctx["scale"] = scale(spec)
@@ -735,6 +843,9 @@ def report_text(result:dict) -> str:
     s = result.get("scale") or {}
     if s.get("line"): lines.append(f"your scale: {s['parameters'] / 1e9:.2f} B parameters on {s['gpus']} GPUs: {s['line']}")
     v = result.get("versions_verdict")
-    if v: lines.append(f"{v['status']:4}  {'versions':24} {v['reason']}" + (f"\n      fix: {v['fix']}" if v["fix"] and v["status"] != "PASS" else ""))
-    lines.append(", ".join(f"{n} {'not reached' if s_ == 'SKIP' else s_}" for s_, n in counts.items() if n or s_ != "SKIP") + f" (doctor: {result['seconds']:.0f} s)")
+    if v:
+        lines.append(f"{v['status']:4}  {'versions':24} {v['reason']}" + (f"\n      fix: {v['fix']}" if v["fix"] and v["status"] != "PASS"
+                                                                          else ""))
+    lines.append(", ".join(f"{n} {'not reached' if s_ == 'SKIP' else s_}" for s_, n in counts.items() if n
+                           or s_ != "SKIP") + f" (doctor: {result['seconds']:.0f} s)")
     return "\n".join(lines)

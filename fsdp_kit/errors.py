@@ -38,13 +38,15 @@ def require_positive(field:str, value) -> float:
 
 def require_seed(field:str, value) -> int:
     "`value` if it is a seed torch and the kit's data pools accept (a whole number in 0 .. 2**32 - 1), else a `KitError`."
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32: raise bad_value(field, value, "a whole number in 0 .. 4294967295")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise bad_value(field, value, "a whole number in 0 .. 4294967295")
     return value
 
 def require_model(field:str, value) -> str:
     "`value` if it can name a model (a preset name or a config.json path, a str or a path), else a `KitError`."
     import os
-    if not isinstance(value, (str, os.PathLike)) or not str(value).strip(): raise bad_value(field, value, "a preset name (tiny, small) or a config.json path")
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise bad_value(field, value, "a preset name (tiny, small) or a config.json path")
     return value
 
 # %% ../nbs/10b_errors.ipynb #9b194261

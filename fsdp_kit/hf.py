@@ -1,4 +1,4 @@
-"""From one `FSDPConfig`, the `TrainingArguments(fsdp=..., fsdp_config=...)` and the accelerate YAML that mean the same thing, and back; then a check, after `accelerator.prepare` or inside a `Trainer`, that the model really is FSDP2, because on CPU both quietly train without sharding; and the one switch that lets them shard there.
+"""One `FSDPConfig` as `TrainingArguments` and as an accelerate YAML, and a check that the model really is FSDP2 (on CPU it may not be).
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/hf.html.md"""
 
@@ -21,7 +21,8 @@ def _expressible(cfg:FSDPConfig):
     "Refuse what transformers and accelerate cannot spell, naming the field."
     if not isinstance(cfg.reshard_after_forward, bool):
         raise bad_value("reshard_after_forward", cfg.reshard_after_forward, "true or false for transformers and accelerate",
-                        "They read it as a boolean; resharding to groups of a given size is set with fully_shard directly (the kit's apply_fsdp)")
+                        "They read it as a boolean; resharding to groups of a given size is set with fully_shard directly (the kit's "
+                        "apply_fsdp)")
     if cfg.auto_wrap_policy == "PER_LINEAR":
         raise bad_value("auto_wrap_policy", cfg.auto_wrap_policy, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP upstream",
                         "PER_LINEAR is the kit's own policy for the wrap lab")
@@ -29,7 +30,8 @@ def _expressible(cfg:FSDPConfig):
 # %% ../nbs/09_hf.ipynb #894085f0
 SPELLINGS = {  # FSDPConfig field -> (transformers fsdp_config key, accelerate YAML key, FullyShardedDataParallelPlugin keyword)
     "auto_wrap_policy": ("auto_wrap_policy", "fsdp_auto_wrap_policy", "auto_wrap_policy"),
-    "transformer_layer_cls_to_wrap": ("transformer_layer_cls_to_wrap", "fsdp_transformer_layer_cls_to_wrap", "transformer_cls_names_to_wrap"),
+    "transformer_layer_cls_to_wrap": ("transformer_layer_cls_to_wrap", "fsdp_transformer_layer_cls_to_wrap",
+                                      "transformer_cls_names_to_wrap"),
     "min_num_params": ("min_num_params", "fsdp_min_num_params", "min_num_params"),
     "reshard_after_forward": ("reshard_after_forward", "fsdp_reshard_after_forward", "reshard_after_forward"),
     "cpu_offload": ("cpu_offload", "fsdp_offload_params", "cpu_offload"),
@@ -40,7 +42,7 @@ SPELLINGS = {  # FSDPConfig field -> (transformers fsdp_config key, accelerate Y
 TRANSFORMERS, ACCELERATE, PLUGIN = range(3)  # columns of SPELLINGS
 
 def _spell(cfg:FSDPConfig, column:int) -> dict:
-    "`cfg`'s settings under the names of one spelling (layer classes only when named, min_num_params only for SIZE_BASED_WRAP)."
+    "`cfg`'s settings under the names of one spelling (only the keys that apply)."
     _expressible(cfg.check())
     out = {}
     for name, names in SPELLINGS.items():
@@ -62,7 +64,8 @@ def accelerate_config(cfg:FSDPConfig, # the kit's config
                      ) -> dict:
     "The accelerate config (what `accelerate config` writes as YAML) that means what `cfg` means."
     fsdp = dict(fsdp_version=2, **_spell(cfg, ACCELERATE))
-    if "fsdp_transformer_layer_cls_to_wrap" in fsdp: fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fsdp["fsdp_transformer_layer_cls_to_wrap"])
+    if "fsdp_transformer_layer_cls_to_wrap" in fsdp:
+        fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fsdp["fsdp_transformer_layer_cls_to_wrap"])
     return dict(compute_environment="LOCAL_MACHINE", distributed_type="FSDP", mixed_precision=cfg.mixed_precision,
                 num_machines=1, machine_rank=0, num_processes=num_processes, fsdp_config=fsdp)
 
@@ -76,8 +79,10 @@ def from_training_arguments(args # a transformers TrainingArguments, or a dict o
                            ) -> FSDPConfig:
     "The `FSDPConfig` a Trainer with these arguments asks for."
     get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
-    if not get("fsdp"): raise bad_value("fsdp", get("fsdp"), "True (or an FSDP option string)", "Without it the Trainer does not use FSDP at all")
-    keys = {k: v for k, v in (get("fsdp_config") or {}).items() if not (k.startswith("xla") and not v)}  # defaults TrainingArguments fills in
+    if not get("fsdp"):
+        raise bad_value("fsdp", get("fsdp"), "True (or an FSDP option string)", "Without it the Trainer does not use FSDP at all")
+    # defaults TrainingArguments fills in
+    keys = {k: v for k, v in (get("fsdp_config") or {}).items() if not (k.startswith("xla") and not v)}
     return from_transformers(keys, source="TrainingArguments", mixed_precision="bf16" if get("bf16") else "fp16" if get("fp16") else "no")
 
 # %% ../nbs/09_hf.ipynb #b61743c5
@@ -98,9 +103,11 @@ def fsdp_report(model, # what accelerator.prepare returned, or trainer.model_wra
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in inner.parameters())
     kind = "FSDP2" if units else "DistributedDataParallel" if isinstance(model, DistributedDataParallel) else "not wrapped"
     verdict = (f"{where}: FSDP2, {units} FSDP units; this rank holds {local:,} of {params:,} parameters" if units else
-               f"{where} did NOT shard the model: it is {type(model).__name__}{'' if kind == type(model).__name__ else f' ({kind})'}; this rank holds all {params:,} parameters. "
+               f"{where} did NOT shard the model: it is {type(model).__name__}{'' if kind == type(model).__name__ else f' ({kind})'}; this "
+               f"rank holds all {params:,} parameters. "
                + ("DDP replicates the model on every rank." if kind != "not wrapped" else "Each process trains alone, on its own copy.")
-               + " On CPU, accelerate and the Trainer fall back without a warning; fsdp_kit.hf.enable_cpu_fsdp() opens their FSDP branch there"
+               + " On CPU, accelerate and the Trainer fall back without a warning; fsdp_kit.hf.enable_cpu_fsdp() opens their FSDP branch "
+                 "there"
                " (or shard with fsdp_kit.wrap.apply_fsdp, or run on GPUs).")
     return dict(where=where, kind=kind, wrapper=type(model).__name__, fsdp_units=units, parameters=params, local_parameters=local,
                 sharded=bool(units), verdict=verdict)
@@ -142,7 +149,7 @@ def _open_fsdp_branch(init):
 
 # %% ../nbs/09_hf.ipynb #c0f5e1a2
 class enable_cpu_fsdp:
-    "Let accelerate (and so the Trainer) take its FSDP branch on CPU; says so on rank 0. Idempotent; as a context manager, undone on exit."
+    "Let accelerate (and so the Trainer) take its FSDP branch on CPU; idempotent, undone on exit as a context manager."
     def __init__(self, say:bool=True # print one line on rank 0 saying the switch is on
                 ):
         import os, torch
@@ -165,9 +172,10 @@ def plugin_kwargs(cfg:FSDPConfig) -> dict:
 
 # %% ../nbs/09_hf.ipynb #fb5a22cd
 class TokenRows:
-    "A map-style dataset for the Trainer: row k of the kit's synthetic data, laid out so that its sequential sampler feeds rank r the rows `rank_rows` gives it."
+    "A map-style dataset for the Trainer: row k of the kit's synthetic data, in the order `rank_rows` gives each rank."
     def __init__(self, vocab_size:int, rows:int, seq_len:int, world_size:int, batch:int, seed:int=0, offset:int=0):
-        self.vocab_size, self.rows, self.seq_len, self.global_rows, self.seed, self.offset = vocab_size, rows, seq_len, world_size * batch, seed, offset
+        self.vocab_size, self.rows, self.seq_len = vocab_size, rows, seq_len
+        self.global_rows, self.seed, self.offset = world_size * batch, seed, offset
     def __len__(self): return self.rows
     def __getitem__(self, k):
         from fsdp_kit.models import synthetic_tokens
@@ -177,7 +185,7 @@ class TokenRows:
 
 # %% ../nbs/09_hf.ipynb #d93e42b2
 def _with_accelerate(cfg:FSDPConfig, model, cpu:bool=False) -> dict:
-    "accelerator.prepare with an FSDP2 plugin (`Accelerator(cpu=cpu)`: only with cpu=True does accelerate see the other CPU ranks); what it did."
+    "accelerator.prepare with an FSDP2 plugin (`Accelerator(cpu=cpu)`); what it did."
     import torch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
@@ -209,7 +217,7 @@ def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
               model:str="tiny", # a preset or config.json path
               progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per path it finished (None: no lines)
              ) -> dict:
-    "Give `cfg` to accelerate and to the Trainer (as they are, then with `enable_cpu_fsdp`) and to the kit; report what each did (rank 0 returns)."
+    "Give `cfg` to accelerate, to the Trainer and to the kit; report what each did (rank 0 returns)."
     import tempfile, warnings
     import torch, torch.distributed as dist
     from fsdp_kit.ranks import quiet_libraries, progress

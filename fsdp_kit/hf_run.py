@@ -1,4 +1,4 @@
-"""The four ways people shard a transformers model with FSDP2, run for real on two CPU ranks: an unmodified `Trainer` on a transformers `fsdp_config`, TRL's `SFTTrainer` with LoRA and QLoRA under `accelerate launch`, and transformers' own `DistributedConfig`; each confirmed FSDP2 on every rank, each saved and loaded back where users load it.
+"""The four ways people shard a transformers model with FSDP2, run on two CPU ranks, each confirmed FSDP2, saved and loaded back.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 
@@ -79,7 +79,7 @@ class HFRunResult:
     resume:dict=None # trainer: SHARDED_STATE_DICT checkpoint and resumed losses
     parity:dict=None # trainer: the kit's recipe on the same config, model and data
     per_rank:list=field(default_factory=list) # each rank's verdict: sharded, local and total parameters
-    loading:dict=None # FSDP_CPU_RAM_EFFICIENT_LOADING as TrainingArguments or accelerate launch set it, and where from_pretrained put each rank's weights
+    loading:dict=None # FSDP_CPU_RAM_EFFICIENT_LOADING as set, and where from_pretrained put each rank's weights
     notes:list=field(default_factory=list) # what the run changed in the user's file, and why
     seconds:float=None # wall time of the workflow, launch included
 
@@ -100,8 +100,7 @@ def unit_table(model) -> list:
     return rows
 
 def param_groups(units:list) -> list:
-    """The partition `unit_table` rows describe: per FSDP unit that holds parameters (one all-gather), its modules (a `CheckpointWrapper`'s
-    inner name without `._checkpoint_wrapped_module`), parameters and reshard setting, sorted. Two runs with equal lists gather and free the same weights together."""
+    "The partition `unit_table` rows describe: per FSDP unit holding parameters, its modules, parameters, resharding."
     merged = {}
     for u in units:
         if u["group"] is None: continue
@@ -113,7 +112,7 @@ def param_groups(units:list) -> list:
 def _dtype(d) -> str: return None if d is None else str(d).replace("torch.", "")
 
 def fsdp_facts(model) -> dict:
-    "This rank's view: units, parameter classes, the root's MixedPrecisionPolicy, activation checkpointing, local and total parameters."
+    "This rank's view: units, parameter classes, mixed precision, activation checkpointing, local and total parameters."
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
@@ -139,7 +138,7 @@ def confirm_fsdp2(model, where:str) -> dict:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c005
 def base_checkpoint(spec:HFRunSpec, folder:str) -> str:
-    "The preset's weights saved with `save_pretrained` by rank 0 into `folder`/base (the 'pretrained' model every workflow starts from)."
+    "The preset's weights saved with `save_pretrained` by rank 0 into `folder`/base, where every workflow starts."
     from fsdp_kit.models import model_config, build_model
     from fsdp_kit.ranks import barrier
     import torch.distributed as dist
@@ -150,7 +149,7 @@ def base_checkpoint(spec:HFRunSpec, folder:str) -> str:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c006
 def trainer_arguments(spec:HFRunSpec, output_dir:str, fsdp_config, **more):
-    "`TrainingArguments` for a plain loop the kit can match: constant AdamW, no clipping, sequential data, a loss logged every step."
+    "`TrainingArguments` for a plain loop the kit can match: constant AdamW, no clipping, sequential data."
     import torch
     from transformers import TrainingArguments
     kw = dict(output_dir=output_dir, max_steps=spec.steps, per_device_train_batch_size=spec.batch, per_device_eval_batch_size=spec.batch,
@@ -184,7 +183,7 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
                mixed_precision:str="no", # the kit's FSDPConfig.mixed_precision (the file's own setting is "no")
                steps:int=None # steps to train (None: spec.steps)
               ) -> dict:
-    "Train `base` with the kit's recipe (`apply_fsdp` on the same config file, `train_loop` on the same rows, AdamW as the Trainer's) and compare."
+    "Train `base` with the kit's recipe and compare."
     import torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from fsdp_kit.config import load_fsdp_config
@@ -204,7 +203,7 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
                 mixed_precision_policy=facts["mixed_precision_policy"], config=asdict(cfg), full=full_state_dict(model))
 
 def _bf16_pair(spec:HFRunSpec, base:str, folder:Path, steps:int=3) -> dict:
-    "A few steps of the Trainer with `bf16=True` and of the kit with mixed_precision bf16, same file and rows: their policies and losses."
+    "A few steps of the Trainer with `bf16=True` and of the kit in bf16, same file and rows: policies and losses."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer
@@ -225,7 +224,7 @@ def _sharded_copy(path:str) -> dict:
     return json.loads(Path(path).read_text()) | dict(state_dict_type="SHARDED_STATE_DICT")
 
 def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
-    "Stop half-way with a SHARDED_STATE_DICT checkpoint, resume from it with `resume_from_checkpoint`, compare with the straight run."
+    "Stop half-way with a SHARDED_STATE_DICT checkpoint, resume from it, compare with the straight run."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer
@@ -236,7 +235,8 @@ def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
         args = trainer_arguments(spec, out, fsdp_config, max_steps=steps, save_strategy="steps", save_steps=half)
         data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, spec.steps * spec.batch * args.world_size,
                          spec.seq_len, args.world_size, spec.batch, spec.seed)
-        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
+        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args,
+                                        train_dataset=data))
         trainer.train(resume_from_checkpoint=resume)
         runs.append(trainer_losses(trainer)[-(steps - (resume is not None) * half):])  # the log carries the checkpoint's history too
     files = sorted(str(p.relative_to(Path(out, f"checkpoint-{half}"))) for p in Path(out, f"checkpoint-{half}").rglob("*") if p.is_file())
@@ -254,7 +254,7 @@ def _reload_full(saved:str, trained:dict) -> dict:
 def trainer_worker(spec:HFRunSpec,
                    progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
                   ) -> HFRunResult:
-    "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save FULL and reload, resume a SHARDED checkpoint; the kit beside it."
+    "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save, reload, resume; the kit beside it."
     import torch, torch.distributed as dist
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects, progress
     phases = ["trained", "evaluated, saved and loaded back"] + ["the kit's recipe", "bf16 beside the kit"] * spec.check_parity + ["resumed"]
@@ -283,7 +283,8 @@ def trainer_worker(spec:HFRunSpec,
     saved = str(folder / "final")
     trainer.save_model(saved)  # FULL_STATE_DICT in the file: one safetensors file, written by rank 0
     barrier()
-    result = HFRunResult("trainer", dist.get_world_size(), True, len(facts["units"]), facts["param_types"][0], facts["mixed_precision_policy"],
+    result = HFRunResult("trainer", dist.get_world_size(), True, len(facts["units"]), facts["param_types"][0],
+                         facts["mixed_precision_policy"],
                          losses, saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"], per_rank=facts["per_rank"],
                          activation_checkpointing=facts["activation_checkpointing"], eval_loss=eval_loss,
                          distributed_type=str(trainer.accelerator.distributed_type), loading=loading)
@@ -302,7 +303,7 @@ def trainer_worker(spec:HFRunSpec,
 
 # %% ../nbs/09a_hf_run.ipynb #9f194754
 def native_model(spec:HFRunSpec, folder:Path):
-    "`spec`'s base model loaded by transformers' own FSDP2, `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`."
+    "`spec`'s base model loaded by transformers' own FSDP2 (`DistributedConfig(fsdp_size=world)`)."
     import torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -319,13 +320,13 @@ def native_units(spec:HFRunSpec) -> list:
 
 # %% ../nbs/09a_hf_run.ipynb #954f00f7
 def _model_order(units:list) -> list:
-    "`param_groups(units)` in the model's order (`unit_table` lists the innermost unit first, so reversed it follows the model)."
+    "`param_groups(units)` in the model's order (`unit_table` lists the innermost unit first)."
     order = [u["module"].replace("._checkpoint_wrapped_module", "") for u in reversed(units)]
     return sorted(param_groups(units), key=lambda g: min(order.index(m) for m in g["modules"]))
 
 def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per FSDP unit: module, parameters, reshard_after_forward, group)
                      ):
-    "One column per run: a block per unit with weights (`param_groups`), as tall as its parameters, hatched if kept after forward."
+    "One column per run: a block per unit with weights, as tall as its parameters, hatched if kept after forward."
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     from fsdp_kit.measure import check_figure
@@ -351,7 +352,7 @@ def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per 
 
 # %% ../nbs/09a_hf_run.ipynb #5b2e0a02
 def _first_step(trainer) -> dict:
-    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with and the upstream frames it came from."
+    "Train `trainer` (its prepare wraps the model); its units and losses, or the error it stopped with."
     import traceback
     try: trainer.train()
     except Exception as e:
@@ -361,8 +362,7 @@ def _first_step(trainer) -> dict:
     return dict(units=fsdp_facts(trainer.model_wrapped)["units"], losses=trainer_losses(trainer))
 
 def size_policy_worker(spec:HFRunSpec, thresholds:list) -> list:
-    """Per min_num_params in `thresholds`: an unmodified Trainer on SIZE_BASED_WRAP (`spec.steps` steps), the units accelerate's size rule
-    selects (`fsdp_kit.wrap.size_policy`), and the kit's `apply_fsdp` on the same setting, or the kit's refusal."""
+    "Per min_num_params in `thresholds`: an unmodified Trainer on SIZE_BASED_WRAP, accelerate's units, and the kit's."
     import torch
     from accelerate.state import AcceleratorState
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir
@@ -427,7 +427,7 @@ def _prepare_sft(spec:HFRunSpec, folder:Path) -> tuple:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c012
 def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
-    "The YAML `accelerate launch` gets (converted by `accelerate to-fsdp2` when the file is FSDP1), its command-line overrides, and notes."
+    "The YAML `accelerate launch` gets (converted to FSDP2 if need be), its command-line overrides, and notes."
     import yaml, torch
     from fsdp_kit.upstream import parse_fsdp_file
     source, notes, overrides = Path(path), [], ["--num_processes", str(nproc)]
@@ -435,11 +435,13 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
     if (cfg.get("fsdp_config") or {}).get("fsdp_version", 1) == 1:
         from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2  # what `accelerate to-fsdp2 --config_file F --output_file T` runs
         from fsdp_kit.upstream import quiet
-        with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)  # its log lines on dropped keys: the notes say what was converted
+        # its log lines on dropped keys: the notes say what was converted
+        with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)
         source.write_text(yaml.dump(cfg))
         notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: converted as `accelerate to-fsdp2` "
                      f"does, to {source}")
-    if cfg.get("num_processes") != nproc: notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
+    if cfg.get("num_processes") != nproc:
+        notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
     if (cfg.get("fsdp_config") or {}).get("fsdp_offload_params") and not torch.cuda.is_available():
         overrides += ["--fsdp_offload_params", "false"]
         notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an accelerator; on CPU the parameters "
@@ -452,14 +454,15 @@ def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:
            "--main_process_port", str(port), str(EXAMPLES / "sft_lora.py"),
            "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out, "--result_json", f"{out}/result.json",
            "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length", str(spec.seq_len),
-           "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"]
+           "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules",
+           "all-linear"]
     if spec.workflow == "qlora":
         cmd += ["--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_compute_dtype", "bfloat16",
                 "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True"]
     return cmd
 
 def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
-    "Run `cmd` in a session of its own with its output in `log`; stop the whole session after `timeout` s. Raise a KitError naming `what` if it fails."
+    "Run `cmd` in a session of its own with its output in `log`, stopped after `timeout` s."
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try: out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -490,7 +493,8 @@ def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
     config_file, overrides, notes = accelerate_file(spec.config_path(), folder, nproc)
     cmd = sft_command(spec, config_file, overrides, base, data, str(folder / spec.workflow), free_port())
     (folder / "tmp").mkdir(exist_ok=True)  # torchrun's log folders stay in the run's folder
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),  # the script imports this kit
+    # the script imports this kit
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                         "TMPDIR": str(folder / "tmp")}
     run_command(cmd, env, folder / f"{spec.workflow}.log", timeout, "accelerate launch")
     done(2, "accelerate launch trained, saved and loaded back")
@@ -507,7 +511,7 @@ def _native_plan(model) -> dict:
 def native_worker(spec:HFRunSpec,
                   progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
                  ) -> HFRunResult:
-    "transformers' own FSDP2: `from_pretrained(distributed_config=DistributedConfig(fsdp_size=world))`, then the Trainer on that model."
+    "transformers' own FSDP2: `from_pretrained(distributed_config=...)`, then the Trainer on that model."
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, progress
@@ -528,10 +532,13 @@ def native_worker(spec:HFRunSpec,
     if dist.get_rank() == 0: AutoModelForCausalLM.from_pretrained(base).save_pretrained(saved, state_dict=trained)
     barrier()
     result = HFRunResult("native", world, True, len(facts["units"]), facts["param_types"][0], facts["mixed_precision_policy"],
-                         trainer_losses(trainer), saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"], per_rank=facts["per_rank"],
-                         activation_checkpointing=facts["activation_checkpointing"], distributed_type=str(trainer.accelerator.distributed_type))
+                         trainer_losses(trainer), saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"],
+                         per_rank=facts["per_rank"],
+                         activation_checkpointing=facts["activation_checkpointing"],
+                         distributed_type=str(trainer.accelerator.distributed_type))
     result.notes += [f"fsdp_plan: {json.dumps(_native_plan(model))}",
-                     f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and the model's fsdp_plan decide the units"]
+                     f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and the model's fsdp_plan decide "
+                     "the units"]
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
     done(3, "saved and loaded back")
     return result
@@ -544,7 +551,7 @@ def run_workflow(spec:HFRunSpec, # which workflow, on which config file
                  timeout:float=120, # seconds a collective may wait (trainer, native); sft and qlora stop after SFT_RUN_LIMIT in all
                  progress_from:float=None # the command's start (`time.time()`): a line per finished phase on stderr (None: no lines)
                 ) -> HFRunResult:
-    "Run one workflow on `nproc` processes: trainer and native through the kit's torchrun launcher, sft and qlora through `accelerate launch`."
+    "Run one workflow on `nproc` processes: through the kit's torchrun launcher, or `accelerate launch`."
     from fsdp_kit.launch import launch
     spec.check()
     if spec.workflow == "native" and nproc < 2:  # refused before launching: on one rank the model would train unsharded

@@ -1,4 +1,4 @@
-"""`launch()` runs a function on N real processes (gloo on CPU, NCCL on GPU) from a notebook cell or a script, and `torchrun_command()` builds the same job for `torchrun`.
+"""`launch()` runs a function on N real processes from a notebook cell or a script; `torchrun_command()` builds the job for torchrun.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 
@@ -80,7 +80,8 @@ def _init_process_group(backend:str, timeout:float):
         # rank could read a dead peer's address. Each attempt gets keys of its own.
         store = dist.PrefixStore(f"fsdp_kit/attempt_{attempt()}", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                                                is_master=False, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
     else: dist.init_process_group(backend, timeout=timeout)
 
 # %% ../nbs/10_launch.ipynb #740602c1
@@ -96,7 +97,7 @@ def _wait_for_siblings(run_dir:str, timeout:float):
 
 # %% ../nbs/10_launch.ipynb #2c7659e3
 def die_with_parent():
-    "Ask Linux to send this process SIGTERM when its parent (torchrun, or the forking kernel) dies, even by SIGKILL; exit now if it already has."
+    "Ask Linux to send this process SIGTERM when its parent dies, even by SIGKILL; exit now if it already has."
     import ctypes
     try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError): return  # not Linux: the launcher's own shutdown still stops the workers
@@ -145,7 +146,7 @@ def run_worker(fn, # the function each rank runs
 _COLLECTIVE = re.compile(r"all_gather|reduce_scatter|all_reduce|allreduce|broadcast|barrier|all_to_all|scatter|gather|\bsend\b|\brecv\b")
 
 def collective_in(stack:str) -> str:
-    "The collective calls named in a Python stack (traceback or faulthandler text), outermost first, e.g. 'foreach_all_gather > all_gather_into_tensor'; None if none."
+    "The collective calls named in a Python stack (traceback or faulthandler text), outermost first; None if none."
     frames = re.findall(r"line \d+,? in (\w+)", stack)
     if "most recent call first" in stack: frames = frames[::-1]
     names = list(dict.fromkeys(f for f in frames if _COLLECTIVE.search(f)))
@@ -159,7 +160,7 @@ def main_thread_stack(stack:str) -> str:
 
 # %% ../nbs/10_launch.ipynb #2c30fa6a
 def user_frames(stack:str) -> list:
-    "Frames of a Python stack (traceback or faulthandler dump) in the kit's or the user's code, innermost last, as 'path:line in function'."
+    "Frames of a Python stack in the kit's or the user's code, innermost last, as 'path:line in function'."
     import importlib.util, sysconfig
     kit = importlib.util.find_spec("fsdp_kit").submodule_search_locations[0]
     libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -174,7 +175,7 @@ def user_frames(stack:str) -> list:
 
 # %% ../nbs/10_launch.ipynb #44bcc3c5
 class Heartbeat:
-    "This rank's progress through its steps, kept in the run folder; a watchdog thread reports a step that does not finish within `timeout` s, then ends the process."
+    "This rank's progress through its steps, kept in the run folder, with a watchdog for a step that hangs."
     def __init__(self, timeout:float, # seconds without progress before the watchdog fires
                  run_dir:str=None, # the launch's run folder; None: the one `run_worker` set up
                  exit_code:int=124 # what the process exits with when the watchdog fires
@@ -188,7 +189,7 @@ class Heartbeat:
         threading.Thread(target=self._watch, daemon=True, name="fsdp_kit watchdog").start()
 
     def beat(self, **state):
-        "Record progress (`started=N` when step N begins, `done=N` when it ends) in the run folder and restart the watchdog's clock."
+        "Record progress (`started=N`, `done=N`) in the run folder and restart the watchdog's clock."
         self.state.update(state, time=time.time())
         self.last = time.monotonic()
         self._write()
@@ -208,7 +209,7 @@ class Heartbeat:
             if self.fd is not None: os.close(self.fd); self.fd = None
 
     def _watch(self):
-        "Sleep until the deadline (`timeout` after the last beat); fire if no beat moved it meanwhile. A healthy run wakes it once per `timeout`."
+        "Sleep until the deadline (`timeout` after the last beat); fire if no beat moved it meanwhile."
         while True:
             left = self.last + self.timeout - time.monotonic()
             if left <= 0: return self._fire()
@@ -241,18 +242,22 @@ def rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
-    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a stack outside any collective
+    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a stack outside any
+    # collective
     silent = sorted(r for r, t in terminated.items() if r not in errors and r not in stuck and not collective_in(main_thread_stack(t)))
     if not stuck and not (timed_out and (progress or silent)): return None  # otherwise the earliest error is all we know
-    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, "")) or (errors.get(r) or {}).get("traceback") or ""
+    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, "")) or (errors.get(r) or {}).get("traceback")
+              or ""
               for r in progress | stuck | errors | dict.fromkeys(silent)}
     most = max((p["started"] for p in progress.values()), default=0)
-    behind = sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r])) or silent or sorted(stuck or timed_out)
+    behind = (sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r]))
+              or silent or sorted(stuck or timed_out))
     hung, waiters = behind[0], sorted(r for r in stacks if r not in behind)
     waited_in = sorted({c for r in waiters if (c := collective_in(stacks[r]))})
     p = progress.get(hung, {})
     where = re.findall(r"line \d+,? in (\w+)", stacks.get(hung, ""))
-    message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start step {p.get('done', 0) + 1}" if p else f"rank {hung} hung")
+    message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start step {p.get('done', 0) + 1}" if p
+               else f"rank {hung} hung")
     if waiters: message += f"; rank(s) {', '.join(map(str, waiters))} waited for it in {' / '.join(waited_in) or 'a collective'}"
     timeout = next(iter(progress.values()), {}).get("timeout")
     message += f" (no progress for {timeout:g} s)" if timeout else ""
@@ -263,7 +268,7 @@ def _hang(errors, stuck, progress, terminated) -> dict:
 def diagnose(run_dir, # the launch's run folder
              attempt_no:int # which attempt of the worker group (0 unless torchrun restarted it)
             ) -> dict:
-    "What ended a failed attempt: dict(rank, message, traceback, others, kind) for the rank it came down to; None if no rank failed."
+    "What ended a failed attempt: dict(rank, message, traceback, others, kind); None if no rank failed."
     run_dir, read = Path(run_dir), lambda kind, f=json.loads: rank_files(run_dir, kind, attempt_no, f)
     errors, stuck, progress = read("error"), read("stuck"), read("progress")
     started, done, terminated = read("started", str), read("done", str), read("terminated", str)
@@ -273,7 +278,8 @@ def diagnose(run_dir, # the launch's run folder
     if silent:
         others = sorted(errors, key=lambda r: errors[r]["time"])
         return dict(rank=silent[0], kind="died", others=silent[1:] + others, traceback="",
-                    message=f"rank {silent[0]} died without reporting an error (killed by a signal such as SIGKILL, or the out-of-memory killer)"
+                    message=f"rank {silent[0]} died without reporting an error (killed by a signal such as SIGKILL, or the out-of-memory "
+                            "killer)"
                             + (f"; step {progress[silent[0]]['done']} was its last finished step" if silent[0] in progress else ""))
     if errors:
         first, *later = sorted(errors.values(), key=lambda e: e["time"])
@@ -290,11 +296,12 @@ def attempts(run_dir) -> int:
 def restarts(run_dir, before:int=None) -> list:
     "Why each earlier attempt ended: one `diagnose` dict (plus `attempt`) per attempt before `before` (default: the last)."
     before = attempts(run_dir) - 1 if before is None else before
-    return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a) for a in range(before)]
+    return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a)
+            for a in range(before)]
 
 # %% ../nbs/10_launch.ipynb #bb679095
 class WorkerError(RuntimeError):
-    "A launched function raised: `rank` is the first rank that failed (None if none reported), `worker_traceback` its traceback."
+    "A launched function raised: `rank` is the first rank that failed, `worker_traceback` its traceback."
     def __init__(self, rank:int, message:str, worker_traceback:str='', others:tuple=()):
         self.rank, self.worker_traceback, self.others = rank, worker_traceback, tuple(others)
         if rank is None: return super().__init__(f"the launch failed before any rank reported: {message}")
@@ -311,7 +318,7 @@ class WorkerError(RuntimeError):
 def collect(run_dir:str, # the launch's run folder
             exit_note:str='' # what the launcher said, used when no rank left an error
            ):
-    "Return the result this node's first rank saved in `run_dir`, or raise `WorkerError` for the rank the last attempt came down to."
+    "Return the result this node's first rank saved in `run_dir`, or raise `WorkerError` for the failed rank."
     run_dir = Path(run_dir)
     failed = diagnose(run_dir, attempts(run_dir) - 1)
     if failed and failed["kind"] == "error" and failed["message"].startswith("KitError: "):  # a user's mistake a worker found: one line
@@ -333,7 +340,8 @@ def free_port() -> int:
 def _quiet_launch_logs():
     "Silence the launchers' own failure logs while launching: `WorkerError` carries the worker's own traceback."
     import importlib
-    importlib.import_module("torch.distributed.elastic.agent.server.api")  # its logger gets a level of its own when first imported: import it first
+    # its logger gets a level of its own when first imported: import it first
+    importlib.import_module("torch.distributed.elastic.agent.server.api")
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn",
                                               "torch.distributed.elastic.agent.server.api")]  # "Received 2 death signal" on Ctrl-C
     levels = [l.level for l in loggers]
@@ -411,7 +419,8 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
     if nnodes == 1 and rdzv_endpoint is None: cmd += ["--standalone"]
     else:
         if not rdzv_endpoint: raise bad_value("rdzv_endpoint", rdzv_endpoint, "HOST:PORT of the first node, needed when nnodes > 1")
-        if not isinstance(rdzv_id, str) or not rdzv_id.strip(): raise bad_value("rdzv_id", rdzv_id, "a non-empty name every node of the job shares")
+        if not isinstance(rdzv_id, str) or not rdzv_id.strip():
+            raise bad_value("rdzv_id", rdzv_id, "a non-empty name every node of the job shares")
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
         if rdzv_timeout is not None:
@@ -430,7 +439,7 @@ def _check_importable(fn):
 
 # %% ../nbs/10_launch.ipynb #142e0b19
 def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
-    "Run `nprocs` workers under `torchrun` (`agent_command`) in a subprocess: their prints go to stderr, torchrun's log to the run folder."
+    "Run `nprocs` workers under `torchrun` in a subprocess: prints to stderr, torchrun's log to the run folder."
     _check_importable(fn)
     (Path(run_dir)/"call.pkl").write_bytes(pickle.dumps((fn, args, backend, timeout)))
     cmd = agent_command(run_dir, nprocs, **nodes)
@@ -462,7 +471,7 @@ def _stop(proc, grace:float=20):
     except subprocess.TimeoutExpired: proc.kill(); proc.wait()
 
 def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_timeout=None, every:float=10, **_):
-    "Wait for torchrun to exit; with several nodes, say every `every` s that this node is still waiting for the others to join."
+    "Wait for torchrun to exit; with several nodes, say every `every` s that this node still waits."
     start, said = time.monotonic(), 0
     while proc.poll() is None:
         try: proc.wait(1)
@@ -477,40 +486,42 @@ def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=Non
 def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, rdzv_timeout=None, **_) -> KitError:
     "The rendezvous ended without every node: name the nodes that never joined and how to start them."
     others = ", ".join(str(r) for r in range(nnodes) if r != node_rank)
-    return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the rendezvous at {rdzv_endpoint} (id {rdzv_id!r}) "
+    return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the rendezvous at {rdzv_endpoint} (id "
+                    f"{rdzv_id!r}) "
                     f"within {rdzv_timeout or 600} s. Start the same command on each of them with its own --node-rank, "
                     "the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout")
 
 # %% ../nbs/10_launch.ipynb #a2ad64d6
 def own_session():
-    """Lead a session of its own, as the workers torchrun starts as subprocesses do (`start_new_session=True`); the kit's agent forks them
-    instead, and where Linux shares CPU time out per session (autogroup), two ranks in the caller's one got about half as much under load."""
+    "Lead a session of its own, as the workers torchrun starts as subprocesses do (`start_new_session=True`)."
     try: os.setsid()
     except OSError: pass  # already a session leader: a subprocess of plain torchrun
 
 def worker_main(run_dir:str):
-    "What each torchrun rank runs: in a session of its own (`own_session`), unpickle the call in `run_dir` and run it with `run_worker`."
+    "What each torchrun rank runs: unpickle the call in `run_dir` and run it, in a session of its own."
     own_session()
     fn, args, backend, timeout = pickle.loads((Path(run_dir)/"call.pkl").read_bytes())
     run_worker(fn, args, backend, timeout, run_dir)
 
 # %% ../nbs/10_launch.ipynb #b7c1e2a1
-PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "transformers.modeling_utils")  # what every worker of the kit imports
+# what every worker of the kit imports
+PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "transformers.modeling_utils")
 
 def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
                   nproc:int, # processes per node
                   **nodes # multi-node settings, as `torchrun_command` takes them
                  ) -> list:
-    "The command `launch(launcher='torchrun')` runs: `torchrun_command`'s job, with torchrun started by `python -m fsdp_kit agent`, forking each worker from its own process (`--run-path --start-method fork`)."
+    "The command `launch(launcher='torchrun')` runs: `torchrun_command`'s job, each worker forked by the kit's agent."
     import importlib.util
     cmd = torchrun_command("fsdp_kit", ["worker", run_dir], nproc=nproc, python=sys.executable, **nodes)
     at = cmd.index("-m", 3)  # where torchrun's own options end and the worker's module begins
     script = importlib.util.find_spec("fsdp_kit.__main__").origin  # `python -m fsdp_kit`, as a script torchrun can run in its process
-    return [sys.executable, "-m", "fsdp_kit", "agent", "--log-dir", str(Path(run_dir)/"elastic"),  # torchrun's log folder: in the run folder, removed with it
+    # torchrun's log folder: in the run folder, removed with it
+    return [sys.executable, "-m", "fsdp_kit", "agent", "--log-dir", str(Path(run_dir)/"elastic"),
             "--run-path", "--start-method", "fork", *cmd[3:at], script, *cmd[at+2:]]
 
 def agent_main(argv:list):
-    "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` so the workers it forks start with them."
+    "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` for the workers."
     import importlib
     for name in PRELOAD: importlib.import_module(name)
     if fork_traps(): argv[argv.index("--start-method") + 1] = "spawn"  # an import touched the device: fresh interpreters instead
@@ -544,9 +555,11 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
     if launcher == "notebook" and (nnodes != 1 or max_restarts or rdzv_timeout):
         raise bad_value("launcher", launcher, "'torchrun' with nnodes > 1, max_restarts > 0 or rdzv_timeout")
     if backend not in (None, "gloo", "nccl"): raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
-    if backend == "nccl" and not _has_cuda(): raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
+    if backend == "nccl" and not _has_cuda():
+        raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
     check_arg_types(fn, args)
-    nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout)
+    nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                 rdzv_timeout=rdzv_timeout)
     torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
     if rdzv_endpoint is not None: _check_endpoint(rdzv_endpoint)
     check_specs(args, nprocs * nnodes)
@@ -571,7 +584,7 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 def check_arg_types(fn, args:tuple):
-    "Refuse an argument that is not the dataclass `fn` declares for it (a `QLoRASpec` given to `train_worker`), before anything starts."
+    "Refuse an argument that is not the dataclass `fn` declares for it, before anything starts."
     import dataclasses, inspect, typing
     try: hints, params = typing.get_type_hints(fn), list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError, NameError): return
@@ -583,7 +596,7 @@ def check_arg_types(fn, args:tuple):
             raise bad_value(param.name, type(value).__name__, f"a {kind.__name__}: {getattr(fn, '__name__', fn)} runs one")
 
 def check_specs(args:tuple, world_size:int):
-    "Call `check()` on every argument that has one (`check(world_size)` where it takes the world size), so a bad spec never starts a process."
+    "Call `check()` on every argument that has one, so a bad spec never starts a process."
     import inspect
     for a in args:
         check = getattr(a, "check", None)
@@ -591,23 +604,26 @@ def check_specs(args:tuple, world_size:int):
         params = inspect.signature(check).parameters
         wanted = [p for p in params.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
         optional = params.get("world_size")
-        if optional is not None and optional.default is not optional.empty: check(world_size=world_size)  # a RunSpec: its mesh sizes must fill the world
+        # a RunSpec: its mesh sizes must fill the world
+        if optional is not None and optional.default is not optional.empty: check(world_size=world_size)
         elif len(wanted) == 0: check()
         elif len(wanted) == 1: check(world_size)
 
 def _check_endpoint(endpoint:str):
-    "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve (torchrun would retry it silently)."
+    "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve."
     host, _, port = str(endpoint).rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536: raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a port in 1..65535")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a port in 1..65535")
     try: socket.getaddrinfo(host.strip("[]"), int(port))
-    except (socket.gaierror, UnicodeError) as e: raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a host this machine can resolve", str(e)) from None
+    except (socket.gaierror, UnicodeError) as e:
+        raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a host this machine can resolve", str(e)) from None
 
 def under_torchrun() -> bool:
     "Is this process a rank that a user's own `torchrun` started (not a worker of `launch`)?"
     return "TORCHELASTIC_RUN_ID" in os.environ and "FSDP_KIT_RUN_DIR" not in os.environ
 
 def _launch_in_this_rank(fn, args, backend, timeout):
-    "Under a user's `torchrun ... -m fsdp_kit CMD`: this process is already one rank, so run `fn` here (one job, not a nested one)."
+    "Under a user's `torchrun ... -m fsdp_kit CMD` this process is already one rank: run `fn` here."
     run_dir = tempfile.mkdtemp(prefix=f"fsdp_kit_run_rank{os.environ.get('RANK', 0)}_")
     os.environ["FSDP_KIT_OWN_RUN_DIR"] = "1"  # each rank has a run folder of its own: no sibling to wait for
     try: return run_worker(fn, args, backend, timeout, run_dir)

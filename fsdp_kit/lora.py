@@ -1,4 +1,4 @@
-"""Adapters added before `fully_shard`, gathered and saved whole in peft's format, reloaded with peft at the same loss, switched and merged while sharded.
+"""Adapters added before `fully_shard`, saved whole in peft's format, reloaded at the same loss, switched and merged while sharded.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/lora.html.md"""
 
@@ -42,7 +42,7 @@ def add_lora(model, # a transformers causal LM, not yet sharded
              seed:int=0, # seed for the adapters' initial values (the same on every rank)
              targets:str="all-linear" # the Linears adapted (see `lora_targets`)
             ):
-    "Wrap `model` with peft LoRA adapters on `targets` (every Linear of the decoder by default, never lm_head); only the adapters train."
+    "Wrap `model` with peft LoRA adapters on `targets` (every decoder Linear by default); only the adapters train."
     import torch
     quiet_libraries()  # before peft imports bitsandbytes: no notice about an optional CPU kernel package
     from peft import get_peft_model
@@ -127,14 +127,15 @@ def adapter_round_trip(model, # a sharded PeftModel
 # %% ../nbs/05a_lora.ipynb #750951ab
 def base_shards(model) -> dict:
     "A copy of this rank's part of every base weight a LoRA adapter is on (`...base_layer.weight`), in a sharded PeftModel."
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters() if n.endswith("base_layer.weight")}
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()
+            if n.endswith("base_layer.weight")}
 
 def train_steps(model, # a sharded model
                 steps:int, # optimizer steps
                 seed:int=0, # data seed
                 lr:float=1e-2 # AdamW's learning rate
                ) -> list:
-    "Train `model`'s trainable parameters `steps` steps with a new AdamW on synthetic batches; each step's loss over all ranks (every rank calls this)."
+    "Train `model`'s trainable parameters `steps` steps with a new AdamW on synthetic batches; each step's loss."
     import torch, torch.distributed as dist
     rank, world_size = dist.get_rank(), dist.get_world_size()
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -159,7 +160,7 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
                 lora_model, # builds the same unsharded PeftModel on every call: adapters 'default' and 'second', non-zero
                 tokens # a batch for the forward before the merge
                ) -> dict:
-    "Shard a fresh `lora_model()` as `layout` says, run a forward, `set_adapter('second')`, `merge_adapter()`; what the base weights were and what the merge did (every rank calls this)."
+    "Shard a fresh `lora_model()` as `layout` says, forward, switch, merge; the base weights before and what the merge did."
     import torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from fsdp_kit.measure import comm_counter
@@ -178,7 +179,8 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from peft.utils.other import fsdp_auto_wrap_policy
-        model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"), use_orig_params=layout.endswith("orig params"))
+        model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"),
+                     use_orig_params=layout.endswith("orig params"))
         peft = model.module
     with torch.no_grad(): model(input_ids=rank_rows(tokens, rank, world_size))
     q = peft.base_model.model.model.layers[0].self_attn.q_proj
@@ -195,7 +197,8 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
         if layout.startswith("fully_shard"):
             for m in model.modules():
                 if hasattr(m, "reshard"): m.reshard()  # what every weight holds once the gathered copies are freed
-        now = {plain_key(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in peft.named_parameters() if plain_key(n) in want}
+        now = {plain_key(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in peft.named_parameters()
+               if plain_key(n) in want}
         out |= dict(merge="no error", peft_says_merged=all(m.merged for m in peft.modules() if hasattr(m, "merged")),
                     vs_one_process_merge=max((now[k] - want[k]).abs().max().item() for k in want),
                     vs_unmerged=max((now[k] - before[k]).abs().max().item() for k in want),
@@ -228,7 +231,7 @@ def merge_and_save(model, # a sharded PeftModel
 
 # %% ../nbs/05a_lora.ipynb #335f6eb5
 def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) -> dict:
-    "Shard a model with two LoRA adapters (non-zero), switch, merge while sharded, save, unmerge and train on; compare with one process, with a model never merged, and with other ways of sharding."
+    "Shard a model with two LoRA adapters, switch, merge while sharded, save, unmerge and train on; compare."
     import torch, torch.distributed as dist
     quiet_libraries()
     from peft import LoraConfig, get_peft_model
@@ -242,7 +245,8 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
         return model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out_dir = out_dir or decide_on_rank0(lambda: tempfile.mkdtemp(prefix="fsdp_kit_merged_"))
-    model, tokens = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0], synthetic_tokens(256, 2 * world_size, 32, step=10_002)
+    model = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0]
+    tokens = synthetic_tokens(256, 2 * world_size, 32, step=10_002)
     switched = {}
     for name in ("second", "default"):  # set_adapter on the sharded model, each adapter's loss
         model.set_adapter(name)
@@ -266,14 +270,15 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
         saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
         result["max_weight_diff_vs_one_process_merge"] = max((saved[k] - reference[k]).abs().max().item() for k in reference)
         merged_max = max(saved[k].abs().max().item() for k in reference if k.endswith("proj.weight"))
-        result |= dict(unmerge_max_diff=restored.item(), merged_max_abs=merged_max, unmerge_bound=torch.finfo(torch.float32).eps * merged_max,
+        result |= dict(unmerge_max_diff=restored.item(), merged_max_abs=merged_max,
+                       unmerge_bound=torch.finfo(torch.float32).eps * merged_max,
                        losses_after_unmerge=went_on, losses_never_merged=never_merged, layouts=layouts)
     return result
 
 # %% ../nbs/05a_lora.ipynb #be7784ff
 def plot_merge_layouts(layouts:list # `merge_probe` results, one per layout
                       ):
-    "Per layout: the bytes of the base weight a rank held when `merge_adapter()` ran, and what the merge left (differences, or the error)."
+    "Per layout: the base weight's bytes a rank held when `merge_adapter()` ran, and what the merge left."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure
     fig, (held, left) = plt.subplots(1, 2, figsize=(9.5, 4), layout="constrained", sharey=True)

@@ -1,4 +1,4 @@
-"""Per-rank memory by category (exact tensor accounting with `FSDPMemTracker`), a memory timeline across forward, backward and the optimizer step, collectives and their bytes counted as `CommDebugMode` counts them, and the step time: one `measure_step` every lab uses.
+"""Per-rank memory by category, a memory timeline, collectives and their bytes, and the step time: one `measure_step` every lab uses.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
@@ -33,25 +33,23 @@ CATEGORY_COLOURS = {  # every memory figure draws a category in this colour (mea
 }
 
 def category_colour(category:str) -> str:
-    "The colour of `category` in every memory figure (`CATEGORY_COLOURS`); black for a name the map lacks, so a new category shows."
+    "The colour of `category` in every memory figure (`CATEGORY_COLOURS`); black for a name the map lacks."
     return CATEGORY_COLOURS.get(category, "#000000")
 
 
 # %% ../nbs/04a_measure.ipynb #48094dfa
 def unit_tracker():
-    """torch's FSDPMemTracker, taught that one FSDP unit can span several modules (`fully_shard([norm, lm_head])`, the tail `apply_fsdp` makes
-    as accelerate does): torch's own version hooks each module of such a unit as if it were a unit of its own, then puts single-module hooks back
-    when it exits, so the group's gather runs at the wrong time (or the tracker stops with "multiple iterative calls"). This one wraps each unit's
-    hooks once, the way `fully_shard` registered them (one set per module, or the group's), and restores them the same way."""
+    "torch's FSDPMemTracker, taught that one FSDP unit can span several modules (`fully_shard([norm, lm_head])`)."
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
 
     def hook(state, pre, post, always_call:bool=False):
-        "Register forward hooks on the unit's modules as fully_shard does (the tracker's own run even when forward raises); return (pre, post) handles."
+        "Register forward hooks on the unit's modules as fully_shard does; return (pre, post) handles."
         if len(state._modules) == 1:
             m = state._modules[0]
-            return m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), m.register_forward_hook(post, prepend=False, always_call=always_call)
+            before = m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+            return before, m.register_forward_hook(post, prepend=False, always_call=always_call)
         h = _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward, state._cast_output_dtype)
         return h, h
 
@@ -60,7 +58,8 @@ def unit_tracker():
             "(first module, state) of each FSDP unit with parameters, once per unit."
             seen = {}
             for m in self._root_mod.modules():
-                if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group: seen.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
+                if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group:
+                    seen.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
             return list(seen.values())
 
         def _instrument_fsdp_module(self):
@@ -69,7 +68,8 @@ def unit_tracker():
                 state._pre_forward_hook_handle.remove(); state._post_forward_hook_handle.remove()
                 self._instrument_fsdp_sharded_params_grads(group)
                 state._pre_forward_hook_handle, state._post_forward_hook_handle = hook(
-                    state, self._fsdp_state_pre_forward(module, state._pre_forward), self._fsdp_state_post_forward(module, state._post_forward), always_call=True)
+                    state, self._fsdp_state_pre_forward(module, state._pre_forward),
+                    self._fsdp_state_post_forward(module, state._post_forward), always_call=True)
                 self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
                 group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
                 group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
@@ -123,13 +123,14 @@ def _nbytes(x) -> int:
 
 # %% ../nbs/04a_measure.ipynb #37b9742d
 def comm_counter():
-    "A dispatch mode counting the collectives `CommDebugMode` counts and their buffer bytes (`.get_comm_counts()`, `.bytes`, `.log`)."
+    "A dispatch mode counting the collectives `CommDebugMode` counts and their buffer bytes."
     import torch
     from collections import Counter
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops, NATIVE_TO_PY_MAPPING
-    registry = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | {torch.ops._dtensor.shard_dim_alltoall} | c10d_collective_ops
+    registry = (set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | {torch.ops._dtensor.shard_dim_alltoall}
+                | c10d_collective_ops)
     class CommCounter(TorchDispatchMode):
         supports_higher_order_operators = True
         def __init__(self):
@@ -142,7 +143,8 @@ def comm_counter():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator): return func(*args, **kwargs)
-            if any(t is DTensor for t in types): return NotImplemented  # DTensor runs its local ops, collectives included, through this mode again
+            # DTensor runs its local ops, collectives included, through this mode again
+            if any(t is DTensor for t in types): return NotImplemented
             called, out = time.perf_counter(), func(*args, **kwargs)
             packet = func._overloadpacket
             if packet in registry:
@@ -172,7 +174,7 @@ class StepMeasurement:
     device:str="cpu" # device type
     allocator_peak_bytes:int=None # torch.cuda.max_memory_allocated on CUDA
     timing:dict=None # the timed steps' spread and the machine's load while they ran (see `step_timing`)
-    flops:int=None # floating-point operations of one step on this rank, recomputation included (torch's FlopCounterMode: matmuls, and attention where torch has a formula for the kernel, which the CPU one lacks)
+    flops:int=None # floating-point operations of one step on this rank, recomputation included (FlopCounterMode)
 
 # %% ../nbs/04a_measure.ipynb #3ed7d0bd
 def peak_by_category(tracker) -> dict:
@@ -185,8 +187,9 @@ def peak_by_category(tracker) -> dict:
     return out
 
 # %% ../nbs/04a_measure.ipynb #5333514a
+# torch's ModTracker (memory and FLOP trackers) on a module called twice in a step, as transformers' hub-kernel function wrappers are
 QUIET_WARNINGS = ("For backward hooks to be called", "returned a view tensor", "Full backward hook is firing",
-                  "module hierarchy tracking maybe be messed up")  # torch's ModTracker (memory and FLOP trackers) on a module called twice in a step, as transformers' hub-kernel function wrappers are
+                  "module hierarchy tracking maybe be messed up")
 
 @contextmanager
 def quiet_hook_warnings():
@@ -233,7 +236,7 @@ def step_timing(times:list) -> dict:
                 load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, cores=os.cpu_count())
 
 def busy_note(timings:list) -> str:
-    "A warning when a timing was taken with more runnable threads than cores (load average above the core count); '' otherwise."
+    "A warning when a timing was taken with more runnable threads than cores; '' otherwise."
     busy = [t for t in timings if t and t.get("load_average") is not None and t["load_average"] > t["cores"]]
     if not busy: return ""
     t = max(busy, key=lambda t: t["load_average"])
@@ -241,7 +244,7 @@ def busy_note(timings:list) -> str:
             "step times include waiting for a core and can rank settings the wrong way round; compare them on a quiet machine")
 
 def first_step_tracker(model, optim):
-    "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak by category afterwards."
+    "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak."
     class FirstStep(unit_tracker()):
         def __enter__(self):
             self.quiet = quiet_hook_warnings(); self.quiet.__enter__()
@@ -258,7 +261,7 @@ class FigureCheckError(AssertionError):
     "A figure that would not read well on the docs page; the message lists what is wrong, one problem a line."
 
 def wrap_label(label:str, width:int=32) -> str:
-    "`label` broken into lines of at most `width` characters where it has spaces, so that a legend beside the axes stays narrow."
+    "`label` broken into lines of at most `width` characters where it has spaces, for a narrow legend."
     import textwrap
     return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) for line in str(label).split("\n"))
 
@@ -272,7 +275,7 @@ def _named(artist, ax) -> str:
     return next((repr(l) for l in labels if l and not str(l).startswith("_")), type(artist).__name__)
 
 def _covered_data(ax, box) -> list:
-    "The data artists of `ax` (lines and their markers, bars and other patches, scatter points, images, collections) drawn inside the display-space `box`."
+    "The data artists of `ax` (lines, markers, patches, scatter points, images, collections) inside the display-space `box`."
     import numpy as np
     from matplotlib.collections import PathCollection
     from matplotlib.path import Path
@@ -282,7 +285,8 @@ def _covered_data(ax, box) -> list:
     def near(points, radius, b):  # any finite point within `radius` pixels of box `b`
         p = np.asarray(points, float).reshape(-1, 2)
         p = p[np.isfinite(p).all(1)]
-        return bool(((p[:, 0] >= b.x0 - radius) & (p[:, 0] <= b.x1 + radius) & (p[:, 1] >= b.y0 - radius) & (p[:, 1] <= b.y1 + radius)).any())
+        x, y = p[:, 0], p[:, 1]
+        return bool(((x >= b.x0 - radius) & (x <= b.x1 + radius) & (y >= b.y0 - radius) & (y <= b.y1 + radius)).any())
     hits = []
     for line in ax.lines:
         b = where(line)
@@ -290,14 +294,16 @@ def _covered_data(ax, box) -> list:
         xy = line.get_transform().transform(np.asarray(line.get_xydata(), float))
         xy = xy[np.isfinite(xy).all(1)]
         if not len(xy): continue
-        if line.get_linestyle() not in ("None", "", " ") and line.get_linewidth() > 0 and (near(xy, 0, b) or Path(xy).intersects_bbox(b, filled=False)):
+        if (line.get_linestyle() not in ("None", "", " ") and line.get_linewidth() > 0
+            and (near(xy, 0, b) or Path(xy).intersects_bbox(b, filled=False))):
             hits.append(f"line {_named(line, ax)}")
         elif line.get_marker() not in ("None", "none", "", " ", None) and near(xy, line.get_markersize() / 2 * px, b):
             hits.append(f"markers of {_named(line, ax)}")
     for patch in ax.patches:
         b = where(patch)
         if not patch.get_visible() or b is None: continue
-        if not all(patch.get_transform().contains_branch_seperately(ax.transData)): continue  # axvspan / axhspan: a band shaded behind the data
+        # axvspan / axhspan: a band shaded behind the data
+        if not all(patch.get_transform().contains_branch_seperately(ax.transData)): continue
         path = patch.get_transform().transform_path(patch.get_path())
         ext = path.get_extents()
         if ext.width > 0.5 and ext.height > 0.5 and path.intersects_bbox(b, filled=True): hits.append(f"patch {_named(patch, ax)}")
@@ -330,7 +336,7 @@ def _drawn_labels(fig) -> list:
     return [t for t in out if t.get_visible() and t.get_text().strip()]
 
 def figure_problems(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=FIGURE_MIN_FONT_PT) -> list:
-    "What keeps `fig` from reading well on the docs page: wider than `max_width_in`, text under `min_font_pt`, a legend over data or labels. [] when nothing."
+    "What keeps `fig` from reading well on the docs page ([] when nothing)."
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     canvas = fig.canvas
     try:
@@ -344,14 +350,18 @@ def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
     "figure_problems' measurements, on a figure just drawn by `renderer`."
     from matplotlib.text import Text
     problems, width = [], fig.get_size_inches()[0]
-    drawn = fig.get_tightbbox(renderer).width  # the notebook saves this tight box around everything drawn: a legend beside the axes widens it
+    # the notebook saves this tight box around everything drawn: a legend beside the axes widens it
+    drawn = fig.get_tightbbox(renderer).width
     if max(width, drawn) > max_width_in:
-        problems.append(f"{max(width, drawn):.1f} inches wide (figsize {width:.1f}, as drawn {drawn:.1f}); the docs page fits {max_width_in:g}")
+        problems.append(f"{max(width, drawn):.1f} inches wide (figsize {width:.1f}, as drawn {drawn:.1f}); the docs page fits "
+                        f"{max_width_in:g}")
     small = {}
     for t in fig.findobj(Text):
-        if t.get_visible() and t.get_text().strip() and t.get_fontsize() < min_font_pt: small.setdefault(t.get_fontsize(), set()).add(t.get_text().strip()[:30])
+        if t.get_visible() and t.get_text().strip() and t.get_fontsize() < min_font_pt:
+            small.setdefault(t.get_fontsize(), set()).add(t.get_text().strip()[:30])
     if small:
-        problems.append(f"text under {min_font_pt:g} pt: " + "; ".join(f"{s:g} pt {sorted(small[s])[:3]}" + (f" and {len(small[s]) - 3} more" if len(small[s]) > 3 else "")
+        problems.append(f"text under {min_font_pt:g} pt: " + "; ".join(f"{s:g} pt {sorted(small[s])[:3]}" + (f" and {len(small[s]) - 3} "
+            "more" if len(small[s]) > 3 else "")
                                                              for s in sorted(small)))
     labels = _drawn_labels(fig)
     for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]:
@@ -367,7 +377,7 @@ def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
     return problems
 
 def check_figure(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=FIGURE_MIN_FONT_PT):
-    "`fig` if it reads well at the docs page's width (`figure_problems` finds nothing), else a `FigureCheckError` listing what is wrong."
+    "`fig` if it reads well at the docs page's width, else a `FigureCheckError` listing what is wrong."
     problems = figure_problems(fig, max_width_in, min_font_pt)
     if problems: raise FigureCheckError("this figure would not read well on the docs page:\n- " + "\n- ".join(problems))
     return fig
@@ -375,7 +385,7 @@ def check_figure(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=
 
 # %% ../nbs/04a_measure.ipynb #92165186
 def plot_timeline(timelines:dict, ax=None, mib:bool=True):
-    "Memory over one step for each label in `timelines` (label -> list of (phase, bytes)), phases shaded, the legend beside the axes."
+    "Memory over one step for each label in `timelines`, phases shaded, the legend beside the axes."
     import matplotlib.pyplot as plt
     own = ax is None
     if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")  # the layout keeps the legend beside inside the 9 inches
@@ -387,8 +397,11 @@ def plot_timeline(timelines:dict, ax=None, mib:bool=True):
     first = next(iter(timelines.values()))
     for phase, color in (("backward", "#f3e6ff"), ("optimizer", "#e6f7ea")):
         idx = [i for i, (p, _) in enumerate(first) if p == phase]
-        if idx: ax.axvspan(idx[0] / max(1, len(first) - 1), idx[-1] / max(1, len(first) - 1), color=color, zorder=0, label=wrap_label(f"{phase} ({next(iter(timelines))})"))
-    ax.set(xlabel="progress through the step (forward, backward, optimizer)", ylabel="MiB on this rank" if mib else "bytes", title="memory over one training step")
+        if idx:
+            ax.axvspan(idx[0] / max(1, len(first) - 1), idx[-1] / max(1, len(first) - 1), color=color, zorder=0,
+                       label=wrap_label(f"{phase} ({next(iter(timelines))})"))
+    ax.set(xlabel="progress through the step (forward, backward, optimizer)", ylabel="MiB on this rank" if mib else "bytes",
+           title="memory over one training step")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, never over them
     return check_figure(ax.figure) if own else ax.figure
 
@@ -414,7 +427,7 @@ def plot_categories(peaks:dict, ax=None, title:str="peak memory per rank, by cat
 def collective_timeline(forward, # forward(): the loss of one batch, on a model sharded with fully_shard
                         optim # its optimizer: its step and zero_grad end the training step
                        ) -> dict:
-    "One training step: its collectives in call order (kind, bytes, start in seconds, phase), when each phase began, its start's clock."
+    "One training step: its collectives in call order, when each phase began, and its start's clock."
     counter = comm_counter()
     with quiet_hook_warnings(), counter:
         start = time.perf_counter()
@@ -434,7 +447,7 @@ COLLECTIVE_COLORS = {"all_gather": "#4477aa", "reduce_scatter": "#ee6677", "all_
 
 def plot_collectives(ranks:list # `collective_timeline` of one step, one per rank, in rank order
                     ):
-    "One lane per rank on a shared clock: each collective a bar at its call, as tall as its buffer (MiB), on the step's shaded phases."
+    "One lane per rank on a shared clock: each collective a bar at its call, as tall as its buffer."
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 1.5 + 1.4 * len(ranks)), sharex=True, layout="constrained", squeeze=False)
     width = max(s["phases"]["end"] for s in ranks) * 1e3 / 150  # of a bar, in ms
@@ -471,12 +484,13 @@ def gpu_records(folder=None # a folder of gpu_check records; None: the package's
     return sorted(records, key=lambda r: (r.get("mode") == "gpu", r.get("date", ""), r["file"]), reverse=True)
 
 def record_label(record:dict) -> str:
-    "One line naming what a record was measured on: the card (or CPU mode, said to be no GPU numbers), the versions and the date."
+    "One line naming what a record was measured on: the card (or CPU mode), the versions and the date."
     v, d = record["versions"], record["device"]
     stack = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes") if v.get(k))
     if record.get("mode") == "gpu":
         return f"stored GPU record {record['file']}: {d['gpu_count']} x {d['gpu_name']}, {stack}, CUDA {d.get('cuda')}, {record['date']}"
-    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): it exercises the GPU check's code path, "
+    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): it exercises the GPU check's code "
+            "path, "
             f"these are NOT GPU numbers; {stack}, {record['date']}")
 
 def stored_gpu_lines(steps:list, # gpu_check step names, e.g. ["ac-offload"]

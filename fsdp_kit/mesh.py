@@ -1,4 +1,4 @@
-"""Build the 1-D, HSDP and context-parallel meshes FSDP2 shards over, from sizes given the way accelerate's `ParallelismConfig` takes them, and see which rank sits where.
+"""The 1-D, HSDP and context-parallel meshes FSDP2 shards over, sized as accelerate's `ParallelismConfig` takes them; who sits where.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/mesh.html.md"""
 
@@ -132,21 +132,23 @@ def mesh_worker(spec:MeshSpec) -> MeshLayout:
 
 # %% ../nbs/02_mesh.ipynb #195d4470
 def plot_mesh(layout:MeshLayout, ax=None):
-    "Draw the rank grid of `layout`, coloured by the groups of its last axis, with each axis's groups listed beside it. The caller checks the figure (`measure.check_figure`: this foundation module imports no instrument)."
+    "Draw the rank grid of `layout`, coloured by the groups of its last axis, each axis's groups listed beside it."
     import matplotlib.pyplot as plt, numpy as np
     grid = np.array(layout.grid).reshape(-1, layout.shape[-1]) if len(layout.shape) > 1 else np.array([layout.grid])
     cell = min(1.2, 5 / grid.shape[1])  # inches per column: a wide mesh gets narrower cells, not a wider figure
     own = ax is None
     if own: _, ax = plt.subplots(figsize=(min(9.5, cell * grid.shape[1] + 4.5), 1.0 * grid.shape[0] + 1), layout="constrained")
     ax.imshow(np.arange(grid.shape[0])[:, None].repeat(grid.shape[1], 1), cmap="Pastel1", vmin=0, vmax=8)
-    for (i, j), r in np.ndenumerate(grid): ax.text(j, i, f"rank {r}" if cell >= 0.9 else str(r), ha="center", va="center", fontsize=11 if cell >= 0.9 else 9)
+    for (i, j), r in np.ndenumerate(grid):
+        ax.text(j, i, f"rank {r}" if cell >= 0.9 else str(r), ha="center", va="center", fontsize=11 if cell >= 0.9 else 9)
     ax.set_xticks(range(grid.shape[1]), [f"{layout.axis_names[-1]} {j}" if cell >= 0.9 else str(j) for j in range(grid.shape[1])])
     row_axis = layout.axis_names[0] if len(layout.shape) == 2 else "row"
     ax.set_yticks(range(grid.shape[0]), [f"{row_axis} {i}" for i in range(grid.shape[0])])
     if cell < 0.9: ax.set_xlabel(layout.axis_names[-1])
     ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True); ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
     ax.grid(which="minor", color="white", linewidth=3); ax.tick_params(which="minor", length=0)
-    short = lambda g: str(g) if len(str(g)) <= 40 else f"{len(g)} groups of {len(g[0])}: {str(g)[:28]}..."  # a big mesh's groups would run off the page
+    # a big mesh's groups would run off the page
+    short = lambda g: str(g) if len(str(g)) <= 40 else f"{len(g)} groups of {len(g[0])}: {str(g)[:28]}..."
     note = "\n".join(f"{a}: {short(g)}" for a, g in layout.groups.items())
     ax.text(1.02, 0.5, note, transform=ax.transAxes, va="center", fontsize=9, family="monospace")
     ax.set_title(f"{' x '.join(map(str, layout.shape))} mesh ({', '.join(layout.axis_names)}), {layout.backend}")

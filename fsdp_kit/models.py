@@ -1,4 +1,4 @@
-"""Small transformers causal LMs built from a config (presets or any `config.json`, nothing downloaded), on a real device or on the meta device, and deterministic synthetic token batches split per rank.
+"""Small transformers causal LMs built from a config, on a real or the meta device, and deterministic synthetic token batches per rank.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/models.html.md"""
 
@@ -27,27 +27,31 @@ def read_config_json(path:Path) -> dict:
     if path.is_dir(): path = path/"config.json"
     if not path.is_file(): raise bad_value("model", str(path), f"a preset ({', '.join(PRESETS)}) or an existing config.json path")
     try: d = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e: raise bad_value("model", str(path), "a config.json in UTF-8 text", f"byte {e.start} is {e.object[e.start:e.start + 1]!r}, not UTF-8") from None
+    except UnicodeDecodeError as e:
+        raise bad_value("model", str(path), "a config.json in UTF-8 text",
+                        f"byte {e.start} is {e.object[e.start:e.start + 1]!r}, not UTF-8") from None
     except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e}") from None
     except OSError as e: raise bad_value("model", str(path), "a readable config.json", e.strerror or str(e)) from None
-    if not isinstance(d, dict): raise bad_value("model", str(path), "a config.json holding one JSON object of config keys", f"it holds a {type(d).__name__}")
+    if not isinstance(d, dict):
+        raise bad_value("model", str(path), "a config.json holding one JSON object of config keys", f"it holds a {type(d).__name__}")
     if "model_type" not in d: raise KitError(f"{path} has no 'model_type': transformers needs it to pick the architecture")
     return d
 
 def _config_error(model, d:dict, e:Exception, what:str, blame:tuple=()) -> KitError:
-    "A one-line KitError from exception `e`: the model, the config keys in `blame` or named in its text (by name or by value), and the text."
+    "A one-line KitError from exception `e`: the model, the config keys to blame, and the text."
     text = " ".join(f"{type(e).__name__}: {e}".split())
     named = [k for k in d if k in blame or re.search(rf"(?<!\w){re.escape(k)}(?!\w)", text)]
     valued = [k for k, v in d.items() if k not in named and isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 1
               and re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w]|\.\d)", text)]  # 0 and 1 are in too many messages to point at a key
     keys = ", ".join(f"{k}={d[k]!r}" for k in named + valued)
     where = f"key{'s' if len(named + valued) > 1 else ''} {keys} of the config.json" if keys else "the config"
-    return KitError(f"model={str(model)!r}: {where} {'are' if len(named + valued) > 1 else 'is'} not allowed: {what} failed with {text}"[:2000])
+    return KitError(f"model={str(model)!r}: {where} {'are' if len(named + valued) > 1 else 'is'} not allowed: "
+                    f"{what} failed with {text}"[:2000])
 
 # %% ../nbs/01a_models.ipynb #f93a4d4d
 def model_config(model:str # a preset name, a config.json path, or a folder with one
                 ):
-    "The transformers config for `model`, checked to be a causal LM transformers can build; a config.json is validated and tried (`try_config`)."
+    "The transformers config for `model`, checked to be a causal LM transformers can build."
     is_path = str(model).endswith(".json") or "/" in str(model) or Path(model).exists()
     if not is_path and model not in PRESETS: raise bad_value("model", model, f"a preset ({', '.join(PRESETS)}) or a path to a config.json")
     d = dict(PRESETS[model]) if not is_path else read_config_json(Path(model))
@@ -64,7 +68,7 @@ def try_config(config, # a transformers config
                model:str="config", # what to call it in messages
                keys:dict=None # the keys the user gave, to name in messages (default: all of config's)
               ):
-    "Run transformers' `validate()`, build the model on the meta device and run a 1 x 8-token forward there (MoE: built only); refuse what fails."
+    "Validate, build on the meta device and run a 1 x 8-token forward there (MoE: built only); refuse what fails."
     import copy, torch
     key = config.to_json_string()
     if key in _TRIED: return config
@@ -75,13 +79,15 @@ def try_config(config, # a transformers config
     try: tokens = synthetic_tokens(config.vocab_size, 1, 8)
     except Exception as e: raise _config_error(model, keys, e, "drawing token ids in [0, vocab_size)", ("vocab_size",)) from None
     try:
-        with torch.random.fork_rng(devices=[]): meta = build_model(copy.deepcopy(config), device="meta")  # leaves the RNG and config as they were
+        # leaves the RNG and config as they were
+        with torch.random.fork_rng(devices=[]): meta = build_model(copy.deepcopy(config), device="meta")
         if not expert_modules(meta):  # MoE routes each token by its values, which the meta device does not hold: built, not run
             with torch.no_grad():  # a cache skips the packed-sequence check, which reads values
                 meta(input_ids=tokens.to("meta"), labels=tokens.to("meta"), use_cache=True)
     except Exception as e: raise _config_error(model, keys, e, "building the model and a 1 x 8-token forward on the meta device") from None
     if not decoder_layers(meta):
-        raise _config_error(model, keys, KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard"), "looking for decoder layers", ("num_hidden_layers",))
+        raise _config_error(model, keys, KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard"),
+                            "looking for decoder layers", ("num_hidden_layers",))
     _TRIED.add(key)
     return config
 
@@ -112,16 +118,16 @@ def build_model(config, # a transformers config, from `model_config`
 
 # %% ../nbs/01a_models.ipynb #39de2ae4
 def decoder_layers(model) -> list:
-    "The model's repeated blocks: modules whose class (or the class `fully_shard` subclassed) is in `model._no_split_modules`."
+    "The model's repeated blocks: modules whose class (or the class `fully_shard` subclassed) is no-split."
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
 
 def expert_modules(model) -> list:
-    "(qualified name, module) of each module holding a mixture-of-experts layer's experts: parameters of 3 dims, the expert dim first."
+    "(qualified name, module) of each module holding a mixture-of-experts layer's experts."
     return [(n, m) for n, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
 def model_checkpointing(model) -> bool:
-    "Whether the model's own (transformers') gradient checkpointing is on (`is_activation_checkpointing` since transformers 5)."
+    "Whether the model's own (transformers') gradient checkpointing is on."
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
 

@@ -1,4 +1,4 @@
-"""A small Mixtral built from a config, sharded with `fully_shard` two ways (the experts inside their layer's unit, and the experts as units of their own) and measured on 2 CPU ranks; then transformers' own `DistributedConfig` with `fsdp_size`, `ep_size` and `tp_size`, the tip of the transformers FSDP page, run as far as transformers 5.25.0 goes on CPU.
+"""A small Mixtral sharded two ways and measured on 2 CPU ranks; then transformers' `DistributedConfig` with fsdp, ep and tp sizes.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/moe.html.md"""
 
@@ -37,7 +37,7 @@ def expert_placement(model) -> dict:
                 shape=list(p.shape), local_shape=list(local.shape))
 
 def moe_worker(spec) -> dict:
-    "Shard the MoE model of `spec` (a CompareSpec) in each layout, measure one step of each; rank 0's RunResults and expert placement."
+    "Shard the MoE model of `spec` in each layout, measure one step of each; rank 0's results and placement."
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import run_config, apply_fsdp
     mesh = fsdp_mesh(build_mesh(spec.mesh))
@@ -54,7 +54,7 @@ def native_run(base:str, # a saved MoE model
                settings:dict, # DistributedConfig keywords
                tokens # (batch, seq) token ids, the same on every rank
               ) -> dict:
-    "Load `base` with `DistributedConfig(**settings)`, run forward and backward on `tokens`: loss, placements, collectives; or the refusal."
+    "Load `base` with `DistributedConfig(**settings)`, run forward and backward: what it did, or the refusal."
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig

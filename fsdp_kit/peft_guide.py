@@ -1,4 +1,4 @@
-"""Each note of PEFT's "FSDP + QLoRA" guide run on two CPU ranks under FSDP2, with its result asserted: `modules_to_save` saved and reloaded whole, `paged_adamw_8bit`, DoRA and QDoRA, `set_requires_grad`, prompt tuning, prefix tuning and adaption prompt, the Trainer's best model on `eval_loss`, and the guide's commands in full.
+"""Each note of PEFT's "FSDP + QLoRA" guide run on two CPU ranks under FSDP2, with its result asserted.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/peft.html.md"""
 
@@ -25,7 +25,7 @@ METHODS = ("lora", "dora", "modules_to_save", "prompt_tuning", "prefix_tuning", 
 def method_config(method:str, # one of METHODS
                   r:int=8 # LoRA rank of the LoRA-family methods
                  ):
-    "peft's config for `method` on the kit's Llama: the LoRA family on decoder Linears, the prompt methods with a few virtual tokens."
+    "peft's config for `method` on the kit's Llama: LoRA family on decoder Linears, prompt methods."
     if method not in METHODS: raise bad_value("method", method, f"one of {', '.join(METHODS)}")
     from peft import PromptTuningConfig, PrefixTuningConfig, AdaptionPromptConfig
     match method:
@@ -74,7 +74,7 @@ def method_run(method:str, # one of METHODS
                load=None, # a function returning the base to adapt (a 4-bit model); None: the tiny Llama
                cfg:FSDPConfig=None # how to shard (None: a unit per decoder layer, fp32)
               ) -> tuple:
-    "Train `method` sharded by `apply_fsdp` and, on rank 0, on one process on the same batches: (what was measured, the sharded model)."
+    "Train `method` sharded and, on rank 0, on one process on the same batches: (measurements, sharded model)."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
@@ -89,7 +89,7 @@ def method_run(method:str, # one of METHODS
 def saved_copy_check(out_dir:str, # an adapter folder written by peft's save_pretrained
                      trained:dict, # the trained model's whole state dict
                      tokens, seed:int=0) -> dict:
-    "Reload `out_dir` with `PeftModel.from_pretrained` on a fresh tiny Llama; compare its lm_head copy and loss with the trained ones."
+    "Reload `out_dir` with `PeftModel.from_pretrained`; compare its lm_head copy and loss with the trained ones."
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -125,7 +125,7 @@ def adapter_weights(model) -> dict:
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 def freeze_probe(reshard_after_forward:bool, seed:int=0, lr:float=1e-2) -> dict:
-    "Train a sharded LoRA model a step, run a forward, freeze the adapter with peft's `set_requires_grad`, reshard, step: did it hold?"
+    "Train a sharded LoRA model a step, freeze the adapter with `set_requires_grad`, reshard, step: did it hold?"
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
@@ -161,7 +161,7 @@ def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint
                           folder:str, # where the Trainer would write its checkpoint
                           settings:tuple=((2, 8), (2, 64), (1, 64)) # (FSDP version, LoRA rank): r x 64 values per lora_A, 512 or 4096
                          ) -> list:
-    "The Trainer with optim='paged_adamw_8bit' on a 4-bit LoRA model under FSDP, saving at step 2: how far it gets, per setting."
+    "The Trainer with optim='paged_adamw_8bit' on a 4-bit LoRA model under FSDP: how far it gets."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import Trainer
@@ -216,7 +216,7 @@ def best_model_run(base:str, # a saved tiny Llama (hf_run.base_checkpoint)
                    state_dict_type:str="FULL_STATE_DICT", # how the checkpoints are saved
                    lr:float=1e-2, # high enough that eval_loss turns up before max_steps
                    max_steps:int=20, patience:int=1) -> dict:
-    "An unmodified Trainer under FSDP2 evaluating and saving every 2 steps, `load_best_model_at_end` on eval_loss, early stopping."
+    "An unmodified Trainer under FSDP2 keeping its best model on eval_loss, with early stopping."
     import torch
     from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM, Trainer, EarlyStoppingCallback
@@ -319,7 +319,7 @@ def command_flags(command:str) -> list:
     return pairs
 
 def script_reading(command:str) -> dict:
-    "Which of `command`'s arguments examples/sft_lora.py's own `HfArgumentParser` (with TRL's `SFTConfig`) knows, and which not."
+    "Which of `command`'s arguments examples/sft_lora.py's own parser knows, and which not."
     from transformers import HfArgumentParser
     from trl import SFTConfig
     from fsdp_kit.examples.sft_lora import ModelArguments, DataArguments

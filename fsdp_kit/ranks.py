@@ -1,4 +1,4 @@
-"""Small process-group helpers the labs share: one decision made on rank 0, a barrier, a temporary folder every rank sees, a mean over ranks, gathers of tensors and of objects, and quiet library logs.
+"""Small process-group helpers the labs share: a decision on rank 0, a barrier, a shared temporary folder, means, gathers, quiet logs.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ranks.html.md"""
 
@@ -68,7 +68,7 @@ def gather_objects(value) -> list:
 
 # %% ../nbs/10a_ranks.ipynb #02d95e10
 def quiet_libraries():
-    "Silence transformers' progress bars and notices, bitsandbytes' missing-CPU-kernel notice and peft's gradient-checkpointing warning."
+    "Silence the progress bars, notices and warnings of transformers, bitsandbytes and peft that every rank repeats."
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # a missing optional CPU kernel package
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar(); hf_logging.set_verbosity_error()

@@ -1,4 +1,4 @@
-"""Several nodes meeting through torchrun's c10d rendezvous, the sbatch script that starts them under SLURM, workers restarted by torchrun that resume from the last checkpoint, and injected crashes and hangs that fail fast and name the rank.
+"""Nodes meeting through torchrun's rendezvous and SLURM, restarted workers that resume, injected faults that fail fast naming the rank.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/scale.html.md"""
 
@@ -20,7 +20,7 @@ FAULTS = ("crash", "hang")
 
 @dataclass
 class FaultSpec:
-    "A fault injected once, in the first attempt: rank `rank` crashes (SIGKILL) or hangs (stops calling collectives) after step `step`."
+    "A fault injected once, in the first attempt: rank `rank` crashes or hangs after step `step`."
     kind:str=None # None (no fault), "crash" or "hang"
     rank:int=1 # the rank that fails
     step:int=1 # it fails after finishing this step (1 <= step < the run's steps)
@@ -29,13 +29,15 @@ class FaultSpec:
         "Refuse a fault that cannot happen in this run, naming the field."
         if self.kind is None: return self
         if self.kind not in FAULTS: raise bad_value("inject_fault", self.kind, " or ".join(FAULTS))
-        if not isinstance(self.rank, int) or not 0 <= self.rank < world_size: raise bad_value("fault_rank", self.rank, f"0 <= fault_rank < {world_size} (the world size)")
-        if not isinstance(self.step, int) or not 1 <= self.step < steps: raise bad_value("fault_step", self.step, f"1 <= fault_step < steps={steps}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < world_size:
+            raise bad_value("fault_rank", self.rank, f"0 <= fault_rank < {world_size} (the world size)")
+        if not isinstance(self.step, int) or not 1 <= self.step < steps:
+            raise bad_value("fault_step", self.step, f"1 <= fault_step < steps={steps}")
         return self
 
 # %% ../nbs/11_scale.ipynb #66ac4281
 def inject_fault(kind:str):
-    "Fail this process now: `crash` kills it with SIGKILL (nothing runs after), `hang` sleeps forever without calling a collective."
+    "Fail this process now: `crash` kills it with SIGKILL, `hang` sleeps forever without calling a collective."
     if kind == "crash": os.kill(os.getpid(), signal.SIGKILL)
     while True: time.sleep(3600)  # the other ranks wait for this one in their next collective
 
@@ -60,7 +62,8 @@ class StepWatch:
         def after_step(done:int):
             if saver is not None: saver(done)
             self.log.write(json.dumps(dict(step=done, loss=self.loss.item())) + "\n"); self.log.flush()
-            if self.steps and self.rank == 0: print(f"step {done}/{self.steps}: loss {self.loss.item():.4f} (rank 0's)", flush=True)  # the command's stderr
+            # the command's stderr
+            if self.steps and self.rank == 0: print(f"step {done}/{self.steps}: loss {self.loss.item():.4f} (rank 0's)", flush=True)
             self.beat.beat(done=done)
             f = self.fault
             if f.kind and self.rank == f.rank and done == f.step and attempt() == 0: inject_fault(f.kind)
@@ -89,9 +92,10 @@ def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to surviv
                        timeout:float=120, # seconds a step may take before the watchdog ends the run
                        progress:bool=False # print `step n/N, loss` on rank 0 after each step (a launch puts it on the command's stderr)
                       ):
-    "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming from the last checkpoint after a torchrun restart."
+    "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming after a torchrun restart."
     now = attempt()
-    if now and spec.ckpt is not None:  # torchrun restarted us: continue from the last complete checkpoint (a variant; the spec stays as given)
+    # torchrun restarted us: continue from the last complete checkpoint (a variant; the spec stays as given)
+    if now and spec.ckpt is not None:
         spec = replace(spec, ckpt=replace(spec.ckpt, resume=True))
     watch = StepWatch(timeout, fault, spec.steps if progress else None)
     try: result = train_worker(spec, watch)
@@ -112,19 +116,24 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
                  time_limit:str=None, # #SBATCH --time, e.g. 01:00:00
                  job_name:str="fsdp-kit" # #SBATCH --job-name
                 ) -> str:
-    "An sbatch script: one srun task per node, each running `fsdp-kit ARGS` through torchrun with the rendezvous on the first node."
+    "An sbatch script: one srun task per node, each running `fsdp-kit ARGS` through torchrun."
     for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1: raise bad_value(name, value, "a whole number >= 1")
     args = list(map(str, args))
-    if not args or args[0] != "train": raise bad_value("command", " ".join(args) or None, "train ... (the subcommand that runs on several nodes)", "Put it after --")
-    if given := [a for a in args if a.split("=")[0] in _NODE_OPTIONS]: raise bad_value("command", " ".join(given), "no node options: the script sets --nnodes, --node-rank, --nproc and the rendezvous")
+    if not args or args[0] != "train":
+        raise bad_value("command", " ".join(args) or None, "train ... (the subcommand that runs on several nodes)", "Put it after --")
+    if given := [a for a in args if a.split("=")[0] in _NODE_OPTIONS]:
+        raise bad_value("command", " ".join(given), "no node options: the script sets --nnodes, --node-rank, --nproc and the rendezvous")
     command = " ".join(["python -m fsdp_kit", *map(shlex.quote, args), "--nnodes", str(nodes), "--nproc", str(gpus_per_node),
                         '--node-rank "$SLURM_NODEID" --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID"'])
     runs = " ".join(torchrun_command("fsdp_kit", ["worker", "RUN_DIR"], nproc=gpus_per_node, nnodes=nodes, node_rank=0,
-                                     rdzv_endpoint="$head_node:$rdzv_port", rdzv_id="$SLURM_JOB_ID")).replace("--node-rank 0", "--node-rank $SLURM_NODEID")
-    header = [f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={gpus_per_node}"]
+                                     rdzv_endpoint="$head_node:$rdzv_port", rdzv_id="$SLURM_JOB_ID"))
+    runs = runs.replace("--node-rank 0", "--node-rank $SLURM_NODEID")
+    header = [f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
+              f"#SBATCH --gpus-per-node={gpus_per_node}"]
     header += [f"#SBATCH --partition={partition}"] * bool(partition) + [f"#SBATCH --time={time_limit}"] * bool(time_limit)
-    return "\n".join(["#!/bin/bash", f"# fsdp-kit on {nodes} node(s) x {gpus_per_node} GPU(s): sbatch this file", *header, "set -euo pipefail", "",
+    return "\n".join(["#!/bin/bash", f"# fsdp-kit on {nodes} node(s) x {gpus_per_node} GPU(s): sbatch this file", *header,
+                      "set -euo pipefail", "",
         "# the c10d rendezvous lives on the first node of the allocation",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "rdzv_port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}", "export head_node rdzv_port", "",
@@ -143,12 +152,15 @@ def plot_restart(result, # a `TrainResult` from `scale_train_worker` that was re
     own = ax is None
     if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
     if reference: ax.plot(range(1, len(reference) + 1), reference, color="0.8", lw=8, label="uninterrupted run", zorder=0)
-    for a in result.scale["attempts"][:-1]: ax.plot(a["steps"], a["losses"], "o-", label=f"attempt {a['attempt']} (killed after step {a['last_step']})")
+    for a in result.scale["attempts"][:-1]:
+        ax.plot(a["steps"], a["losses"], "o-", label=f"attempt {a['attempt']} (killed after step {a['last_step']})")
     steps = range(result.first_step + 1, result.first_step + len(result.losses) + 1)
     ax.plot(steps, result.losses, "s-", label=f"attempt {result.scale['attempt']} (resumed from step {result.first_step})")
     for r in result.scale["restarts"]:
-        ax.axvline(result.scale["attempts"][r["attempt"]]["last_step"] + 0.5, color="red", ls="--", label=f"restart: rank {r['rank']} {r['kind']}")
-    if result.first_step: ax.axvline(result.first_step, color="green", ls=":", label=f"checkpoint it resumed from (step {result.first_step})")
+        ax.axvline(result.scale["attempts"][r["attempt"]]["last_step"] + 0.5, color="red", ls="--",
+                   label=f"restart: rank {r['rank']} {r['kind']}")
+    if result.first_step:
+        ax.axvline(result.first_step, color="green", ls=":", label=f"checkpoint it resumed from (step {result.first_step})")
     ax.set(xlabel="step", ylabel="loss", title=f"{result.world_size} ranks, torchrun --max-restarts")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))

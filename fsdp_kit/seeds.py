@@ -1,4 +1,4 @@
-"""Every feature, setting, command, caveat and tip of the three documents the kit grew from (the transformers FSDP2 page in English and in its newer Portuguese edition, and the PEFT guide to FSDP and FSDP + QLoRA), each with the lesson and section that runs it; an item only mentioned carries the measured reason it cannot run on 2 CPU ranks.
+"""Every item of the three documents the kit grew from, with the lesson that runs it or the measured reason it cannot run on 2 CPU ranks.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/seeds.html.md"""
 

@@ -3,8 +3,9 @@
 Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
 `nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single `torchrun` launch
 (`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch. Rank 0 prints each
-shared step's one-line result as that step ends, so the terminal shows progress while the launch runs. Every step's lines are progress, on
-stderr (a worker's stdout reaches the command's stderr through the launch); the ten results, one line each, are printed on stdout at the end.
+shared step's one-line result as that step ends, so the terminal shows progress while the launch runs. Every step's lines are progress,
+on stderr (a worker's stdout reaches the command's stderr through the launch); the ten results, one line each, are printed on stdout at
+the end.
 """
 import json, time
 from dataclasses import asdict
@@ -18,7 +19,8 @@ def _train_line(r) -> str:
 
 def _compare_line(runs) -> str:
     peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
-    return (f"small Llama on {runs[0].world_size} ranks, peak MiB per rank: TRANSFORMER_BASED_WRAP {peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} "
+    return (f"small Llama on {runs[0].world_size} ranks, peak MiB per rank: TRANSFORMER_BASED_WRAP "
+            f"{peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} "
             f"(reshard_after_forward=True) / {peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (False), NO_WRAP {peak[('NO_WRAP', True)]:.1f}; "
             f"all-gathers per step TRANSFORMER_BASED_WRAP {runs[0].collectives['all_gather']['count']}, PER_LINEAR "
             f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
@@ -28,7 +30,8 @@ def _qlora_line(r) -> str:
     from fsdp_kit.qlora import weight_share
     mib = lambda key: max(r.peak_bytes[key]) / 2**20
     return (f"LoRA on a 4-bit tiny Llama (bfloat16 storage) on {r.world_size} ranks: loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
-            f"max loss diff vs one process over {len(r.losses)} steps {r.sharded_vs_unsharded_loss_diff:.1e}, peak MiB per rank 4-bit {mib('qlora'):.2f} vs bf16 base "
+            f"max loss diff vs one process over {len(r.losses)} steps {r.sharded_vs_unsharded_loss_diff:.1e}, peak MiB per rank 4-bit "
+            f"{mib('qlora'):.2f} vs bf16 base "
             f"{mib('bf16_lora'):.2f} (the base's weights are {weight_share(r.peak_by_category['bf16_lora'][0]):.0%} of the bf16 peak: "
             f"activations and the rest dominate this model, so 4-bit saves little; 05_qlora's llama-wide shows the base dominating), "
             f"adapter reload diff {r.adapter['reload_loss_diff']:.1e}")
@@ -36,7 +39,8 @@ def _qlora_line(r) -> str:
 
 def _cp_eval_line(r) -> str:
     return (f"context-parallel eval, cp={r.cp_size} ({r.rotate_method}), {r.tokens} valid tokens: eval_loss {r.eval_loss:.6f} vs one "
-            f"process without CP {r.eval_loss_reference:.6f} (|diff| {r.loss_diff:.1e}); gathered predictions equal: {r.predictions_match_reference}")
+            f"process without CP {r.eval_loss_reference:.6f} (|diff| {r.loss_diff:.1e}); gathered predictions equal: "
+            f"{r.predictions_match_reference}")
 
 
 def _checkpoint_line(runs) -> str:
@@ -48,8 +52,10 @@ def _checkpoint_line(runs) -> str:
 def _hf_trainer_line(r) -> str:
     from fsdp_kit.hf_run import param_groups
     return (f"unmodified Trainer on transformers_fsdp_config.json (accelerate's FSDP branch opened on CPU): FSDP2 on {r.world_size} ranks, "
-            f"{len(param_groups(r.units))} units holding weights, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> from_pretrained diff "
-            f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff {r.resume['max_diff']:.1e}; the kit's recipe on the same "
+            f"{len(param_groups(r.units))} units holding weights, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}; saved FULL -> "
+            "from_pretrained diff "
+            f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff {r.resume['max_diff']:.1e}; the kit's recipe on the "
+            "same "
             f"file: the same units {param_groups(r.units) == param_groups(r.parity['units'])}, loss diff {r.parity['max_loss_diff']:.1e}")
 
 
@@ -59,7 +65,8 @@ _SHARED = tuple(SUMMARY)  # the steps `labs_worker` runs, in this order
 
 
 def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True) -> dict:
-    "Run the shared steps in this process group, in order; {step: (result, seconds)}. Rank 0 prints each step as it starts and its result as it ends."
+    "Run the shared steps in this process group, in order."
+    # {step: (result, seconds)}. Rank 0 prints each step as it starts and its result as it ends.
     import torch.distributed as dist
     from fsdp_kit.train import TrainSpec, train_worker
     from fsdp_kit.wrap import CompareSpec, compare_worker
@@ -68,12 +75,13 @@ def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True)
     from fsdp_kit.checkpoint import CheckpointSpec
     from fsdp_kit.hf_run import HFRunSpec, trainer_worker
     run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt))
+    # last: it opens accelerate's CPU gate
     work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
                 compare=lambda: compare_worker(CompareSpec(model="small")),
                 qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5)),
                 cp_eval=lambda: cp_eval_worker(CPSpec(cp=2, rotate="alltoall")),
                 checkpoint=lambda: (run(6), run(3, CheckpointSpec(ckpt_folder)), run(6, CheckpointSpec(ckpt_folder, resume=True))),
-                hf_trainer=lambda: trainer_worker(HFRunSpec("trainer", steps=4, out=f"{ckpt_folder}/hf_trainer")))  # last: it opens accelerate's CPU gate
+                hf_trainer=lambda: trainer_worker(HFRunSpec("trainer", steps=4, out=f"{ckpt_folder}/hf_trainer")))
     out = {}
     for i, name in enumerate(_SHARED, first):
         if progress and dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout: the command's stderr
@@ -138,10 +146,12 @@ def _steps(nproc: int, progress: bool = True):
         import shutil
         from fsdp_kit.config import EXAMPLES
         from fsdp_kit.doctor import DoctorSpec, doctor as run_doctor, STATUSES
-        r = run_doctor(DoctorSpec(str(EXAMPLES / "configs" / "qwen2-tiny" / "config.json"), str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml"),
+        r = run_doctor(DoctorSpec(str(EXAMPLES / "configs" / "qwen2-tiny" / "config.json"),
+                                  str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml"),
                                   method="qlora", nproc=max(nproc, 2)), say=lambda line: None)
         shutil.rmtree(r.pop("folder"), ignore_errors=True)
-        counts = ", ".join(f"{n} {'not reached' if s == 'SKIP' else s}" for s in STATUSES if (n := sum(c["status"] == s for c in r["checks"])) or s != "SKIP")
+        counts = ", ".join(f"{n} {'not reached' if s == 'SKIP' else s}" for s in STATUSES
+                           if (n := sum(c["status"] == s for c in r["checks"])) or s != "SKIP")
         fails = [c["name"] for c in r["checks"] if c["status"] == "FAIL"]
         return r, None, f"the seeds' QLoRA YAML on a Qwen2 twin (accelerate launch, 2 ranks): {counts}; FAIL: {', '.join(fails)}"
 
@@ -162,7 +172,8 @@ def _steps(nproc: int, progress: bool = True):
 
 
 def tour(out: str = "tour", nproc: int = 2, progress: bool = True) -> dict:
-    "Run every step, writing OUT/<step>.json, OUT/<step>.png, OUT/report.json and OUT/summary.md; progress on stderr, the results on stdout."
+    "Run every step, writing OUT/<step>.json, OUT/<step>.png, OUT/report.json and OUT/summary.md."
+    # progress on stderr, the results on stdout.
     import sys
     import matplotlib
     matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""`upstream_reading` runs accelerate's and transformers' own code on an FSDP config file and reports what their entry point builds: for an accelerate YAML, the FSDP plugin `accelerate launch --config_file` hands the script; for a transformers `fsdp_config` JSON, the plugin `TrainingArguments(fsdp=True, fsdp_config=...)` hands accelerate. `load_fsdp_config` follows it, and notes every field where the kit runs something else.
+"""What accelerate's and transformers' own code builds from an FSDP config file, and every field where the kit runs something else.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/upstream.html.md"""
 
@@ -17,8 +17,9 @@ from pathlib import Path
 from .errors import KitError, bad_value
 
 # %% ../nbs/03a_upstream.ipynb #9987cab0
+# FSDPConfig's names
 FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "mixed_precision",
-          "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")  # FSDPConfig's names
+          "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # torch dtype -> the spelling of accelerate and FSDPConfig
 UPSTREAM_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # variables through which accelerate hands settings to a worker
 
@@ -93,12 +94,14 @@ def environ(env:dict):
     try: yield
     finally: os.environ.clear(); os.environ.update(saved)
 
+# torchrun's (and every TORCHELASTIC_*): read inside a worker, they would make TrainingArguments join the worker's process group
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # torchrun's (and every TORCHELASTIC_*): read inside a worker, they would make TrainingArguments join the worker's process group
+              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 def clean_environ() -> dict:
     "This process's environment without accelerate's and FSDP's own variables, nor torchrun's: a fresh shell's."
-    return {k: v for k, v in os.environ.items() if not k.startswith(UPSTREAM_ENV) and not (k in LAUNCH_ENV or k.startswith("TORCHELASTIC_"))}
+    return {k: v for k, v in os.environ.items() if not k.startswith(UPSTREAM_ENV)
+            and not (k in LAUNCH_ENV or k.startswith("TORCHELASTIC_"))}
 
 @contextlib.contextmanager
 def quiet():
@@ -113,8 +116,10 @@ def quiet():
             for l, level in zip(loggers, levels): l.setLevel(level)
 
 # %% ../nbs/03a_upstream.ipynb #ffeed71b
-NO_DEVICE = ("There are currently no available devices found",  # accelerate <= 1.15: its FSDP1 plugin looks up the current GPU for sync_module_states
-             "FSDP parameter initialization with `sync_module_states=True` is not supported on")  # accelerate >= 1.16: refused on cpu and mps
+# accelerate <= 1.15: its FSDP1 plugin looks up the current GPU for sync_module_states
+# accelerate >= 1.16: refused on cpu and mps
+NO_DEVICE = ("There are currently no available devices found",
+             "FSDP parameter initialization with `sync_module_states=True` is not supported on")
 
 def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* variables from it)
                 **kwargs # arguments of FullyShardedDataParallelPlugin, as transformers' Trainer passes them
@@ -132,15 +137,15 @@ def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* va
 
 # %% ../nbs/03a_upstream.ipynb #f1261c20
 def launch_args(path:str) -> list:
-    "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none (accelerate asks for it then)."
+    "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none."
     data = parse_fsdp_file(Path(path))  # parsed once per command (checked: size, aliases, text), as every reader of the file gets it
     return ["--config_file", str(path)] + ([] if int(data.get("num_processes", -1)) > 0 else ["--num_processes", "2"])
 
 # %% ../nbs/03a_upstream.ipynb #b5472ad1
 def launch_env(path:str, # an accelerate config file
-               flags:list=() # more `accelerate launch` options, as typed (["--use_parallelism_config", "--parallelism_config_cp_size", "2"])
+               flags:list=() # more `accelerate launch` options, as typed (["--use_parallelism_config", ...])
               ) -> dict:
-    "The environment `accelerate launch --config_file path [flags] train.py` starts its workers with, from accelerate's own launch code."
+    "The environment `accelerate launch` starts its workers with, from accelerate's own launch code."
     from accelerate.commands.launch import launch_command_parser, _validate_launch_command
     from accelerate.utils.launch import prepare_multi_gpu_env
     args = launch_command_parser().parse_args(launch_args(path) + list(flags) + ["train.py"])
@@ -151,7 +156,7 @@ def launch_env(path:str, # an accelerate config file
 
 # %% ../nbs/03a_upstream.ipynb #c0ccf187
 def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
-    "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in this process."
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, fsdp_config=path)` hands the Trainer."
     from transformers import TrainingArguments
     with quiet(), environ(clean_environ()), tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, fsdp=True, fsdp_config=str(path), use_cpu=True, report_to="none",
@@ -159,16 +164,17 @@ def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
         return args.fsdp_plugin_args, args.mixed_precision
 
 @functools.cache
-def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR): that command's janitor ends it, so the next gets its own
+def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR); its janitor ends the helper
                        ):
-    "One helper process per kit process and command for TrainingArguments: importing it takes seconds, and imports peft and bitsandbytes."
+    "One helper process per kit process and command for TrainingArguments, which takes seconds to import."
     import subprocess, sys
     env = {**clean_environ(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a worker's helper stays out of its process group
+    # it ends when this process closes its stdin (or dies)
     return subprocess.Popen([sys.executable, "-c", "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # it ends when this process closes its stdin (or dies)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 def serve_plugin_args():
-    "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out with the answer of `plugin_args_here` or the error it raised."
+    "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out (the answer or the error raised)."
     import signal, sys
     from fsdp_kit.ranks import quiet_libraries
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the kit's to handle, not the helper's
@@ -183,7 +189,7 @@ def serve_plugin_args():
 def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
                         mixed_precision:str="no" # TrainingArguments' own precision: "bf16" for bf16=True, "fp16" for fp16=True
                        ) -> tuple:
-    "(the plugin arguments, the mixed precision) `TrainingArguments(fsdp=True, fsdp_config=path, use_cpu=True)` hands the Trainer, computed in the helper process."
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer, from the helper process."
     import builtins
     scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # a helper of an earlier command may still be alive, its janitor not done yet
     helper = transformers_helper(scope)
@@ -203,7 +209,8 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
 def policy_name(plugin) -> str:
     "The auto-wrap policy's name in accelerate's spelling (the plugin holds torch's function)."
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-    return {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP", None: "NO_WRAP"}[plugin.auto_wrap_policy]
+    return {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP",
+            None: "NO_WRAP"}[plugin.auto_wrap_policy]
 
 def dtype_name(dtype) -> str:
     "bf16, fp16 or fp32 for a torch dtype."
@@ -218,12 +225,14 @@ def reshard_reading(plugin):
 
 # %% ../nbs/03a_upstream.ipynb #060edf03
 def precision_reading(plugin, mixed_precision:str) -> dict:
-    "The mixed precision policy accelerate sets on `plugin` for `mixed_precision` (what `AcceleratorState` does), as dtype names."
+    "The mixed precision policy accelerate sets on `plugin` for `mixed_precision`, as dtype names."
     if mixed_precision == "no" or mixed_precision is None: return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
     plugin.set_mixed_precision(mixed_precision)
     policy = plugin.mixed_precision_policy
-    names = {k: dtype_name(getattr(policy, k)) for k in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype") if getattr(policy, k, None) is not None}
-    return dict(mixed_precision=mixed_precision, reduce_dtype=None if names["reduce_dtype"] == names["param_dtype"] else names["reduce_dtype"],
+    names = {k: dtype_name(getattr(policy, k)) for k in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
+             if getattr(policy, k, None) is not None}
+    return dict(mixed_precision=mixed_precision, reduce_dtype=None if names["reduce_dtype"] == names["param_dtype"]
+                else names["reduce_dtype"],
                 mixed_precision_policy=names)  # reduce_dtype None: the compute dtype, as FSDPConfig spells it
 
 def plugin_reading(plugin, mixed_precision:str) -> dict:
@@ -247,24 +256,26 @@ def parallelism_reading(env:dict) -> dict:
 
 # %% ../nbs/03a_upstream.ipynb #75dd9f6a
 def accelerate_reading(path:str) -> dict:
-    "What `accelerate launch --config_file path` hands the script: the FSDP plugin its workers build, the mixed precision, the parallelism sizes."
+    "What `accelerate launch --config_file path` hands the script: FSDP plugin, mixed precision, parallelism sizes."
     env = launch_env(path)
     if not env: return dict(fsdp=False)
     return dict(**plugin_reading(fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"]), parallelism_config=parallelism_reading(env))
 
 def trainer_reading(path:str, mixed_precision:str="no") -> dict:
-    "What `TrainingArguments(fsdp=True, fsdp_config=path)` hands accelerate: the plugin its Trainer builds, the mixed precision."
+    "What `TrainingArguments(fsdp=True, fsdp_config=path)` hands accelerate: its plugin, the mixed precision."
     plugin_args, mixed_precision = trainer_plugin_args(path, mixed_precision)
     return dict(**plugin_reading(fsdp_plugin(clean_environ(), **plugin_args), mixed_precision), parallelism_config=None)
 
 # %% ../nbs/03a_upstream.ipynb #5b74cf37
 def upstream_reading(path:str, # an accelerate config .yaml (or .json) or a transformers fsdp_config .json
-                     mixed_precision:str="no" # for a transformers JSON: TrainingArguments' precision ("bf16" for bf16=True), which the JSON cannot say
+                     mixed_precision:str="no" # for a transformers JSON: TrainingArguments' precision ("bf16" for bf16=True)
                     ) -> dict:
     "What the upstream entry point for the file builds, computed by accelerate's and transformers' own code."
     data = parse_fsdp_file(Path(path))
     accelerate = isinstance(data, dict) and is_accelerate_config(data)
-    entry = f"accelerate launch {' '.join(launch_args(path))}" if accelerate else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}" + (f", {mixed_precision}=True)" if mixed_precision != "no" else ")")
+    entry = (f"accelerate launch {' '.join(launch_args(path))}" if accelerate
+             else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}" + (f", {mixed_precision}=True)" if mixed_precision != "no"
+                                                                               else ")"))
     try:
         with quiet(): reading = accelerate_reading(path) if accelerate else trainer_reading(path, mixed_precision)
     except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:  # upstream refuses the file: say how, in its own words
@@ -287,15 +298,18 @@ def reading_of(data:dict, # an accelerate config or a transformers fsdp_config, 
 def to_fsdp2(data:dict, # an accelerate config or a transformers fsdp_config for FSDP1
              accelerate:bool # which of the two it is
             ) -> dict:
-    "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one (a transformers fsdp_config goes through it with accelerate's fsdp_ prefix)."
+    "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one."
     from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
-    section = dict((data.get("fsdp_config") or {}) if accelerate else {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in data.items()})
+    section = dict((data.get("fsdp_config") or {}) if accelerate
+                   else {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in data.items()})
     for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):  # accelerate's numbers and lower case, as its plugin reads them
         value = section.get(key)
-        if isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip().isdigit() and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY):
+        if (isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip().isdigit()
+            and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY)):
             section[key] = FSDP_SHARDING_STRATEGY[int(value) - 1]
-        elif isinstance(value, str) and value.strip().upper().lstrip("_") in FSDP_SHARDING_STRATEGY: section[key] = value.strip().upper().lstrip("_")
+        elif isinstance(value, str) and value.strip().upper().lstrip("_") in FSDP_SHARDING_STRATEGY:
+            section[key] = value.strip().upper().lstrip("_")
     section.setdefault("fsdp_version", 1)
     with quiet(): converted = convert_config_to_fsdp2({"fsdp_config": section})["fsdp_config"]
     if accelerate: return {**data, "fsdp_config": converted}

@@ -1,4 +1,4 @@
-"""What accelerate, transformers, peft, trl and bitsandbytes build from the same config, release by release: a matrix measured in throwaway environments, and what accelerate 1.16 changed.
+"""What accelerate, transformers, peft, trl and bitsandbytes build from the same config, release by release.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/versions.html.md"""
 
@@ -23,7 +23,7 @@ MATRIX = EXAMPLES / "versions" / "matrix.json"  # the stored matrix the lesson a
 STATUS = ("PASS", "DIFF", "FAIL")
 
 def installed() -> dict:
-    "The versions of torch and of each library in `LIBS` this interpreter imports (from `launch.environment`, the stack every report names)."
+    "The versions of torch and of each library in `LIBS` this interpreter imports."
     from fsdp_kit.launch import environment
     return {k: environment()["versions"][k] for k in ("torch",) + LIBS}
 
@@ -51,17 +51,19 @@ def pypi_releases(name:str) -> list:
     return [v.strip() for v in m.group(1).split(",")]
 
 # %% ../nbs/03b_versions.ipynb #9990630d
-DEPTH = dict(accelerate=4, transformers=3, peft=2, trl=2, bitsandbytes=2)  # minor releases per library: the issue's 3 / 2, and accelerate's last pin
+# minor releases per library: the issue's 3 / 2, and accelerate's last pin
+DEPTH = dict(accelerate=4, transformers=3, peft=2, trl=2, bitsandbytes=2)
 
 def grid(releases:dict, # library -> its newest minor releases, newest first (`minors`)
          oldest:dict # library -> the oldest release the kit claims to support
         ) -> list:
-    "The combinations to measure: the newest of everything, each older minor of one library with the newest of the others, the oldest set."
+    "The combinations to measure: the newest, each older minor of one library with the newest others, the oldest."
     newest = {k: v[0] for k, v in releases.items()}
     combos = [dict(name="newest", versions=newest, varied=None)]
     for lib, vs in releases.items():
         combos += [dict(name=f"{lib} {v}", versions=newest | {lib: v}, varied=lib) for v in vs[1:]]
-    if oldest != newest and all(c["versions"] != oldest for c in combos): combos.append(dict(name="oldest supported", versions=dict(oldest), varied="all"))
+    if oldest != newest and all(c["versions"] != oldest for c in combos):
+        combos.append(dict(name="oldest supported", versions=dict(oldest), varied="all"))
     return combos
 
 # %% ../nbs/03b_versions.ipynb #853c1250
@@ -82,7 +84,9 @@ def matrix_table(matrix:dict) -> str:
     head = "| combination | " + " | ".join(LIBS) + " | " + " | ".join(probes) + " |"
     rows = [head, "|" + "---|" * (1 + len(LIBS) + len(probes))]
     for c in matrix["combos"]:
-        rows.append(f"| {c['name']} | " + " | ".join(c["versions"][k] for k in LIBS) + " | " + " | ".join(c["probes"].get(p, {}).get("status", "") for p in probes) + " |")
+        versions = " | ".join(c["versions"][k] for k in LIBS)
+        statuses = " | ".join(c["probes"].get(p, {}).get("status", "") for p in probes)
+        rows.append(f"| {c['name']} | " + versions + " | " + statuses + " |")
     return "\n".join(rows)
 
 # %% ../nbs/03b_versions.ipynb #c5e65995
@@ -94,32 +98,34 @@ def base_site() -> str:
 def make_env(folder:Path, # a new folder for the environment
              versions:dict, # library -> release to install
              timeout:float=600) -> tuple:
-    """A throwaway virtual environment at `folder` that sees this one's packages behind its own (a `.pth` line), with `versions`
-    installed by pip into it: (its python, seconds, pip's last line on failure or None)."""
+    "A throwaway virtual environment at `folder` with `versions`: (its python, seconds, pip's last line on failure or None)."
     import venv
     start = time.time()
     venv.create(folder, with_pip=False, symlinks=True)
     py = Path(folder) / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True).stdout.strip()
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                          text=True).stdout.strip()
     Path(site, "_fsdp_kit_base.pth").write_text(f"import site; site.addsitedir({base_site()!r})\n")  # the base after the env's own packages
     pins = [f"{k}=={v}" for k, v in versions.items()]
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--disable-pip-version-check", *pins],
                        capture_output=True, text=True, timeout=timeout)
-    seen = subprocess.run([str(py), "-c", "import json, importlib.metadata as md; print(json.dumps({k: md.version(k) for k in %r}))" % (LIBS,)],
+    seen = subprocess.run([str(py), "-c",
+                           "import json, importlib.metadata as md; print(json.dumps({k: md.version(k) for k in %r}))" % (LIBS,)],
                           capture_output=True, text=True)
     error = None
     if r.returncode: error = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
-    elif seen.returncode or json.loads(seen.stdout) != versions: error = f"installed {seen.stdout.strip() or seen.stderr.strip()[-200:]}, asked {versions}"
+    elif seen.returncode or json.loads(seen.stdout) != versions:
+        error = f"installed {seen.stdout.strip() or seen.stderr.strip()[-200:]}, asked {versions}"
     return py, round(time.time() - start, 1), error
 
 # %% ../nbs/03b_versions.ipynb #dfac1715
 def upstream_files() -> list:
-    "Every FSDP config the kit ships (the seeds' three, the upstream-style ones, the doctor's), as paths relative to `EXAMPLES`."
+    "Every FSDP config the kit ships, as paths relative to `EXAMPLES`."
     return sorted(str(p.relative_to(EXAMPLES)) for d in ("fsdp_configs", "upstream_configs", "doctor") for p in (EXAMPLES / d).iterdir()
                   if p.suffix in (".yaml", ".json"))
 
 def probe_upstream() -> dict:
-    "What `accelerate launch --config_file` and `TrainingArguments(fsdp=..., fsdp_config=...)` build from every shipped file (bf16 too for a JSON)."
+    "What `accelerate launch` and `TrainingArguments(fsdp=..., fsdp_config=...)` build from every shipped file."
     from fsdp_kit.upstream import upstream_reading
     out = {}
     for name in upstream_files():
@@ -149,24 +155,26 @@ def _dtypes(model) -> dict:
     out = {}
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        key = f"{'trained' if p.requires_grad else 'frozen'} {str(local.dtype).removeprefix('torch.')}{'' if hasattr(p, 'to_local') else ' unsharded'}"
+        key = (f"{'trained' if p.requires_grad else 'frozen'} "
+               f"{str(local.dtype).removeprefix('torch.')}{'' if hasattr(p, 'to_local') else ' unsharded'}")
         out[key] = out.get(key, 0) + local.numel()
     return dict(sorted(out.items()))
 
 def _prepared(model, mixed_precision:str="bf16", **plugin) -> tuple:
-    "accelerate's `prepare` of `model` and an AdamW under an FSDP2 plugin (its FSDP branch opened on CPU): (accelerator, model, optimizer)."
+    "accelerate's `prepare` of `model` and an AdamW under an FSDP2 plugin: (accelerator, model, optimizer)."
     import torch
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(True)
     kw = dict(fsdp_version=2, auto_wrap_policy="transformer_based_wrap") | plugin
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision, fsdp_plugin=FullyShardedDataParallelPlugin(**kw))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
+                              fsdp_plugin=FullyShardedDataParallelPlugin(**kw))
     model, opt = accelerator.prepare(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
     return accelerator, model, opt
 
 # %% ../nbs/03b_versions.ipynb #8d16ce01
 def _variant_bf16(config, folder:str) -> dict:
-    "Full fine-tune, mixed precision bf16: units, the policy accelerate set, dtypes, the logits' dtype, and the optimizer steps a save takes."
+    "Full fine-tune, mixed precision bf16: units, accelerate's policy, dtypes, the logits' dtype, a save's optimizer steps."
     import torch
     from fsdp_kit.models import build_model
     from fsdp_kit.hf_run import fsdp_facts
@@ -179,7 +187,7 @@ def _variant_bf16(config, folder:str) -> dict:
                 logits_dtype=str(logits.dtype).removeprefix("torch."), wrapper_steps_in_save=len(steps))
 
 def _variant_loading(checkpoint:str) -> dict:
-    "cpu_ram_efficient_loading on a bf16 checkpoint: the weights each rank ends with, and the memory its prepare takes (MiB, own pages)."
+    "cpu_ram_efficient_loading on a bf16 checkpoint: each rank's weights, and the memory its prepare takes."
     import torch
     from transformers import AutoModelForCausalLM
     from fsdp_kit.checkpoint import PeakRSS
@@ -206,17 +214,18 @@ def _variant_lora(config) -> dict:
     return dict(units=_units(model), dtypes=_dtypes(model))
 
 def _variant_qlora(checkpoint:str, storage:str) -> dict:
-    "LoRA on a 4-bit base stored in `storage`, mixed precision bf16: which weights FSDP shards, dtypes, and what accelerate warns."
+    "LoRA on a 4-bit base stored in `storage`, bf16: which weights FSDP shards, dtypes, accelerate's warnings."
     import warnings
     from fsdp_kit.qlora import QLoRASpec, load_lora_model
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         _, model, _ = _prepared(load_lora_model(checkpoint, QLoRASpec(quant_storage=storage, lora_r=4)))
-    return dict(units=_units(model), dtypes=_dtypes(model), warnings=sorted({str(w.message)[:120] for w in said if "Params4bit" in str(w.message)}))
+    return dict(units=_units(model), dtypes=_dtypes(model),
+                warnings=sorted({str(w.message)[:120] for w in said if "Params4bit" in str(w.message)}))
 
 # %% ../nbs/03b_versions.ipynb #4d3b5f45
 def prepare_worker() -> dict:
-    "On every rank: each of accelerate's prepare variants, each error kept as its variant's value; rank 0's values, loading per rank."
+    "On every rank: each of accelerate's prepare variants, an error kept as its value; rank 0's values."
     import shutil, warnings, torch
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects
     from fsdp_kit.models import model_config, build_model
@@ -253,15 +262,18 @@ def probe_prepare() -> dict:
 # %% ../nbs/03b_versions.ipynb #9d1523d7
 @dataclass
 class Probe:
-    "One probe: a command run with a combination's python (`{ex}` is the packaged examples folder), its time limit, and what of its JSON is compared."
+    "One probe: a command run with a combination's python, its time limit, and what of its JSON is compared."
     name:str
     args:list
     timeout:float
     keep:object=None # JSON -> the values compared across combinations (None: all of it)
 
 def _hf(workflow, file):
-    return Probe(f"hf_{workflow}", ["-m", "fsdp_kit", "hf", "--fsdp-config", "{ex}/fsdp_configs/" + file, "--run", workflow, "--steps", "2", "--json", "-"], 300,
-                 lambda r: dict(sharded=r["sharded"], fsdp_units=r["fsdp_units"], param_type=r["param_type"], mixed_precision_policy=r["mixed_precision_policy"],
+    return Probe(f"hf_{workflow}",
+                 ["-m", "fsdp_kit", "hf", "--fsdp-config", "{ex}/fsdp_configs/" + file, "--run", workflow, "--steps", "2", "--json", "-"],
+                 300,
+                 lambda r: dict(sharded=r["sharded"], fsdp_units=r["fsdp_units"], param_type=r["param_type"],
+                                mixed_precision_policy=r["mixed_precision_policy"],
                                 losses=[round(l, 3) for l in r["losses"]], loaded_with=r["loaded_with"]))
 
 def _doctor(name, *args):
@@ -272,7 +284,8 @@ PROBES = [
     Probe("prepare", ["-c", "import json; from fsdp_kit.versions import probe_prepare; print(json.dumps(probe_prepare()))"], 300),
     _hf("trainer", "transformers_fsdp_config.json"), _hf("sft", "accelerate_fsdp_lora.yaml"), _hf("qlora", "accelerate_fsdp_qlora.yaml"),
     _hf("native", "transformers_fsdp_config.json"),
-    _doctor("doctor_qlora", "--model", "{ex}/configs/qwen2-tiny/config.json", "--fsdp-config", "{ex}/fsdp_configs/accelerate_fsdp_qlora.yaml", "--method", "qlora"),
+    _doctor("doctor_qlora", "--model", "{ex}/configs/qwen2-tiny/config.json", "--fsdp-config",
+            "{ex}/fsdp_configs/accelerate_fsdp_qlora.yaml", "--method", "qlora"),
     _doctor("doctor_healthy", "--model", "{ex}/configs/qwen2-tied/config.json", "--fsdp-config", "{ex}/doctor/healthy.yaml"),
     Probe("train", ["-m", "fsdp_kit", "train", "--steps", "2", "--check-parity", "--json", "-"], 180,
           lambda r: dict(losses=[round(l, 4) for l in r["losses"]], parity=r["max_param_diff"] < 1e-4)),
@@ -283,26 +296,29 @@ PROBES = [
 # %% ../nbs/03b_versions.ipynb #d75e3b04
 NOISY = ("_mib", "seconds")  # measured keys left out of the comparison: they vary from run to run
 
-ECHOES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer", "DistBackendError")  # a rank that lost the failing one
+# a rank that lost the failing one
+ECHOES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer", "DistBackendError")
 
 def error_line(stderr:str, returncode:int) -> str:
-    "Why a command failed, in one line: its last exception (a rank's too) and the file and function that raised it, else its last line."
+    "Why a command failed, in one line: its last exception and where it was raised, else its last line."
     lines = [re.sub(r"^\[(?:rank|default)\d+\]:\s?", "", l) for l in stderr.splitlines()]
     raised = [i for i, l in enumerate(lines) if re.match(r"\s*[\w.]*(Error|Exception)\b[^ ]*:", l) and "ChildFailedError" not in l]
     raised = [i for i in raised if not any(w in lines[i] for w in ECHOES)] or raised  # the failing rank's own error, where it printed one
     if raised:
         i = raised[-1]
-        where = next((m for l in reversed(lines[:i]) if (m := re.search(r'File "(?:.*site-packages/)?([^"]+)", line (\d+), in (\S+)', l))), None)
+        where = next((m for l in reversed(lines[:i]) if (m := re.search(r'File "(?:.*site-packages/)?([^"]+)", line (\d+), in (\S+)', l))),
+                     None)
         return lines[i].strip()[:240] + (f" (in {where.group(1)}:{where.group(2)}, {where.group(3)})" if where else "")
     plain = [l.strip() for l in lines if l.strip() and not set(l.strip()) <= set("=-^~ ")]
     return plain[-1][:300] if plain else f"exit status {returncode}"
 
 def run_probe(py, probe:Probe, cwd:str) -> dict:
-    "Run `probe` with interpreter `py` in `cwd`: status PASS or FAIL (with the reason: its error's last line), seconds, values."
+    "Run `probe` with interpreter `py` in `cwd`: status PASS or FAIL (with the reason), seconds, values."
     cmd = [str(py)] + [a.replace("{ex}", str(EXAMPLES)) for a in probe.args]
     start = time.time()
     try: r = subprocess.run(cmd, capture_output=True, text=True, timeout=probe.timeout, cwd=cwd, start_new_session=True)
-    except subprocess.TimeoutExpired: return dict(status="FAIL", reason=f"ran past its {probe.timeout:g} s limit", seconds=round(time.time() - start, 1))
+    except subprocess.TimeoutExpired:
+        return dict(status="FAIL", reason=f"ran past its {probe.timeout:g} s limit", seconds=round(time.time() - start, 1))
     seconds = round(time.time() - start, 1)
     at = r.stdout.find("{") if r.stdout.startswith("{") else r.stdout.find("\n{") + 1  # the JSON, after any line a library printed
     if r.returncode not in (0, 1) or at < 0 or (at == 0 and not r.stdout.startswith("{")):  # 1 with a report: a check failed, the probe ran
@@ -324,7 +340,7 @@ def differences(values:dict, reference:dict) -> list:
 
 # %% ../nbs/03b_versions.ipynb #74f9c0c3
 def mark(matrix:dict) -> dict:
-    "Each PASS that measured other values than the newest combination is a DIFF, with its differences (the newest is the first combination)."
+    "Each PASS that measured other values than the newest (first) combination is a DIFF, with its differences."
     ref = matrix["combos"][0]["probes"]
     for combo in matrix["combos"][1:]:
         for name, p in combo["probes"].items():
@@ -351,7 +367,8 @@ def run_matrix(combos:list, # from `grid`
             env, began = root / f"env{i}", time.time()
             py, secs, error = make_env(env, combo["versions"])
             row = dict(combo, install_seconds=secs, probes={})
-            say(f"[{i}/{len(combos)}] {combo['name']}: " + " ".join(f"{k} {v}" for k, v in combo["versions"].items()) + f" (installed in {secs:.0f} s)")
+            say(f"[{i}/{len(combos)}] {combo['name']}: " + " ".join(f"{k} {v}" for k,
+                                                                    v in combo["versions"].items()) + f" (installed in {secs:.0f} s)")
             for p in probes:
                 row["probes"][p.name] = dict(status="FAIL", reason=f"install failed: {error}") if error else run_probe(py, p, str(env))
                 r = row["probes"][p.name]
@@ -370,7 +387,7 @@ def merge(old:dict, # the stored matrix
           new:dict, # a run of some combinations (`run_matrix`)
           order:list # every combination's name, in the grid's order: combinations of `old` not in it are dropped
          ) -> dict:
-    "`old` with `new`'s combinations in place of those of the same name, in `order`; `seconds` the sum over combinations; marked again."
+    "`old` with `new`'s combinations in place of those of the same name, in `order`, marked again."
     if old["probes"] != new["probes"]: raise ValueError(f"the runs measured different probes: {old['probes']} and {new['probes']}")
     byname = {c["name"]: c for c in old["combos"]} | {c["name"]: c for c in new["combos"]}
     combos = [byname[n] for n in order if n in byname]
@@ -379,7 +396,9 @@ def merge(old:dict, # the stored matrix
 
 def runs_of(matrix:dict) -> list:
     "The runs that made `matrix`: as it lists them, or (written before it listed them) its one command, date and time."
-    return matrix.get("runs") or [dict(command=matrix["command"], date=matrix["date"], seconds=matrix.get("seconds"), combos=[c["name"] for c in matrix["combos"]])]
+    return (matrix.get("runs")
+            or [dict(command=matrix["command"], date=matrix["date"], seconds=matrix.get("seconds"),
+                     combos=[c["name"] for c in matrix["combos"]])])
 
 def combo_seconds(combo:dict) -> float:
     "A combination's wall time: as measured, or (a matrix written before it was) its install and probes added up."
@@ -405,11 +424,13 @@ def plot_matrix(matrix:dict, ax=None):
         for j, p in enumerate(probes):
             ax.text(j, i, c["probes"].get(p, {}).get("status", ""), ha="center", va="center", fontsize=9, color="white")
     ax.legend(handles=[Patch(color=COLOURS[s], label=s) for s in STATUS], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
-    ax.set_title(f"{len(combos)} combinations x {len(probes)} probes, measured {matrix['date']} (torch {matrix['base']['torch']})", fontsize=10)
+    ax.set_title(f"{len(combos)} combinations x {len(probes)} probes, measured {matrix['date']} (torch {matrix['base']['torch']})",
+                 fontsize=10)
     return check_figure(ax.figure) if own else ax
 
 # %% ../nbs/03b_versions.ipynb #3000ab76
-CHANGES = [  # what the matrix found changed: the library, its minor releases with the old behaviour, the release that changed it, the compared key
+# what the matrix found changed: the library, its minor releases with the old behaviour, the release that changed it, the compared key
+CHANGES = [
     dict(lib="accelerate", old=("1.13", "1.14", "1.15"), since="1.16.0", key="mixed_precision_policy.output_dtype", words=("output_dtype",),
          what="accelerate >= 1.16's bf16 / fp16 MixedPrecisionPolicy sets param_dtype and reduce_dtype only; <= 1.15 also set output_dtype",
          fix="upgrade accelerate to {newest}, or pass MixedPrecisionPolicy(output_dtype=...) yourself where a unit's outputs must be cast"),
@@ -420,7 +441,8 @@ CHANGES = [  # what the matrix found changed: the library, its minor releases wi
          what="cpu_ram_efficient_loading: accelerate 1.14 and 1.15 upcast the whole model to fp32 on every rank before rank 0's broadcast; "
               ">= 1.16 moves the other ranks to the meta device first",
          fix="upgrade accelerate to {newest}: host memory at load stays one fp32 copy (rank 0's)"),
-    dict(lib="accelerate", old=("1.13", "1.14", "1.15"), since="1.16.0", key="wrapper_steps_in_save", words=("GradScaler", "unwrapped optimizer"),
+    dict(lib="accelerate", old=("1.13", "1.14", "1.15"), since="1.16.0", key="wrapper_steps_in_save",
+         words=("GradScaler", "unwrapped optimizer"),
          what="saving optimizer state before the first step: accelerate <= 1.15 hands torch its optimizer wrapper, whose step torch calls "
               "(an fp16 GradScaler steps with it); >= 1.16 the plain torch optimizer",
          fix="upgrade accelerate to {newest}, or save optimizer state only after the first optimizer step"),
@@ -434,13 +456,14 @@ CHANGES = [  # what the matrix found changed: the library, its minor releases wi
               "'model.embed_tokens.weight' is shared with a parameter already managed by another FSDP group); >= 1.15 saves it",
          fix="upgrade accelerate to {newest}"),
     dict(lib="accelerate", old=("1.13",), since="1.14.0", probe="prepare", key="units", words=("carve",),
-         what="accelerate >= 1.14 carves the input embeddings and a [norm, lm_head] tail into units of their own; 1.13 leaves them in the root",
+         what="accelerate >= 1.14 carves the input embeddings and a [norm, lm_head] tail into units of their own; 1.13 leaves them in the "
+              "root",
          fix="upgrade accelerate to {newest}: the embeddings and lm_head are gathered only where they are used"),
 ]
 
 
 def change_of(key:str, probe:str=None, versions:dict=None):
-    "The entry of CHANGES for a compared key of `probe` that differs at these `versions` (None: a difference no entry explains)."
+    "The entry of CHANGES for a compared key of `probe` that differs at these `versions` (None: none)."
     minor = lambda v: ".".join(v.split(".")[:2])
     return next((c for c in CHANGES if c.get("probe", probe) == probe and (key.endswith(c["key"]) or f".{c['key']}." in f".{key}.")
                  and (versions is None or minor(versions[c["lib"]]) in c["old"])), None)
@@ -452,27 +475,30 @@ def load_matrix(path=None) -> dict:
 
 def _distance(a:dict, b:dict) -> tuple:
     "How far two sets of versions are apart: libraries that differ, then the sum of minor releases between them."
-    return (sum(a[k] != b[k] for k in LIBS), sum(abs(vtuple(a[k])[0] * 100 + vtuple(a[k])[1] - vtuple(b[k])[0] * 100 - vtuple(b[k])[1]) for k in LIBS))
+    return (sum(a[k] != b[k] for k in LIBS),
+            sum(abs(vtuple(a[k])[0] * 100 + vtuple(a[k])[1] - vtuple(b[k])[0] * 100 - vtuple(b[k])[1]) for k in LIBS))
 
 def findings(combo:dict, newest:dict) -> list:
-    "A combination's probes that did not PASS: the probe, its status, the first differences or the reason, and what changed, with the fix."
+    "A combination's probes that did not PASS, with the first differences or the reason, and the fix."
     out = []
     for name, p in combo["probes"].items():
         if p["status"] == "PASS": continue
         known = [c for c in (change_of(k, name, combo["versions"]) for k, _, _ in p.get("diff", [])) if c]
         known = [c for i, c in enumerate(known) if c not in known[:i]]
-        out.append(dict(probe=name, status=p["status"], reason=p.get("reason"), diff=[f"{k}: {v!r} here, {w!r} on the newest" for k, v, w in p.get("diff", [])[:3]],
+        out.append(dict(probe=name, status=p["status"], reason=p.get("reason"),
+                        diff=[f"{k}: {v!r} here, {w!r} on the newest" for k, v, w in p.get("diff", [])[:3]],
                         changes=[c["what"] for c in known], fixes=[c["fix"].format(newest=newest[c["lib"]]) for c in known]))
     return out
 
 def versions_verdict(have:dict=None, # library -> version (default: what this interpreter imports)
                      matrix:dict=None # default: the stored matrix
                     ) -> dict:
-    "PASS / WARN / FAIL for these versions against the matrix: covered or not (then the nearest measured combination), and every DIFF / FAIL known for them."
+    "PASS / WARN / FAIL for these versions against the matrix, with every DIFF / FAIL known for them."
     have = {k: v for k, v in (have or installed()).items() if k in LIBS}
     if matrix is None and not MATRIX.exists():
         return dict(status="WARN", installed=have, covered=False, combination=None, findings=[], fix="python benchmarks/versions.py",
-                    reason="no versions matrix is stored in the package (fsdp_kit/examples/versions/matrix.json): these releases were not compared with others")
+                    reason="no versions matrix is stored in the package (fsdp_kit/examples/versions/matrix.json): these releases were not "
+                           "compared with others")
     matrix = matrix or load_matrix()
     newest = matrix["combos"][0]["versions"]
     match = next((c for c in matrix["combos"] if c["versions"] == have), None)
@@ -483,6 +509,9 @@ def versions_verdict(have:dict=None, # library -> version (default: what this in
              f"not in the matrix of {matrix['date']}; the nearest measured combination is '{combo['name']}' ("
              + ", ".join(f"{k} {combo['versions'][k]}" for k in LIBS if combo["versions"][k] != have[k]) + ")")
     said = "every probe as on the newest releases" if not found else "; ".join(f"{f['probe']} {f['status']}" for f in found)
-    fixes = sorted({x for f in found for x in f["fixes"]}) or ([f"upgrade {k} to {newest[k]}" for k in LIBS if have[k] != newest[k] and combo["versions"][k] != have[k]] if not match else [])
-    return dict(status=status, installed=have, covered=match is not None, combination=combo["name"], reason=f"{', '.join(f'{k} {v}' for k, v in have.items())}: {where}: {said}",
+    fixes = (sorted({x for f in found for x in f["fixes"]})
+             or ([f"upgrade {k} to {newest[k]}" for k in LIBS if have[k] != newest[k] and combo["versions"][k] != have[k]] if not match
+                 else []))
+    return dict(status=status, installed=have, covered=match is not None, combination=combo["name"],
+                reason=f"{', '.join(f'{k} {v}' for k, v in have.items())}: {where}: {said}",
                 findings=found, fix="; ".join(fixes))

@@ -46,7 +46,8 @@ def left_behind(tmp: Path, seen=(), wait: float = 1.0) -> dict:
 
 
 def run_cli(*args, timeout=240):
-    "Run `fsdp-kit ARGS` in a subprocess, with a TMPDIR of its own; a hang fails after `timeout` seconds, and so does anything left 1 s after it."
+    "Run `fsdp-kit ARGS` in a subprocess, with a TMPDIR of its own."
+    # a hang fails after `timeout` seconds, and so does anything left 1 s after it.
     import shutil, subprocess
     tmp = private_tmp()
     res = subprocess.run([sys.executable, "-m", "fsdp_kit", *map(str, args)], capture_output=True, text=True,
@@ -71,7 +72,8 @@ def _forkable():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    "Once every test has run (in the process that started the xdist workers, after they are all done): fail the session if any launch left its folder behind."
+    "Once every test has run (in the process that started the xdist workers, after they are all done)."
+    # fail the session if any launch left its folder behind.
     if os.environ.get("PYTEST_XDIST_WORKER"): return
     left = sorted(str(p.relative_to(TESTS_TMP)) for pattern in LEFTOVERS for p in TESTS_TMP.glob(f"*/{pattern}"))
     if left:
@@ -81,7 +83,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 # `make pytest` gives each xdist worker whole files (--dist loadfile) in the order collected (--no-loadscope-reorder: xdist would
 # otherwise start the files with the most tests first, which put the few long multi-process files last and left one core idle
-# while the other finished them). The longest files first, in the order of their measured wall time on 2 cores (pytest's --durations); the rest
+# while the other finished them). The longest files first, in the order of their measured wall time on 2 cores (pytest's --durations); the
+# rest
 # follow in name order and fill in around them. The files whose tests mostly wait (for a rendezvous timeout, a hang's timeout, a
 # killed launcher: test_lifecycle, test_launch, test_scale_out) sit between files that compute, so the two workers rarely wait at once.
 LONGEST_FIRST = ("test_cli", "test_fsdp_config_runs", "test_hf", "test_lifecycle", "test_checkpoint", "test_doctor", "test_launch",

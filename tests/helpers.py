@@ -55,7 +55,8 @@ def train_each(specs):
 
 
 def fsdp_settings(configs):
-    "For each config, shard tiny with apply_fsdp and read back what each unit's FSDP state holds (policies, dtypes, reshard mesh, wrapper class)."
+    "For each config, shard tiny with apply_fsdp and read back what each unit's FSDP state holds."
+    # policies, dtypes, reshard mesh, wrapper class
     return [_fsdp_settings(cfg) for cfg in configs]
 
 

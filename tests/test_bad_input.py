@@ -17,22 +17,32 @@ def rows():
           Case("json-folder-env", ["env", "--json", "{tmp}/d"], 2, "a file path (this is a folder)", files={"d": None}),
           Case("json-folder-plan", ["plan", "--model", "tiny", "--json", "{tmp}/d"], 2, "--json=", files={"d": None})]
     # the planner's checkpointing policy
-    c += [Case("plan-ac-unknown", ["plan", "--model", "tiny", "--ac", "selective"], 2, "--ac='selective' is not allowed: none, full, selective-layer:K"),
+    c += [Case("plan-ac-unknown", ["plan", "--model", "tiny", "--ac", "selective"], 2,
+               "--ac='selective' is not allowed: none, full, selective-layer:K"),
           Case("plan-ac-layer-0", ["plan", "--model", "tiny", "--ac", "selective-layer:0"], 2, "--ac='selective-layer:0' is not allowed"),
-          Case("plan-ac-and-grad-ckpt", ["plan", "--model", "tiny", "--ac", "selective-op", "--grad-ckpt"], 2, "--ac='selective-op' is not allowed with --grad-ckpt"),
-          Case("plan-ac-lora", ["plan", "--model", "tiny", "--ac", "selective-op", "--method", "lora"], 2, "none or full for a LoRA or QLoRA run")]
+          Case("plan-ac-and-grad-ckpt", ["plan", "--model", "tiny", "--ac", "selective-op", "--grad-ckpt"], 2,
+               "--ac='selective-op' is not allowed with --grad-ckpt"),
+          Case("plan-ac-lora", ["plan", "--model", "tiny", "--ac", "selective-op", "--method", "lora"], 2,
+               "none or full for a LoRA or QLoRA run")]
     # the planner's other terms: contradictions and settings it does not model
     P8 = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--gpu-mem-gb", "96", "--batch", "2", "--seq-len", "8192"]
-    c += [Case("plan-chunked-ce-no-logits", [*P8, "--chunked-ce", "99999"], 2, "--chunked-ce=99999 is not allowed: at most the 16384 tokens"),
+    c += [Case("plan-chunked-ce-no-logits", [*P8, "--chunked-ce", "99999"], 2,
+               "--chunked-ce=99999 is not allowed: at most the 16384 tokens"),
           Case("plan-chunked-ce-0-tokens", [*P8, "--chunked-ce", "-1"], 2, "--chunked-ce="),
-          Case("plan-fp8-fp32", [*P8, "--fp8-all-gather", "--precision", "fp32"], 2, "--fp8-all-gather=True is not allowed: False on an fp32"),
+          Case("plan-fp8-fp32", [*P8, "--fp8-all-gather", "--precision", "fp32"], 2,
+               "--fp8-all-gather=True is not allowed: False on an fp32"),
           Case("plan-fp8-lora", [*P8, "--fp8-all-gather", "--method", "lora"], 2, "--fp8-all-gather=True is not allowed"),
-          Case("plan-precision-unknown", [*P8, "--precision", "fp16"], 2, "--precision='fp16' is not allowed: one of fp32, accelerate-bf16, bf16-fp32-reduce, pure-bf16"),
-          Case("plan-precision-contradicts", [*P8, "--precision", "pure-bf16", "--mixed-precision", "bf16"], 2, "is not allowed with --precision='pure-bf16'"),
+          Case("plan-precision-unknown", [*P8, "--precision", "fp16"], 2,
+               "--precision='fp16' is not allowed: one of fp32, accelerate-bf16, bf16-fp32-reduce, pure-bf16"),
+          Case("plan-precision-contradicts", [*P8, "--precision", "pure-bf16", "--mixed-precision", "bf16"], 2,
+               "is not allowed with --precision='pure-bf16'"),
           Case("plan-precision-lora", [*P8, "--precision", "pure-bf16", "--method", "qlora"], 2, "LoRA and QLoRA compute in bf16"),
-          Case("plan-lora-targets", [*P8, "--method", "lora", "--lora-targets", "q_proj,lm_head"], 2, "--lora-targets='q_proj,lm_head' is not allowed: all-linear"),
-          Case("plan-offload-activations-lora", [*P8, "--method", "lora", "--offload-activations"], 2, "--offload-activations=True is not allowed"),
-          Case("plan-opt-in-bwd-qlora", [*P8, "--method", "qlora", "--optimizer-in-backward"], 2, "--optimizer-in-backward=True is not allowed")]
+          Case("plan-lora-targets", [*P8, "--method", "lora", "--lora-targets", "q_proj,lm_head"], 2,
+               "--lora-targets='q_proj,lm_head' is not allowed: all-linear"),
+          Case("plan-offload-activations-lora", [*P8, "--method", "lora", "--offload-activations"], 2,
+               "--offload-activations=True is not allowed"),
+          Case("plan-opt-in-bwd-qlora", [*P8, "--method", "qlora", "--optimizer-in-backward"], 2,
+               "--optimizer-in-backward=True is not allowed")]
     # numbers of every launching command
     for cmd in ("train", "qlora", "cp-eval", "compare", "mesh"):
         c += [Case(f"{cmd}-timeout-{v}", [cmd, "--timeout", v], 2, "argument --timeout") for v in ("0", "-5", "nan", "inf", "abc")]
@@ -51,13 +61,15 @@ def rows():
           Case("train-save-every-negative", [*TRAIN, "--ckpt", "{tmp}/ck", "--save-every", "-1"], 2, "--save-every=-1"),
           Case("train-keep-0", [*TRAIN, "--ckpt", "{tmp}/ck", "--keep", "0"], 2, "--keep=0"),
           Case("train-ckpt-is-a-file", [*TRAIN, "--ckpt", "{tmp}/f"], 2, "--ckpt=", files={"f": "x"}),
-          Case("train-batch-huge", [*TRAIN, "--batch", "100000000", "--nproc", "1"], 2, "--batch=100000000"),  # refused in the worker: 1 rank launched
+          # refused in the worker: 1 rank launched
+          Case("train-batch-huge", [*TRAIN, "--batch", "100000000", "--nproc", "1"], 2, "--batch=100000000"),
           Case("train-model-unknown", [*TRAIN, "--model", "huge"], 2, "--model='huge'"),
           Case("train-model-missing-file", [*TRAIN, "--model", "{tmp}/none/config.json"], 2, "--model="),
           Case("train-unknown-option", [*TRAIN, "--stepz", "3"], 2, "unrecognized arguments: --stepz"),
           Case("train-ac-unknown", [*TRAIN, "--ac", "some"], 2, "--ac='some' is not allowed: none, full, selective-layer:K"),
           Case("train-layout-unknown", [*TRAIN, "--layout", "fsdp1"], 2, "--layout='fsdp1' is not allowed: one of accelerate, layers"),
-          Case("train-ac-beside-the-config", [*TRAIN, "--ac", "selective-op", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json"], 2,
+          Case("train-ac-beside-the-config",
+               [*TRAIN, "--ac", "selective-op", "--fsdp-config", "examples/fsdp_configs/transformers_fsdp_config.json"], 2,
                "--ac='selective-op' is not allowed: 'full' when the FSDP config sets activation_checkpointing=True")]
     # several nodes: the rendezvous settings
     NODES = [*TRAIN, "--nnodes", "2"]
@@ -81,7 +93,8 @@ def rows():
     c += [Case("qlora-storage", [*Q, "--quant-storage", "int4"], 2, "--quant-storage='int4'"),
           Case("qlora-mixed-precision", [*Q, "--mixed-precision", "fp8"], 2, "--mixed-precision='fp8'"),
           Case("qlora-autocast", [*Q, "--autocast", "bfloat16"], 2, "--autocast='bfloat16' is not allowed: no, bf16 or fp16"),
-          Case("qlora-float32-under-bf16", [*Q, "--quant-storage", "float32", "--mixed-precision", "bf16"], 2, "--quant-storage=float32 --mixed-precision=no --autocast=bf16"),
+          Case("qlora-float32-under-bf16", [*Q, "--quant-storage", "float32", "--mixed-precision", "bf16"], 2,
+               "--quant-storage=float32 --mixed-precision=no --autocast=bf16"),
           Case("qlora-8bit", [*Q, "--load-in-8bit"], 2, "--load-in-8bit=True"),
           Case("qlora-lora-r-0", [*Q, "--lora-r", "0"], 2, "--lora-r=0"),
           Case("qlora-steps-0", [*Q, "--steps", "0"], 2, "--steps=0"),
@@ -97,7 +110,8 @@ def rows():
           Case("cp-seq-len-0", [*CP, "--seq-len", "0"], 2, "--seq-len=0"),
           Case("cp-mask", [*CP, "--mask", "padding"], 2, "padding"),
           Case("cp-rows-0", [*CP, "--rows", "0"], 2, "--rows=0"),
-          Case("cp-rows-not-a-multiple", [*CP, "--nproc", "4", "--rows", "3"], 2, "--rows=3 is not allowed: a whole number >= 1, a multiple of the data-parallel size"),
+          Case("cp-rows-not-a-multiple", [*CP, "--nproc", "4", "--rows", "3"], 2,
+               "--rows=3 is not allowed: a whole number >= 1, a multiple of the data-parallel size"),
           Case("cp-batch-0", [*CP, "--batch", "0"], 2, "--batch=0"),
           Case("cp-dp-shard-3", [*CP, "--dp-shard", "3"], 2, "--dp-shard=3"),
           Case("cp-sp-2", [*CP, "--sp", "2"], 2, "--sp=2"),

@@ -54,16 +54,20 @@ BAD_PLAN = [  # (id, options, phrase)
     ("recommend-gpu-mem-inf", ["--recommend", "--gpu-mem-gb", "inf"], "--gpu-mem-gb=inf"),
     ("recommend-batch-negative", ["--recommend", "--batch", "-4"], "--batch=-4"),
     # a flag that would change nothing with the chosen method or mode, ignored before, is refused
-    ("full-lora-targets", ["--method", "full", "--lora-targets", "q_proj,v_proj"], "--lora-targets='q_proj,v_proj' is not allowed: only with --method lora or qlora"),
+    ("full-lora-targets", ["--method", "full", "--lora-targets", "q_proj,v_proj"],
+     "--lora-targets='q_proj,v_proj' is not allowed: only with --method lora or qlora"),
     ("full-lora-r", ["--lora-r", "16"], "--lora-r=16 is not allowed: only with --method lora or qlora"),
-    ("recommend-grad-ckpt", ["--recommend", "--grad-ckpt"], "--grad-ckpt=True is not allowed: left out with --recommend: --recommend searches"),
+    ("recommend-grad-ckpt", ["--recommend", "--grad-ckpt"],
+     "--grad-ckpt=True is not allowed: left out with --recommend: --recommend searches"),
     ("recommend-reshard", ["--recommend", "--reshard", "false"], "--reshard='false' is not allowed: left out with --recommend"),
-    ("recommend-compile", ["--recommend", "--compile"], "--compile=True is not allowed: left out with --recommend: --recommend does not plan with it"),
+    ("recommend-compile", ["--recommend", "--compile"],
+     "--compile=True is not allowed: left out with --recommend: --recommend does not plan with it"),
 ]
 
 CASES = [Case(f"{cmd}-{name}", [cmd, "--model", "{tmp}/bad/config.json", *extra], 2, phrase, files={"bad/config.json": content})
          for cmd, extra in LAUNCHING.items() for name, content, phrase in BAD_MODELS]
-CASES += [Case(f"plan-{name}", ["plan", "--model", "{tmp}/bad/config.json", "--json", "-"], *((0, PLAN_FITS[name]) if name in PLAN_FITS else (2, phrase)),
+CASES += [Case(f"plan-{name}", ["plan", "--model", "{tmp}/bad/config.json", "--json", "-"],
+               *((0, PLAN_FITS[name]) if name in PLAN_FITS else (2, phrase)),
                files={"bad/config.json": content}) for name, content, phrase in BAD_MODELS]
 CASES += [Case(f"{cmd}-fsdp-{name}", [cmd, "--fsdp-config", f"{{tmp}}/{file}"], 2, phrase, files={file: content})
           for cmd in ("hf", "compare") for name, file, content, phrase in BAD_FSDP]
@@ -80,7 +84,8 @@ def test_the_table_is_large_and_its_ids_unique():
     assert len(CASES) >= 50 and len({c.id for c in CASES}) == len(CASES)
 
 
-GPU_SIZED = ("llama-3.2-1b",)  # plan --validate's CUDA matrix: 1.2 B parameters, ~23 GB per host at these defaults, at the edge of this machine's 24
+# plan --validate's CUDA matrix: 1.2 B parameters, ~23 GB per host at these defaults, at the edge of this machine's 24
+GPU_SIZED = ("llama-3.2-1b",)
 
 
 @pytest.mark.parametrize("model", [*PRESETS, *sorted(str(p) for p in EXAMPLES.glob("*/config.json") if p.parent.name not in GPU_SIZED),

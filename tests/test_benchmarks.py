@@ -11,14 +11,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_plain_loop_trains_the_same_numbers_as_the_kit(tmp_path):
-    "The baseline does the same work as fsdp-kit train (its worker, forked here): same model, data, AdamW and sharding give the same losses."
+    "The baseline does the same work as fsdp-kit train (its worker, forked here)."
+    # same model, data, AdamW and sharding give the same losses.
     from dataclasses import asdict
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec, train_worker
     kit = asdict(launch(train_worker, TrainSpec(model="tiny", steps=3, batch=2, seq_len=32), nprocs=2))
-    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/plain_fsdp.py",
+    # bare torchrun's log folder
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "benchmarks/plain_fsdp.py",
                             "--model", "tiny", "--steps", "3", "--batch", "2", "--seq-len", "32", "--out", str(tmp_path / "plain.json")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})  # bare torchrun's log folder
+                           cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert plain.returncode == 0, plain.stderr
     base = json.loads((tmp_path / "plain.json").read_text())
     assert len(base["losses"]) == 3 and base["losses"][-1] < base["losses"][0]
@@ -71,7 +74,8 @@ def test_summary_marks_each_target():
 
 
 def test_nbtimes_clocks_each_notebook(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", "-p", "nbtimes", "nbs/10b_errors.ipynb"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", "-p", "nbtimes",
+                          "nbs/10b_errors.ipynb"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "benchmarks"), "NBTIMES_OUT": str(tmp_path / "nb.json")})
     assert out.returncode == 0, out.stdout[-2000:]

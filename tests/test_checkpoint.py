@@ -47,12 +47,14 @@ def test_full_checkpoint_loads_with_from_pretrained(runs):
     model = AutoModelForCausalLM.from_pretrained(latest)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == runs["straight"]["n_params"]
-    with torch.no_grad(): loss = model(input_ids=synthetic_tokens(256, 8, 64, step=19), labels=synthetic_tokens(256, 8, 64, step=19)).loss.item()
+    with torch.no_grad():
+        loss = model(input_ids=synthetic_tokens(256, 8, 64, step=19), labels=synthetic_tokens(256, 8, 64, step=19)).loss.item()
     assert loss < runs["straight"]["losses"][19]  # trained weights: lower than the loss before step 20's update
 
 
 def test_sharded_checkpoint_converts_to_full(runs, tmp_path):
-    "fsdp-kit ckpt DIR --to-full OUT: the sharded run's weights, whole, equal the full run's bit for bit (the two runs trained alike); from_pretrained reads them."
+    "fsdp-kit ckpt DIR --to-full OUT."
+    # the sharded run's weights, whole, equal the full run's bit for bit (the two runs trained alike); from_pretrained reads them.
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -65,7 +67,8 @@ def test_sharded_checkpoint_converts_to_full(runs, tmp_path):
     assert sorted(exported) == sorted(full) and all(torch.equal(exported[k], full[k]) for k in full)
     assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters()) == runs["straight"]["n_params"]
     check_case(Case("to-full-again", ["ckpt", runs["tmp"] / "sharded", "--to-full", out], 2, "--to-full="), tmp_path)
-    check_case(Case("to-full-of-a-full", ["ckpt", runs["tmp"] / "full", "--to-full", tmp_path / "x"], 2, "this one is full already"), tmp_path)
+    check_case(Case("to-full-of-a-full", ["ckpt", runs["tmp"] / "full", "--to-full", tmp_path / "x"], 2, "this one is full already"),
+               tmp_path)
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -78,7 +81,8 @@ def _tree(pid):
 def _kill_mid_save(args, ck, deadline=120):
     "Start `fsdp-kit train ARGS`, wait until a save is in progress (a .tmp- folder), SIGKILL every process of it; return the killed steps."
     import psutil
-    own_tmp = Path(ck).parent / "tmpdir"  # every process dies here, the command's janitor too: its temporary folder stays there, not in the session's
+    # every process dies here, the command's janitor too: its temporary folder stays there, not in the session's
+    own_tmp = Path(ck).parent / "tmpdir"
     own_tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, env=os.environ | {"TMPDIR": str(own_tmp)})

@@ -1,4 +1,5 @@
-"""Checkpoints under faults and bad input: the folder lock, folder pre-checks, lying manifests, resume checks, fallback while loading, a full disk."""
+"""Checkpoints under faults and bad input."""
+# the folder lock, folder pre-checks, lying manifests, resume checks, fallback while loading, a full disk.
 import contextlib, errno, json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest
@@ -19,7 +20,8 @@ def fake_checkpoint(root, step=2, state=None, model="tiny", **manifest):
     (folder / "dcp" / "__0_0.distcp").write_bytes(b"shard")
     if isinstance(state, bytes): (folder / "trainer_state.pt").write_bytes(state)
     else: torch.save(dict(step=step, schedule={}, rng=[torch.get_rng_state()]) if state is None else state, folder / "trainer_state.pt")
-    m = dict(format=FORMAT, step=step, state_dict="sharded", world_size=2, model=model, lora=0, seed=0, model_shape=model_shape(model)) | manifest
+    m = dict(format=FORMAT, step=step, state_dict="sharded", world_size=2, model=model, lora=0, seed=0,
+             model_shape=model_shape(model)) | manifest
     m["files"] = _files(folder)
     (folder / "manifest.json").write_text(json.dumps(m))
     return folder
@@ -57,8 +59,10 @@ def _link(name, target):
 TRAIN = ["train", "--nproc", 2, "--model", "tiny", "--steps", 4]
 LIST = lambda m: {"ck/step-000002/manifest.json": m, "ck/step-000002/trainer_state.pt": "x"}
 CASES = [
-    Case("ckpt-manifest-array", ["ckpt", "{tmp}/ck"], 0, "step-000002: DAMAGED: its manifest.json is an array, not an object", LIST([1, 2])),
-    Case("ckpt-one-damaged-step", ["ckpt", "{tmp}/ck/step-000002"], 0, "step-000002: DAMAGED: its manifest.json is an array, not an object", LIST([1, 2])),
+    Case("ckpt-manifest-array", ["ckpt", "{tmp}/ck"], 0, "step-000002: DAMAGED: its manifest.json is an array, not an object",
+         LIST([1, 2])),
+    Case("ckpt-one-damaged-step", ["ckpt", "{tmp}/ck/step-000002"], 0, "step-000002: DAMAGED: its manifest.json is an array, not an object",
+         LIST([1, 2])),
     Case("ckpt-manifest-null", ["ckpt", "{tmp}/ck"], 0, "its manifest.json is null, not an object", LIST("null")),
     Case("ckpt-manifest-not-utf8", ["ckpt", "{tmp}/ck"], 0, "its manifest.json is not valid JSON", LIST(b"\xff\xfe{")),
     Case("ckpt-no-files", ["ckpt", "{tmp}/ck"], 0, "its manifest has no 'files' table", LIST(MANIFEST)),
@@ -72,7 +76,8 @@ CASES = [
          LIST(MANIFEST | dict(files={"trainer_state.pt": dict(bytes=1, sha256="0"), "../../x": dict(bytes=1, sha256="0")}))),
     Case("ckpt-step-edited", ["ckpt", "{tmp}/ck"], 0, "its manifest says step 8 but the folder is step-000002 (edited or moved?)",
          LIST(MANIFEST | dict(step=8, files={}))),
-    Case("ckpt-step-text", ["ckpt", "{tmp}/ck"], 0, "its manifest has step '2', not a whole number", LIST(MANIFEST | dict(step="2", files={}))),
+    Case("ckpt-step-text", ["ckpt", "{tmp}/ck"], 0, "its manifest has step '2', not a whole number",
+         LIST(MANIFEST | dict(step="2", files={}))),
     Case("ckpt-state-dict", ["ckpt", "{tmp}/ck"], 0, "its manifest says state_dict 'local', expected sharded or full",
          LIST(MANIFEST | dict(state_dict="local", files={}))),
     Case("train-ckpt-is-file", [*TRAIN, "--ckpt", "{tmp}/f"], 2, "ckpt='", {"f": "x"}),
@@ -84,13 +89,17 @@ CASES = [
     # an output folder it cannot write in is refused before any work (plan --export-table was refused after 119 s of planning)
     Case("ckpt-to-full-read-only", ["ckpt", "{tmp}/ck", "--to-full", "{tmp}/ro/full"], 2,
          "--to-full='{tmp}/ro/full' is not allowed: a path in a folder this process can create and write into (it is", {"ck": None}),
-    Case("ckpt-to-full-under-file", ["ckpt", "{tmp}/ck", "--to-full", "{tmp}/f/full"], 2, "write into (it is a file, not a folder: ", {"f": "x", "ck": None}),
-    Case("plan-export-table-read-only", ["plan", "--export-table", "{tmp}/ro/table.json"], 2, "--export-table='{tmp}/ro/table.json' is not allowed: a file path that can be written"),
-    Case("plan-export-table-under-file", ["plan", "--export-table", "{tmp}/f/table.json"], 2, "A part of its folder path is a file", {"f": "x"}),
+    Case("ckpt-to-full-under-file", ["ckpt", "{tmp}/ck", "--to-full", "{tmp}/f/full"], 2, "write into (it is a file, not a folder: ",
+         {"f": "x", "ck": None}),
+    Case("plan-export-table-read-only", ["plan", "--export-table", "{tmp}/ro/table.json"], 2,
+         "--export-table='{tmp}/ro/table.json' is not allowed: a file path that can be written"),
+    Case("plan-export-table-under-file", ["plan", "--export-table", "{tmp}/f/table.json"], 2, "A part of its folder path is a file",
+         {"f": "x"}),
     Case("train-resume-list-manifest", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "no complete checkpoint in", LIST([1])),
     Case("train-resume-step-edited", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "says step 8 but the folder is step-000002",
          LIST(MANIFEST | dict(step=8, files={}))),
-    Case("train-resume-garbage-state", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "step-000002/trainer_state.pt does not load with torch.load"),
+    Case("train-resume-garbage-state", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2,
+         "step-000002/trainer_state.pt does not load with torch.load"),
     Case("train-resume-state-no-rng", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "trainer_state.pt lacks rng"),
     Case("train-resume-state-step", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "trainer_state.pt says step 4, its manifest says 2"),
     Case("train-resume-state-not-dict", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume"], 2, "trainer_state.pt holds list, not a dict"),
@@ -114,7 +123,8 @@ def test_bad_checkpoint_input(case, tmp_path):
         code, out, err = run_case(case, tmp_path)
     assert "Traceback" not in out + err, f"{case.id}: a traceback reached the user:\n{err[-2000:]}"
     assert code == case.code, f"{case.id}: exit {code}, expected {case.code}; stderr:\n{err[-2000:]}"
-    assert case.phrase.format(tmp=tmp_path) in (out if case.code == 0 else err), f"{case.id}: {case.phrase!r} not in:\n{out[-2000:]}{err[-2000:]}"
+    assert case.phrase.format(tmp=tmp_path) in (out if case.code == 0
+                                                else err), f"{case.id}: {case.phrase!r} not in:\n{out[-2000:]}{err[-2000:]}"
     if case.code == 2: assert len(err.strip().splitlines()) == 1 and not list(tmp_path.glob("**/.tmp-*"))
 
 
@@ -128,10 +138,13 @@ def test_spec_types_and_read_only(tmp_path):
                          ("", "ckpt='' is not allowed: a folder path")):
         with pytest.raises(KitError, match=message): CheckpointSpec(bad).check()
     with pytest.raises(KitError, match="resume='yes' is not allowed: True or False"): CheckpointSpec(str(tmp_path), resume="yes").check()
-    assert CheckpointSpec(tmp_path / "a" / "b").check().dir == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()  # os.PathLike, parents made
+    # os.PathLike, parents made
+    assert CheckpointSpec(tmp_path / "a" / "b").check().dir == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
     assert os.listdir(tmp_path / "a" / "b") == []  # the probe is gone
     with read_only(tmp_path / "ro"):
-        with pytest.raises(KitError, match=r"ckpt='.*ro' is not allowed: a folder this process can create and write into \((it is read-only|it is on a read-only file system)"):
+        with pytest.raises(KitError,
+                           match=r"ckpt='.*ro' is not allowed: a folder this process can create and write into \((it is read-only|it is on "
+                                 r"a read-only file system)"):
             CheckpointSpec(str(tmp_path / "ro")).check()
 
 
@@ -140,7 +153,8 @@ def test_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
     from fsdp_kit.checkpoint import lock_checkpoint_dir, list_checkpoints, verify, _files
     from fsdp_kit.errors import KitError
     ck = tmp_path / "ck"
-    code = f"import time\nfrom fsdp_kit.checkpoint import lock_checkpoint_dir\nwith lock_checkpoint_dir({str(ck)!r}):\n    print('held', flush=True)\n    time.sleep(60)"
+    code = (f"import time\nfrom fsdp_kit.checkpoint import lock_checkpoint_dir\nwith lock_checkpoint_dir({str(ck)!r}):\n    print('held', "
+            "flush=True)\n    time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -172,7 +186,9 @@ def test_check_resume(tmp_path):
     (old / "manifest.json").write_text(json.dumps(m))
     assert check_resume(spec(tmp_path / "old"))[0] == old
     fake_checkpoint(tmp_path / "other", model_shape=dict(sha256="0", parameters=99))
-    with pytest.raises(KitError, match=r"--resume: ckpt=.* holds step-000002, written for a model of other parameter shapes \(99 parameters; model='tiny' now has 125,248\)"):
+    with pytest.raises(KitError,
+                       match=r"--resume: ckpt=.* holds step-000002, written for a model of other parameter shapes \(99 parameters; "
+                             r"model='tiny' now has 125,248\)"):
         check_resume(spec(tmp_path / "other"))
     edited = fake_checkpoint(tmp_path / "edited", step=4)  # `step` edited to 6 and the folder renamed to match one of them
     m = json.loads((edited / "manifest.json").read_text()) | dict(step=6)
@@ -189,13 +205,15 @@ def test_disk_full_and_size_limit_are_told_apart():
     torch_writer = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 512 vs 448")  # no errno: the limit decides
     assert _write_failure(OSError(errno.ENOSPC, "No space left on device")) == "space" and _write_failure(torch_writer) == "space"
     assert _write_failure(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")) == "space"
-    assert _write_failure(OSError(errno.EFBIG, "File too large")) == "size" and _write_failure(RuntimeError("OSError: [Errno 27] File too large")) == "size"
+    assert (_write_failure(OSError(errno.EFBIG, "File too large")) == "size"
+            and _write_failure(RuntimeError("OSError: [Errno 27] File too large")) == "size")
     assert _write_failure(OSError(errno.EIO, "Input/output error")) == "" and _write_failure(ValueError("x")) == ""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**40, hard))  # a limit no file of this test reaches
     try: assert _write_failure(torch_writer) == "size"
     finally: resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    assert _error_text(RuntimeError("CheckpointException ranks:dict_keys([1])\nTraceback: ...\nOSError: [Errno 5] I/O error")) == "OSError: [Errno 5] I/O error"
+    dcp = RuntimeError("CheckpointException ranks:dict_keys([1])\nTraceback: ...\nOSError: [Errno 5] I/O error")
+    assert _error_text(dcp) == "OSError: [Errno 5] I/O error"
 
 
 # ---- two short real runs (2 ranks each)
@@ -262,12 +280,14 @@ def test_disk_full_save_ends_cleanly(tmp_path):
     from fsdp_kit.launch import launch
     ck = tmp_path / "ck"
     ck.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(ck)], capture_output=True).returncode == 0
+    mounted = (os.geteuid() == 0
+               and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(ck)], capture_output=True).returncode == 0)
     try:
         r = launch(disk_full_worker, str(ck), not mounted, nprocs=2, timeout=60)
         assert len(set(r["errors"])) == 1 and r["errors"][0], r  # the same one-line error on every rank
         message = r["errors"][0]
-        assert message.startswith(f"no space left on {'tmpfs at ' + str(ck) if mounted else ''}") and "for checkpoint step-000004 in ckpt=" in message
+        assert (message.startswith(f"no space left on {'tmpfs at ' + str(ck) if mounted else ''}")
+                and "for checkpoint step-000004 in ckpt=" in message)
         need = float(message.split("needs about ")[1].split(" MB")[0])
         assert 1.0 < need < 3.0, message  # the step-2 checkpoint's size
         assert [c["name"] for c in list_checkpoints(ck)] == ["step-000002"] and verify(ck / "step-000002") == []
@@ -277,7 +297,8 @@ def test_disk_full_save_ends_cleanly(tmp_path):
 
 
 def size_limit_worker(ck:str) -> dict:
-    "Save step 2; then, under a 50 kB file-size limit (ulimit -f) with the disk far from full, the save of step 4 must say it hit the limit."
+    "Save step 2; then, under a 50 kB file-size limit (ulimit -f), the save of step 4 must say it hit the limit."
+    # the disk is far from full: the message must not blame it
     import resource
     import torch.distributed as dist
     from fsdp_kit.checkpoint import CheckpointSpec
@@ -305,13 +326,15 @@ def test_a_file_size_limit_is_not_called_a_full_disk(tmp_path):
     r = launch(size_limit_worker, str(ck), nprocs=2, timeout=60)
     assert len(set(r["errors"])) == 1 and r["errors"][0], r
     message = r["errors"][0]
-    assert message.startswith("a file of checkpoint step-000004 in ckpt=") and "outgrew this process's file-size limit (0.1 MB, ulimit -f), not the disk (" in message
+    assert (message.startswith("a file of checkpoint step-000004 in ckpt=")
+            and "outgrew this process's file-size limit (0.1 MB, ulimit -f), not the disk (" in message)
     assert "no space" not in message and [c["name"] for c in list_checkpoints(ck)] == ["step-000002"], message
 
 
 @pytest.mark.timeout(180)
 def test_rotation_keeps_the_checkpoint_that_loads(cli, tmp_path):
-    "Resumed past a damaged newest checkpoint, keep=2 removes the damaged one and keeps the good one (it removed the good one and kept the damaged)."
+    "Resumed past a damaged newest checkpoint, keep=2 removes the damaged one and keeps the good one."
+    # it used to remove the good one and keep the damaged
     ck = tmp_path / "ck"
     res = cli(*TRAIN[:-2], "--steps", 4, "--save-every", 2, "--ckpt", ck)
     assert res.returncode == 0, res.stderr[-2000:]

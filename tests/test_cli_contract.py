@@ -85,11 +85,13 @@ def test_paths_are_printed_as_typed(typed_paths):
     tmp_path, runs = typed_paths
     res = runs["train"]
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "latest: runs/ck/latest" in res.stdout and "wrote runs/train.json" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    assert ("latest: runs/ck/latest" in res.stdout and "wrote runs/train.json" in res.stdout
+            and str(tmp_path) not in res.stdout + res.stderr), res.stdout
     import json
     assert json.loads((tmp_path / "runs" / "train.json").read_text())["checkpoint"]["latest"] == "runs/ck/latest"
     res = runs["resume"]
-    assert res.returncode == 0 and "resumed from runs/ck/step-000002" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
+    assert (res.returncode == 0 and "resumed from runs/ck/step-000002" in res.stdout
+            and str(tmp_path) not in res.stdout + res.stderr), res.stdout
     res = runs["qlora"]
     assert res.returncode == 0 and "saved in runs/adapter" in res.stdout and str(tmp_path) not in res.stdout + res.stderr, res.stdout
     assert not re.search(r"^part \d/", res.stderr + res.stdout, re.M), res.stderr[-2000:]  # --quiet: qlora prints no progress line
@@ -99,8 +101,10 @@ def test_plan_validate_reports_fitted_and_held_out_settings_apart(validate_1_7):
     "The matrix's settings (the planner was written on them) and held_out_matrix's (it never saw them) each get their largest error."
     res = validate_1_7  # on 1 rank: 6 matrix settings, then 1 held out
     assert res.returncode == 0, res.stderr[-2000:]
-    assert re.search(r"^fitted: 1 settings \(the tiny and small Llama settings .+\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
-    assert re.search(r"^held out: 1 settings \(Qwen2 and Mistral shapes.+never used to write it\), largest \|error\| [\d.]+%", res.stdout, re.M), res.stdout
+    assert re.search(r"^fitted: 1 settings \(the tiny and small Llama settings .+\), largest \|error\| [\d.]+%", res.stdout,
+                     re.M), res.stdout
+    assert re.search(r"^held out: 1 settings \(Qwen2 and Mistral shapes.+never used to write it\), largest \|error\| [\d.]+%", res.stdout,
+                     re.M), res.stdout
     assert "qwen2-tiny w1 full layer reshard fp32 s48" in res.stdout
 
 
@@ -117,17 +121,20 @@ def test_examples_paths_work_from_another_folder(tmp_path):
     assert f"reading the packaged example {EXAMPLES / 'configs' / 'qwen2-tiny' / 'config.json'}" in res.stderr
     gone = run("plan", "--model", "examples/configs/nope/config.json", cwd=tmp_path, timeout=60)
     assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
-    assert "--model='examples/configs/nope/config.json' is not allowed" in gone.stderr and f"the packaged examples are in {EXAMPLES}" in gone.stderr
+    assert ("--model='examples/configs/nope/config.json' is not allowed" in gone.stderr
+            and f"the packaged examples are in {EXAMPLES}" in gone.stderr)
 
 
 def test_plan_prints_its_notes_in_the_text():
     "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON."
     res = run("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", timeout=120)
-    assert res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout and "note: allocator overhead modelled" in res.stdout, res.stderr
+    assert (res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout
+            and "note: allocator overhead modelled" in res.stdout), res.stderr
 
 
 def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names(typed_paths):
-    "train's count is plan_units' (the root last, included); the tour's compare line names policies as the config does, not per-layer / per-Linear."
+    "train's count is plan_units' (the root last, included)."
+    # the tour's compare line names policies as the config does, not per-layer / per-Linear.
     from types import SimpleNamespace
     from fsdp_kit.config import FSDPConfig
     from fsdp_kit.models import build_model, model_config

@@ -20,15 +20,19 @@ def test_examples_are_the_shared_files():
 
 def test_transformers_json_loads_as_is():
     cfg = load_fsdp_config(EXAMPLES / "transformers_fsdp_config.json")
-    assert cfg == FSDPConfig(reshard_after_forward=True, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_layer_cls_to_wrap=["LlamaDecoderLayer"],
-                             cpu_offload=False, state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=True, activation_checkpointing=True,
+    assert cfg == FSDPConfig(reshard_after_forward=True, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                             transformer_layer_cls_to_wrap=["LlamaDecoderLayer"],
+                             cpu_offload=False, state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=True,
+                             activation_checkpointing=True,
                              source=str(EXAMPLES / "transformers_fsdp_config.json"))
 
 
-@pytest.mark.parametrize("name, mixed, offload, processes", [("accelerate_fsdp_lora.yaml", "bf16", False, 8), ("accelerate_fsdp_qlora.yaml", "no", True, 2)])
+@pytest.mark.parametrize("name, mixed, offload, processes",
+                         [("accelerate_fsdp_lora.yaml", "bf16", False, 8), ("accelerate_fsdp_qlora.yaml", "no", True, 2)])
 def test_accelerate_yaml_loads_as_is_and_explains_fsdp1_keys(name, mixed, offload, processes):
     cfg = load_fsdp_config(EXAMPLES / name)
-    assert (cfg.auto_wrap_policy, cfg.reshard_after_forward, cfg.mixed_precision, cfg.cpu_offload) == ("TRANSFORMER_BASED_WRAP", True, mixed, offload)
+    assert (cfg.auto_wrap_policy, cfg.reshard_after_forward, cfg.mixed_precision, cfg.cpu_offload) == (
+        "TRANSFORMER_BASED_WRAP", True, mixed, offload)
     assert (cfg.state_dict_type, cfg.cpu_ram_efficient_loading) == ("SHARDED_STATE_DICT", True)
     notes = "\n".join(cfg.notes)
     for key in ("sharding_strategy: FULL_SHARD -> reshard_after_forward=True", "use_orig_params=False does not apply",
@@ -42,32 +46,40 @@ def test_accelerate_yaml_loads_as_is_and_explains_fsdp1_keys(name, mixed, offloa
 def test_fsdp1_sharding_strategy_is_converted_as_accelerate_to_fsdp2_does(strategy, reshard):
     cfg = from_accelerate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": strategy}})
     notes = "\n".join(cfg.notes)
-    assert cfg.reshard_after_forward is reshard and "sharding_strategy: " in notes and "accelerate launch runs this file with FSDP1" in notes
+    assert (cfg.reshard_after_forward is reshard and "sharding_strategy: " in notes
+            and "accelerate launch runs this file with FSDP1" in notes)
     if strategy.startswith("HYBRID_SHARD"):
         assert "dp_replicate x dp_shard" in notes
 
 
 def test_sharding_strategy_is_ignored_under_fsdp2_as_upstream_ignores_it():
-    cfg = from_accelerate({"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}})
-    assert cfg.reshard_after_forward is True and any(n.startswith("sharding_strategy='SHARD_GRAD_OP' is ignored under FSDP2") for n in cfg.notes)
+    cfg = from_accelerate({"distributed_type": "FSDP", "num_processes": 2,
+                           "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP"}})
+    assert (cfg.reshard_after_forward is True
+            and any(n.startswith("sharding_strategy='SHARD_GRAD_OP' is ignored under FSDP2") for n in cfg.notes))
 
 
 def test_transformers_accepts_prefixed_keys_strings_and_ints():
-    cfg = from_transformers({"fsdp_reshard_after_forward": "4", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "cpu_offload": "True",
+    cfg = from_transformers({"fsdp_reshard_after_forward": "4", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                             "cpu_offload": "True",
                              "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": "1000"})
-    assert (cfg.reshard_after_forward, cfg.transformer_layer_cls_to_wrap, cfg.cpu_offload, cfg.min_num_params) == (4, ["LlamaDecoderLayer"], True, 1000)
+    assert (cfg.reshard_after_forward, cfg.transformer_layer_cls_to_wrap, cfg.cpu_offload, cfg.min_num_params) == (
+        4, ["LlamaDecoderLayer"], True, 1000)
 
 
 BAD_FILES = [  # (file name, content, what the message must say)
     ("v3.json", {"version": 3}, "version=3 is not allowed"),
-    ("policy.json", {"auto_wrap_policy": "TRANSFORMER_WRAP"}, "auto_wrap_policy='TRANSFORMER_WRAP' is not allowed: one of TRANSFORMER_BASED_WRAP"),
+    ("policy.json", {"auto_wrap_policy": "TRANSFORMER_WRAP"},
+     "auto_wrap_policy='TRANSFORMER_WRAP' is not allowed: one of TRANSFORMER_BASED_WRAP"),
     ("reshard.json", {"reshard_after_forward": "sometimes"}, "reshard_after_forward='sometimes' is not allowed"),
     ("offload.json", {"cpu_offload": "maybe"}, "cpu_offload='maybe' is not allowed: true or false"),
-    ("fp8.yaml", {"distributed_type": "FSDP", "mixed_precision": "fp8", "fsdp_config": {}}, "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
+    ("fp8.yaml", {"distributed_type": "FSDP", "mixed_precision": "fp8", "fsdp_config": {}},
+     "mixed_precision='fp8' is not allowed: one of no, bf16, fp16"),
     ("local.json", {"state_dict_type": "LOCAL_STATE_DICT"}, "state_dict_type='LOCAL_STATE_DICT' is not allowed"),
     ("negative.json", {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": -5}, "min_num_params=-5 is not allowed"),
     ("classes.json", {"transformer_layer_cls_to_wrap": [3]}, "transformer_layer_cls_to_wrap=[3] is not allowed"),
-    ("strategy.yaml", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "HALF_SHARD"}}, "sharding_strategy='HALF_SHARD' is not allowed"),
+    ("strategy.yaml", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "HALF_SHARD"}},
+     "sharding_strategy='HALF_SHARD' is not allowed"),
     ("xla.json", {"xla": True}, "xla=True is not allowed"),
     ("list.json", [1, 2], "holds a list, not a mapping"),
     ("ddp.yaml", {"distributed_type": "MULTI_GPU", "fsdp_config": {}}, "distributed_type='MULTI_GPU' is not allowed: FSDP"),
@@ -91,10 +103,14 @@ def test_bad_config_files_are_refused_naming_the_field_and_file(tmp_path, name, 
 
 ACCEPTED_NOW = [  # (file name, content, field values, a note) that were refused before: transformers and accelerate run them
     ("v1.json", {"version": 1}, {"reshard_after_forward": True}, "TrainingArguments(fsdp=True) runs this file with FSDP1"),
-    ("noshard.json", {"sharding_strategy": "NO_SHARD"}, {"reshard_after_forward": True}, "sharding_strategy='NO_SHARD' is ignored under FSDP2"),
-    ("disagree.json", {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": False}, {"reshard_after_forward": False}, "is ignored under FSDP2"),
-    ("fp8.json", {"mixed_precision": "fp8"}, {"mixed_precision": "no"}, "mixed_precision='fp8' in fsdp_config is not read: transformers never reads"),
-    ("null.yaml", {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2, "fsdp_ignored_modules": None}}, {"auto_wrap_policy": "NO_WRAP"},
+    ("noshard.json", {"sharding_strategy": "NO_SHARD"}, {"reshard_after_forward": True},
+     "sharding_strategy='NO_SHARD' is ignored under FSDP2"),
+    ("disagree.json", {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": False}, {"reshard_after_forward": False},
+     "is ignored under FSDP2"),
+    ("fp8.json", {"mixed_precision": "fp8"}, {"mixed_precision": "no"},
+     "mixed_precision='fp8' in fsdp_config is not read: transformers never reads"),
+    ("null.yaml", {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2, "fsdp_ignored_modules": None}},
+     {"auto_wrap_policy": "NO_WRAP"},
      "ignored_modules=None changes nothing"),
 ]
 
@@ -118,7 +134,9 @@ def test_malformed_files_name_the_file(tmp_path):
 
 def test_model_checks():
     model = build_model(model_config("small"), device="meta")
-    with pytest.raises(KitError, match=r"transformer_layer_cls_to_wrap='Qwen2DecoderLayer' is not allowed: a layer class of LlamaForCausalLM: .*LlamaDecoderLayer"):
+    with pytest.raises(KitError,
+                       match=r"transformer_layer_cls_to_wrap='Qwen2DecoderLayer' is not allowed: a layer class of LlamaForCausalLM: "
+                             r".*LlamaDecoderLayer"):
         check_for_model(FSDPConfig(transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"]), model)
     with pytest.raises(KitError, match="activation_checkpointing=True together with gradient checkpointing is refused"):
         check_for_model(FSDPConfig(activation_checkpointing=True), model, gradient_checkpointing=True)
@@ -131,7 +149,8 @@ def test_model_checks():
      ("auto_wrap_policy", "NO_WRAP"), "auto_wrap_policy"),
 ])
 def test_a_misspelt_key_is_run_as_upstream_runs_it_and_named(tmp_path, name, content, default, near):
-    "Upstream runs a file with a key it does not know and never reads the key: the kit runs it the same way, with a note that names the key."
+    "Upstream runs a file with a key it does not know and never reads the key."
+    # the kit runs it the same way, with a note that names the key.
     cfg = load_fsdp_config(_write(tmp_path, name, content))
     assert getattr(cfg, default[0]) == default[1]
     assert any(n.startswith("IGNORED: unknown key") and f"did you mean {near!r}" in n for n in cfg.notes), cfg.notes
@@ -142,7 +161,8 @@ def test_many_unknown_keys_are_one_note(tmp_path):
     300 s for 3 million); up to five keep a note each, with the nearest known key."""
     many = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, **{f"fsdp_key_{i}": i for i in range(1000)}}}
     notes = [n for n in load_fsdp_config(_write(tmp_path, "many.yaml", many)).notes if n.startswith("IGNORED")]
-    assert len(notes) == 1 and notes[0].startswith("IGNORED: 1,000 unknown keys in ") and "('key_0', 'key_1', 'key_10', ...)" in notes[0], notes
+    assert (len(notes) == 1 and notes[0].startswith("IGNORED: 1,000 unknown keys in ")
+            and "('key_0', 'key_1', 'key_10', ...)" in notes[0]), notes
     few = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forwrd": True, "fsdp_key_1": 1}}
     notes = [n for n in load_fsdp_config(_write(tmp_path, "few.yaml", few)).notes if n.startswith("IGNORED")]
     assert len(notes) == 2 and "did you mean 'reshard_after_forward'?" in notes[1], notes  # the file's keys, sorted

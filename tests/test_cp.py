@@ -73,8 +73,9 @@ def test_padding_mask_refused_by_the_model():
 
 def test_cp2_and_dp2_cp2_agree_with_one_process():
     "2-way CP (both rotations) and 2 x 2 (dp_shard x cp) give one process's loss (each run's own no-CP reference) over the same tokens."
+    # batch per data-parallel rank: the same 4 rows
     out = {"cp2": launch(cp_eval_worker, CPSpec(cp=2), nprocs=2), "ring": launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall"), nprocs=2),
-           "dp2cp2": launch(cp_eval_worker, CPSpec(cp=2, dp_shard=2, batch=2, rotate="alltoall"), nprocs=4)}  # batch per data-parallel rank: the same 4 rows
+           "dp2cp2": launch(cp_eval_worker, CPSpec(cp=2, dp_shard=2, batch=2, rotate="alltoall"), nprocs=4)}
     for name, rotate in (("cp2", "allgather"), ("ring", "alltoall"), ("dp2cp2", "alltoall")):
         _check(out[name], 2, rotate)  # eval_loss within 1e-5 of eval_loss_reference, the model in one process without CP
     assert out["dp2cp2"].groups["dp_shard_cp"] == [0, 1, 2, 3] and out["dp2cp2"].dp_shard == 2
@@ -82,7 +83,8 @@ def test_cp2_and_dp2_cp2_agree_with_one_process():
     assert out["cp2"].tokens == out["ring"].tokens == out["dp2cp2"].tokens
     assert abs(out["cp2"].eval_loss_reference - out["dp2cp2"].eval_loss_reference) <= 1e-6  # the same weights and rows, whatever the layout
     ring = out["ring"]
-    assert abs(ring.mean_of_rank_means - ring.eval_loss) > abs(ring.eval_loss - ring.eval_loss_reference)  # the usual mistake is further off
+    # the usual mistake is further off
+    assert abs(ring.mean_of_rank_means - ring.eval_loss) > abs(ring.eval_loss - ring.eval_loss_reference)
 
 
 def test_qwen2_gqa_and_no_mask():

@@ -39,11 +39,13 @@ def test_a_page_per_notebook_and_figures(site):
     for name in pages:
         text = (out / name).read_text()
         assert "Traceback (most recent call last)" not in text, name
-        assert "interactive(children=" not in text, f"{name} shows a widget's Python repr"  # a page has no kernel: a note, then the default state
+        # a page has no kernel: a note, then the default state
+        assert "interactive(children=" not in text, f"{name} shows a widget's Python repr"
         assert re.search(r'<aside class="toc"><b>On this page</b><a ', text), f"{name}: its 'On this page' box is empty"
         assert all(f'href="{p}"' in text for p in expected), f"{name} lacks navigation"
     assert all(p["errors"] == 0 for p in pages.values())
-    assert [p["page"] for p in pages.values() if p["figure_errors"]] == []  # a figure failed fsdp_kit.measure.check_figure (a legend over data, too wide, text too small)
+    # a figure failed fsdp_kit.measure.check_figure (a legend over data, too wide, text too small)
+    assert [p["page"] for p in pages.values() if p["figure_errors"]] == []
     with_figures = [p for p in pages.values() if p["figures"]]
     assert len(with_figures) >= 4, with_figures
     for p in with_figures:
@@ -61,7 +63,8 @@ def test_headings_become_the_table_of_contents_and_api_has_docments(site):
     api = (out / "api.html").read_text()
     assert "launch(fn, *args, nprocs: int = 2" in api and "the function every rank runs" in api
     assert "reshard_after_forward" in api and "free gathered parameters after forward" in api
-    assert "`" not in re.sub(r"<pre.*?</pre>", "", api, flags=re.S) and "<code>fully_shard</code>" in api  # backticks render as code, as in the lessons
+    # backticks render as code, as in the lessons
+    assert "`" not in re.sub(r"<pre.*?</pre>", "", api, flags=re.S) and "<code>fully_shard</code>" in api
 
 
 # One browser for every page: a harness page loads each page in an iframe (file:// pages may read each other's DOM under
@@ -76,7 +79,8 @@ for (const page of pages) {
     results[page] = body ? {images: body.dataset.images ?? null, loaded: body.dataset.loadedImages ?? null,
                             traceback: doc.documentElement.outerHTML.includes('Traceback (most recent call last)'),
                             widget_repr: body.innerText.includes('interactive(children='),
-                            figure_error: [...doc.querySelectorAll('.output_area')].some(o => o.innerText.includes('FigureCheckError'))} : null;
+                            figure_error: [...doc.querySelectorAll('.output_area')]
+                                            .some(o => o.innerText.includes('FigureCheckError'))} : null;
     if (--pending === 0) document.getElementById('out').textContent = JSON.stringify(results);
   });
   frame.src = page;
@@ -90,7 +94,9 @@ def test_every_page_renders_in_chromium_with_its_figures(site, tmp_path):
     out, manifest = site
     harness = out / "_every_page.html"
     harness.write_text(HARNESS.replace("PAGES", json.dumps([p["page"] for p in manifest["pages"]])))
-    try: dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=20000", "--dump-dom", harness.as_uri())
+    try:
+        dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=20000", "--dump-dom",
+                      harness.as_uri())
     finally: harness.unlink()
     found = re.search(r'<pre id="out">(.*)</pre>', dom)
     assert found and found.group(1), f"the pages did not all finish loading: {dom[-2000:]}"
@@ -104,8 +110,9 @@ def test_every_page_renders_in_chromium_with_its_figures(site, tmp_path):
 
 
 def test_screenshots_of_every_page(site, tmp_path):
-    """Each page as headless Chromium draws it (what it holds is checked in the DOM above): a screenshot that is not blank. One browser run
-    draws every page, each in a 1400 x 1800 frame of a grid, and the grid is cut into one picture per page (a browser per page cost ~1.3 s each)."""
+    "Each page as headless Chromium draws it (what it holds is checked in the DOM above): a screenshot that is not blank."
+    # One browser run draws every page, each in a 1400 x 1800 frame of a grid, and the grid is cut into one picture per page
+    # (a browser per page cost ~1.3 s each).
     from PIL import Image
     exe = _browser()
     out, manifest = site
@@ -115,11 +122,13 @@ def test_screenshots_of_every_page(site, tmp_path):
     assert {"index.html", "wrap.html", "planner.html"} <= set(names)
     cols, (w, h) = 4, (1400, 1800)
     rows = -(-len(names) // cols)
-    frames = "".join(f'<iframe src="{n}" style="position:absolute;left:{i % cols * w}px;top:{i // cols * h}px;width:{w}px;height:{h}px;border:0"></iframe>'
+    frames = "".join(f'<iframe src="{n}" '
+                     f'style="position:absolute;left:{i % cols * w}px;top:{i // cols * h}px;width:{w}px;height:{h}px;border:0"></iframe>'
                      for i, n in enumerate(names))
     grid, png = out / "_grid.html", tmp_path / "grid.png"
     grid.write_text(f'<!doctype html><html><body style="margin:0">{frames}</body></html>')
-    try: _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--hide-scrollbars", "--force-gpu-mem-available-mb=8192",  # every tile drawn
+    # every tile drawn
+    try: _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--hide-scrollbars", "--force-gpu-mem-available-mb=8192",
                  f"--window-size={cols * w},{rows * h}", "--virtual-time-budget=20000", f"--screenshot={png}", grid.as_uri())
     finally: grid.unlink()
     whole = Image.open(png).convert("RGB")
@@ -146,7 +155,8 @@ def test_pages_follow_the_course(tmp_path):
     "The sidebar is the reading order: the landing page, the lessons by number then letter, then the unnumbered pages."
     names = ["benchmarks", "10_launch", "index", "9_x", "01a_models", "10b_errors", "01_train", "10a_ranks", "_private"]
     for n in names: (tmp_path / f"{n}.ipynb").write_text("{}")
-    assert [p.stem for p in notebooks(tmp_path)] == ["index", "01_train", "01a_models", "9_x", "10_launch", "10a_ranks", "10b_errors", "benchmarks"]
+    assert [p.stem for p in notebooks(tmp_path)] == ["index", "01_train", "01a_models", "9_x", "10_launch", "10a_ranks", "10b_errors",
+                                                     "benchmarks"]
     assert page_name(Path("06_cp.ipynb")) == "cp.html" and page_name(Path("01a_models.ipynb")) == "models.html"
     order = [p.stem for p in notebooks(ROOT / "nbs")]
     assert order[:3] == ["index", "01_train", "01a_models"] and order.index("02_mesh") < order.index("10_launch")
@@ -194,13 +204,16 @@ def test_planner_page_changes_its_plan_as_the_python_planner_does(site, tmp_path
                 dict(model="llama-2-13b", method="full", gpus=16, batch=1, seq_len=2048, ac="full", gpu_mem_gb=8)]
     harness = out / "_planner.html"
     harness.write_text(PLANNER_HARNESS.replace("SETTINGS", json.dumps(settings)))
-    try: dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom", harness.as_uri())
+    try:
+        dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom",
+                      harness.as_uri())
     finally: harness.unlink()
     found = re.search(r'<pre id="out">(.*)</pre>', dom)
     assert found and found.group(1), dom[-2000:]
     shown = json.loads(html.unescape(found.group(1)))
     expect = []
-    for s in [dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full", gpu_mem_gb=80)] + settings:  # the page's default first
+    # the page's default first
+    for s in [dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full", gpu_mem_gb=80)] + settings:
         p = plan_gpu(s["model"], s["gpus"], s["gpu_mem_gb"], s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
         expect.append(plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, s["gpu_mem_gb"]))
     assert shown == expect
@@ -249,7 +262,8 @@ def test_check_figure_reports_width_and_small_text():
     problems = figure_problems(fig)
     assert len(problems) == 1 and problems[0].startswith("text under 9 pt: 7 pt ") and "8 pt ['falling', 'rising']" in problems[0], problems
     fig, _ = _figure(width=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # 8 inches, but the legend beside is drawn (and saved) with it
-    fig.axes[0].legend(["a label long enough to carry the saved picture past the page's ten inches"] * 2, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.axes[0].legend(["a label long enough to carry the saved picture past the page's ten inches"] * 2, loc="upper left",
+                       bbox_to_anchor=(1.01, 1))
     fig.set_layout_engine("none")
     assert "inches wide (figsize 8.0, as drawn 1" in figure_problems(fig)[0], figure_problems(fig)
 
@@ -278,7 +292,8 @@ def test_check_figure_sees_bars_points_other_axes_and_labels():
 
 
 def test_kit_figures_pass_the_check_with_long_labels_and_big_meshes():
-    "What the lessons do not show: long labels, a wide mesh, many configs; each plotting function checks its own figure (plot_mesh: its caller), and a FigureCheckError fails this test."
+    "What the lessons do not show: long labels, a wide mesh, many configs."
+    # each plotting function checks its own figure (plot_mesh: its caller), and a FigureCheckError fails this test.
     import numpy as np
     from types import SimpleNamespace
     from fsdp_kit.measure import CATEGORIES, check_figure, plot_categories, plot_timeline, wrap_label
@@ -289,16 +304,19 @@ def test_kit_figures_pass_the_check_with_long_labels_and_big_meshes():
     import matplotlib.pyplot as plt
     try:
         assert wrap_label("TRANSFORMER_BASED_WRAP, reshard_after_forward=False") == "TRANSFORMER_BASED_WRAP,\nreshard_after_forward=False"
-        timeline = [("forward", 2**20 * (1 + i / 50)) for i in range(100)] + [("backward", 2**20 * (3 - i / 60)) for i in range(100)] + [("optimizer", 2**20)] * 30
+        timeline = [("forward", 2**20 * (1 + i / 50)) for i in range(100)] + [("backward", 2**20 * (3 - i / 60))
+                                                                              for i in range(100)] + [("optimizer", 2**20)] * 30
         plot_timeline({f"SIZE_BASED_WRAP, reshard_after_forward={r}, a long label a user chose": timeline for r in (True, False, 2)})
         peaks = {c: 2**20 for c in CATEGORIES.values()}
         plot_categories({f"config {i}": peaks for i in range(9)})
         for shape in ([2, 2], [8], [4, 16], [2, 2, 2]):
             grid = np.arange(int(np.prod(shape))).reshape(shape).tolist()
             groups = {f"axis{k}": [[0, 1]] * (int(np.prod(shape)) // 2) for k in range(len(shape))}
-            check_figure(plot_mesh(MeshLayout([f"axis{k}" for k in range(len(shape))], shape, grid, groups, int(np.prod(shape)), "gloo")))  # its callers check it
+            # its callers check it
+            check_figure(plot_mesh(MeshLayout([f"axis{k}" for k in range(len(shape))], shape, grid, groups, int(np.prod(shape)), "gloo")))
         plot_losses(TrainResult("tiny", 2, 125_248, [5.5, 5.2, 5.0], 0.1, 1e3, "gloo", reference_losses=[5.5, 5.2, 5.0]))
-        points = [dict(cp=cp, seq_len=n, rotate=r, peak_bytes=n * n * 64 / cp, seconds=n * 1e-5) for cp in (1, 2, 4, 8) for n in (256, 4096, 131072) for r in ("allgather", "alltoall")]
+        points = [dict(cp=cp, seq_len=n, rotate=r, peak_bytes=n * n * 64 / cp, seconds=n * 1e-5) for cp in (1, 2, 4, 8)
+                  for n in (256, 4096, 131072) for r in ("allgather", "alltoall")]
         plot_attention_sweep(points)
         attempts = [dict(attempt=0, steps=[1, 2, 3], losses=[5.5, 5.2, 5.1], last_step=3), dict(attempt=1)]
         restarted = SimpleNamespace(scale=dict(attempts=attempts, restarts=[dict(attempt=0, rank=1, kind="died")], attempt=1), first_step=2,
@@ -315,7 +333,7 @@ CHECKED_BY_CALLERS = {"mesh.plot_mesh"}
 
 
 def _plot_functions() -> dict:
-    "module.plot_x -> whether its body calls check_figure, for every plotting function of the package (read from the source, nothing imported)."
+    "module.plot_x -> whether its body calls check_figure, for every plotting function of the package (read from the source)."
     import ast
     found = {}
     for path in sorted((ROOT / "fsdp_kit").glob("*.py")):
@@ -330,7 +348,8 @@ def test_every_figure_is_checked_as_it_is_drawn():
     functions = _plot_functions()
     assert {"measure.plot_timeline", "wrap.plot_compare", "train.plot_losses"} <= set(functions)
     assert [f for f, checked in functions.items() if not checked and f not in CHECKED_BY_CALLERS] == []
-    callers = [p.stem for p in sorted((ROOT / "fsdp_kit").glob("*.py")) if p.stem not in ("_modidx", *(f.split(".")[0] for f in CHECKED_BY_CALLERS))
+    callers = [p.stem for p in sorted((ROOT / "fsdp_kit").glob("*.py"))
+               if p.stem not in ("_modidx", *(f.split(".")[0] for f in CHECKED_BY_CALLERS))
                and any(f"{f.split('.')[1]}(" in p.read_text() for f in CHECKED_BY_CALLERS) and "check_figure(" not in p.read_text()]
     assert callers == []
     checked = {f.split(".")[1] for f, ok in functions.items() if ok}
@@ -350,11 +369,13 @@ def test_every_figure_is_checked_as_it_is_drawn():
 # is the run of text boxes of one block element at one height; every line but a block's last must hold at least 20 characters
 # (of that element's font), and no text may lie under the sidebar or the table of contents. The memory box refuses what is not a
 # number of GB above 0. The same harness is drawn once more as a screenshot.
-LAYOUT_HARNESS = """<!doctype html><html><body style="margin:0;white-space:nowrap;overflow:hidden"><pre id="out" style="display:none"></pre><script>
+LAYOUT_HARNESS = """<!doctype html><html><body style="margin:0;white-space:nowrap;overflow:hidden">
+<pre id="out" style="display:none"></pre><script>
 const widths = [1400, 420], results = {}, ctx = document.createElement('canvas').getContext('2d');
 function lines(doc, win) {
   const narrow = [], under = [];
-  const side = [...doc.querySelectorAll('nav.side, aside.toc')].filter(e => win.getComputedStyle(e).display !== 'none').map(e => e.getBoundingClientRect());
+  const side = [...doc.querySelectorAll('nav.side, aside.toc')].filter(e => win.getComputedStyle(e).display !== 'none')
+                                                                .map(e => e.getBoundingClientRect());
   for (const block of doc.querySelectorAll('main h1, main h2, main p, main pre, main label, main li, main .pager')) {
     const style = win.getComputedStyle(block), rows = new Map();
     ctx.font = `${style.fontSize} ${style.fontFamily}`;
@@ -367,18 +388,21 @@ function lines(doc, win) {
         if (r.width === 0) continue;
         const key = Math.round(r.top), row = rows.get(key) || {left: r.left, right: r.right};
         rows.set(key, {left: Math.min(row.left, r.left), right: Math.max(row.right, r.right)});
-        for (const s of side) if (r.left < s.right && r.right > s.left && r.top < s.bottom && r.bottom > s.top) under.push(n.textContent.trim().slice(0, 40));
+        for (const s of side)
+          if (r.left < s.right && r.right > s.left && r.top < s.bottom && r.bottom > s.top) under.push(n.textContent.trim().slice(0, 40));
       }
     }
     const sorted = [...rows.entries()].sort((a, b) => a[0] - b[0]);
     sorted.slice(0, -1).forEach(([top, row]) => { const chars = (row.right - row.left) / ch;
-      if (chars < 20) narrow.push(`${block.tagName} '${block.textContent.trim().slice(0, 40)}' line at ${top}px: ${chars.toFixed(1)} characters`); });
+      if (chars < 20)
+        narrow.push(`${block.tagName} '${block.textContent.trim().slice(0, 40)}' line at ${top}px: ${chars.toFixed(1)} characters`); });
   }
   return {narrow, under: [...new Set(under)], scroll: doc.documentElement.scrollWidth <= win.innerWidth + 1};
 }
 function memory(doc) {
   const box = doc.getElementById('gpu_mem_gb'), seen = {};
-  for (const v of ['', '-5', '24']) { box.value = v; box.dispatchEvent(new Event('input', {bubbles: true})); seen[v] = doc.getElementById('plan').textContent; }
+  for (const v of ['', '-5', '24']) {
+    box.value = v; box.dispatchEvent(new Event('input', {bubbles: true})); seen[v] = doc.getElementById('plan').textContent; }
   return seen;
 }
 let left = widths.length;
@@ -403,7 +427,8 @@ def test_planner_page_reads_at_1400_and_420_px_and_refuses_a_bad_memory(site, tm
     harness.write_text(LAYOUT_HARNESS)
     png = tmp_path / "planner-1400-and-420.png"
     try:
-        dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom", harness.as_uri())
+        dom = _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom",
+                      harness.as_uri())
         _chrome(exe, tmp_path / "profile", "--allow-file-access-from-files", "--virtual-time-budget=10000", "--window-size=1830,900",
                 f"--screenshot={png}", harness.as_uri())
     finally: harness.unlink()
@@ -419,4 +444,5 @@ def test_planner_page_reads_at_1400_and_420_px_and_refuses_a_bad_memory(site, tm
     assert m["-5"].startswith('gpu_mem_gb="-5" is not allowed') and m["24"].startswith("per-GPU peak ") and " in 24 GB" in m["24"], m
     from PIL import Image
     shot = Image.open(png).convert("L")
-    assert shot.size == (1830, 900) and len(set(shot.crop((0, 0, 1400, 900)).getdata())) > 2 and len(set(shot.crop((1400, 0, 1820, 900)).getdata())) > 2
+    assert (shot.size == (1830, 900) and len(set(shot.crop((0, 0, 1400, 900)).getdata())) > 2
+            and len(set(shot.crop((1400, 0, 1820, 900)).getdata())) > 2)

@@ -9,7 +9,8 @@ from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES, exit_status
 from fsdp_kit.versions import LIBS
 
 HERE = Path(__file__).parent / "doctor"
-QWEN, LLAMA = str(HERE / "qwen2-0.5b" / "config.json"), str(HERE / "llama-2-7b" / "config.json")  # written by hand from the public checkpoints' files
+# written by hand from the public checkpoints' files
+QWEN, LLAMA = str(HERE / "qwen2-0.5b" / "config.json"), str(HERE / "llama-2-7b" / "config.json")
 HEALTHY = str(EXAMPLES / "doctor" / "healthy.yaml")
 pytestmark = pytest.mark.timeout(400)  # each run stops itself after DoctorSpec.timeout; a hang past that fails here
 
@@ -46,13 +47,15 @@ def test_healthy_config_passes_every_check_it_can(healthy):
     passes = ["fsdp_version", "wrap", "tied_embeddings", "quant_storage", "frozen_base", "mixed_precision", "activation_checkpointing",
               "context_parallel", "saving", "keys", "ddp_fallback"]
     assert {k: healthy[k][0] for k in passes} == dict.fromkeys(passes, "PASS"), healthy
-    assert "tied: one weight, in one unit [lm_head, model.embed_tokens, model.norm]" in healthy["tied_embeddings"][1]  # accelerate's tail unit for tied weights
+    # accelerate's tail unit for tied weights
+    assert "tied: one weight, in one unit [lm_head, model.embed_tokens, model.norm]" in healthy["tied_embeddings"][1]
     assert "2 of 2 decoder layers" in healthy["wrap"][1] and "on 2 of 2 decoder layers" in healthy["activation_checkpointing"][1]
     # transformers 5's from_pretrained reads the checkpoint on every rank even with cpu_ram_efficient_loading (accelerate broadcasts only at
     # prepare), and converting Qwen2-0.5B's bf16 checkpoint to fp32 makes a copy on each
     assert healthy["loading"][0] == "WARN" and "2 of 2 ranks read the checkpoint" in healthy["loading"][1]
     assert "2 ranks hold a copy of their own: from_pretrained converts the bfloat16 checkpoint to float32" in healthy["loading"][1]
-    assert "for your model that is 2.0 GB of host memory per rank" in healthy["loading"][1]  # Qwen2-0.5B's 494 M parameters in float32, per rank
+    # Qwen2-0.5B's 494 M parameters in float32, per rank
+    assert "for your model that is 2.0 GB of host memory per rank" in healthy["loading"][1]
 
 
 def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
@@ -60,7 +63,8 @@ def test_the_twin_keeps_the_architecture_and_says_what_it_shrank(healthy):
     assert (twin["architecture"], twin["tied"]) == ("Qwen2", True)
     shrunk = {s["key"]: (s["user"], s["twin"]) for s in twin["shrunk"]}
     assert shrunk["hidden_size"] == (896, 64) and shrunk["num_hidden_layers"] == (24, 2) and shrunk["vocab_size"] == (151936, 256)
-    assert shrunk["num_key_value_heads"] == (2, 2) if "num_key_value_heads" in shrunk else True  # grouped-query attention stays grouped-query
+    # grouped-query attention stays grouped-query
+    assert shrunk["num_key_value_heads"] == (2, 2) if "num_key_value_heads" in shrunk else True
 
 
 def test_strict_fails_on_a_warn_only_report(healthy_run):
@@ -87,16 +91,18 @@ def test_tied_embedding_in_its_own_unit_fails():
 
 
 def test_ddp_fallback_fails():
-    "accelerate launch with distributed_type MULTI_GPU runs DDP (MULTI_CPU here) and ignores the fsdp_config section. Run through the command:"
-    "its JSON on stdout (checks, twin, versions), the report on stderr."
+    "accelerate launch with distributed_type MULTI_GPU runs DDP (MULTI_CPU here) and ignores the fsdp_config section."
+    # run through the command: its JSON on stdout (checks, twin, versions), the report on stderr
     from tests.conftest import left_behind, private_tmp
     tmp = private_tmp()  # its own TMPDIR: the twin's folder and every process are gone 1 s after the end
-    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", "--model", LLAMA, "--fsdp-config", str(HERE / "ddp.yaml"), "--json", "-"],
+    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", "--model", LLAMA, "--fsdp-config", str(HERE / "ddp.yaml"), "--json",
+                          "-"],
                          capture_output=True, text=True, timeout=380, env=os.environ | {"TMPDIR": str(tmp)})
     assert res.returncode == 1 and "fsdp-kit doctor: a check failed (exit 1)" in res.stderr, res.stderr[-3000:]  # a FAIL gates a CI job
     assert not (left := left_behind(tmp)), left
     r = json.loads(res.stdout)
-    assert set(r) >= {"checks", "twin", "versions"} and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"}
+    assert (set(r) >= {"checks", "twin", "versions"}
+            and set(r["versions"]) >= {"torch", "transformers", "accelerate", "peft", "bitsandbytes"})
     assert all(set(c) == {"name", "status", "reason", "fix"} for c in r["checks"])
     s = by_name(r)
     assert s["ddp_fallback"][0] == "FAIL" and s["ddp_fallback"][1].startswith("DistributedDataParallel")
@@ -106,4 +112,5 @@ def test_ddp_fallback_fails():
     assert steps == ["doctor 1/3 the file read as its entry point reads it", "doctor 2/3 the twin's run", "doctor 3/3 the checks"], \
         res.stderr[-2000:]
     v = r["versions_verdict"]  # the installed releases against the stored versions matrix
-    assert v["status"] in ("PASS", "WARN", "FAIL") and v["installed"] == {k: r["versions"][k] for k in LIBS} and f"{v['status']:4}  versions" in res.stderr
+    assert (v["status"] in ("PASS", "WARN", "FAIL") and v["installed"] == {k: r["versions"][k] for k in LIBS}
+            and f"{v['status']:4}  versions" in res.stderr)

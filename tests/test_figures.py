@@ -43,7 +43,8 @@ def test_cp_layout_draws_each_rank_at_its_positions_and_its_work():
     import torch
     from fsdp_kit.cp import shard_sequence, plot_cp_layout, causal_pairs
     tokens = torch.arange(8)[None]
-    layouts = {"head-tail, cp=2": [shard_sequence(tokens, 2, r)[0].tolist() for r in range(2)], "contiguous, cp=2": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    layouts = {"head-tail, cp=2": [shard_sequence(tokens, 2, r)[0].tolist() for r in range(2)],
+               "contiguous, cp=2": [[0, 1, 2, 3], [4, 5, 6, 7]]}
     assert layouts["head-tail, cp=2"] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     fig = plot_cp_layout(layouts)
     seq, work = fig.axes
@@ -82,7 +83,8 @@ def test_unit_layouts_draw_each_unit_in_model_order():
 def test_merge_layouts_draw_the_bytes_held_and_what_the_merge_left():
     from fsdp_kit.lora import plot_merge_layouts
     layouts = [dict(layout="fully_shard", bytes_held=8192, full_bytes=16384, merge="no error", vs_one_process_merge=0.0, vs_unmerged=0.181),
-               dict(layout="fully_shard, kept", bytes_held=16384, full_bytes=16384, merge="no error", vs_one_process_merge=0.181, vs_unmerged=0.0),
+               dict(layout="fully_shard, kept", bytes_held=16384, full_bytes=16384, merge="no error", vs_one_process_merge=0.181,
+                    vs_unmerged=0.0),
                dict(layout="FSDP1", bytes_held=0, full_bytes=16384, merge="RuntimeError: The tensor has a non-zero number of elements"),
                dict(layout="FSDP1, orig params", bytes_held=111104, full_bytes=16384, merge="RuntimeError: inconsistent tensor size")]
     held, left = plot_merge_layouts(layouts).axes
@@ -90,7 +92,8 @@ def test_merge_layouts_draw_the_bytes_held_and_what_the_merge_left():
     assert [p.get_width() for p in storage] == [8, 16, 0, 108.5] and [p.get_width() for p in whole] == [16] * 4  # KiB
     widths = [[round(p.get_width(), 6) for p in c] for c in left.containers]
     assert widths == [[0.0, 0.181], [0.181, 0.0]]  # only the two layouts whose merge ran: vs one process's merge, vs the unmerged weights
-    assert [t.get_text().strip() for t in left.texts] == ["0 / 0.181", "0.181 / 0", "RuntimeError at the merge", "RuntimeError at the merge"]
+    assert [t.get_text().strip() for t in left.texts] == ["0 / 0.181", "0.181 / 0", "RuntimeError at the merge",
+                                                          "RuntimeError at the merge"]
 
 
 def test_collectives_draw_each_call_at_its_time_on_one_clock():

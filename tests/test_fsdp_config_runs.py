@@ -29,17 +29,21 @@ def runs():
                     size=FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=108_864),  # tiny's size_floor
                     checkpointing=FSDPConfig(activation_checkpointing=True), offload=FSDPConfig(cpu_offload=True))
     specs = [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=c) for c in settings.values()]
-    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, ac=ac) for ac in ("selective-layer:2", "selective-op")]  # the other policies (fsdp_kit.ac)
+    # the other policies (fsdp_kit.ac)
+    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, ac=ac) for ac in ("selective-layer:2", "selective-op")]
     return dict(zip([*settings, "layer2", "op"], launch(train_each, specs, nprocs=2)))
 
 
 def test_units_are_what_the_policy_plans(runs):
     meta = build_model(model_config("tiny"), device="meta")
     for name, r in runs.items():
-        assert r.units == [asdict(u) for u in plan_units(meta, FSDPConfig(**{k: v for k, v in r.config.items() if k not in ("notes", "source")}))]
-    edges = ["model.embed_tokens", "model.norm+lm_head", ""]  # accelerate's carve-out: the embeddings, the tail (final norm, lm_head), the root
+        assert r.units == [asdict(u)
+                           for u in plan_units(meta, FSDPConfig(**{k: v for k, v in r.config.items() if k not in ("notes", "source")}))]
+    # accelerate's carve-out: the embeddings, the tail (final norm, lm_head), the root
+    edges = ["model.embed_tokens", "model.norm+lm_head", ""]
     assert [u["module"] for u in runs["default"].units] == ["model.layers.1", "model.layers.0"] + edges
-    assert [u["module"] for u in runs["no_wrap"].units] == edges and runs["no_wrap"].units[-1]["parameters"] > 0  # the root holds the layers
+    # the root holds the layers
+    assert [u["module"] for u in runs["no_wrap"].units] == edges and runs["no_wrap"].units[-1]["parameters"] > 0
     assert [u["reshard_after_forward"] for u in runs["default"].units] == [True, True, True, False, False]
     assert runs["size"].units == runs["no_wrap"].units  # accelerate's FSDP2 size rule at tiny's size_floor selects nothing below the root
 
@@ -49,8 +53,10 @@ def test_memory_moves_as_each_setting_should(runs):
     assert peak["no_wrap"]["total"] > peak["default"]["total"]  # every layer gathered at once
     assert peak["no_wrap"]["unsharded_params"] > peak["default"]["unsharded_params"]
     assert peak["checkpointing"]["activations"] < peak["default"]["activations"] / 2  # only layer inputs kept for backward
-    assert peak["checkpointing"]["activations"] < peak["op"]["activations"] < peak["default"]["activations"]  # selective-op keeps half the matmuls
-    assert peak["checkpointing"]["activations"] < peak["layer2"]["activations"] < peak["default"]["activations"]  # layer 1 of 2 checkpointed
+    # selective-op keeps half the matmuls
+    assert peak["checkpointing"]["activations"] < peak["op"]["activations"] < peak["default"]["activations"]
+    # layer 1 of 2 checkpointed
+    assert peak["checkpointing"]["activations"] < peak["layer2"]["activations"] < peak["default"]["activations"]
     assert [runs[n].ac for n in ("default", "checkpointing", "layer2", "op")] == ["none", "full", "selective-layer:2", "selective-op"]
     assert runs["op"].losses == runs["layer2"].losses == runs["default"].losses  # recomputation changes no number
     # on a CPU-only machine host and device are one memory: CPUOffloadPolicy(pin_memory=False) copies, but moves nothing
@@ -64,13 +70,18 @@ def test_memory_moves_as_each_setting_should(runs):
 def test_every_field_reaches_fully_shard():
     "What each unit's FSDP state holds after apply_fsdp: offload policy, compute and reduce dtypes, reshard, checkpoint wrappers."
     default, custom = launch(fsdp_settings, [FSDPConfig(), FSDPConfig(cpu_offload=True, mixed_precision="bf16", reduce_dtype="fp32",
-                                                                      activation_checkpointing=True, reshard_after_forward=False)], nprocs=2)
-    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]  # the root holds nothing: no parameter group
+                                                                      activation_checkpointing=True, reshard_after_forward=False)],
+                                                                      nprocs=2)
+    # the root holds nothing: no parameter group
+    units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
     assert [u["module"] for u in default] == units == [u["module"] for u in custom]
     assert {(u["offload"], u["param_dtype"], u["reduce_dtype"]) for u in default} == {("OffloadPolicy", "None", "None")}
-    assert {(u["offload"], u["param_dtype"], u["reduce_dtype"]) for u in custom} == {("CPUOffloadPolicy", "torch.bfloat16", "torch.float32")}
-    assert [u["cls"] for u in custom[1:3]] == ["FSDPCheckpointWrapper"] * 2 and [u["cls"] for u in default[1:3]] == ["FSDPLlamaDecoderLayer"] * 2
-    assert all(u["reshard_to"] is None for u in custom) and [u["reshard_to"] for u in default] == [2, 2, 2, None, None]  # the tail keeps its weights
+    assert {(u["offload"], u["param_dtype"], u["reduce_dtype"])
+            for u in custom} == {("CPUOffloadPolicy", "torch.bfloat16", "torch.float32")}
+    assert ([u["cls"] for u in custom[1:3]] == ["FSDPCheckpointWrapper"] * 2
+            and [u["cls"] for u in default[1:3]] == ["FSDPLlamaDecoderLayer"] * 2)
+    # the tail keeps its weights
+    assert all(u["reshard_to"] is None for u in custom) and [u["reshard_to"] for u in default] == [2, 2, 2, None, None]
     bf16 = launch(fsdp_settings, [FSDPConfig(mixed_precision="bf16")], nprocs=2)[0]
     assert {u["reduce_dtype"] for u in bf16} == {"torch.bfloat16"}  # accelerate's default: gradients reduced in the compute dtype
 
@@ -85,7 +96,8 @@ def test_reshard_to_smaller_groups_sits_between_true_and_false():
 def _train_cli(config: Path, tmp_path) -> subprocess.Popen:
     args = ["train", "--nproc", 2, "--model", "tiny", "--steps", 3, "--fsdp-config", config, "--json", tmp_path / f"{config.stem}.json"]
     if not load_fsdp_config(config).mixed_precision != "no": args.append("--check-parity")
-    return subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def test_train_runs_each_example_config_and_reports_it(tmp_path):
@@ -95,10 +107,12 @@ def test_train_runs_each_example_config_and_reports_it(tmp_path):
         assert proc.returncode == 0, err[-3000:]
         r, cfg = json.loads((tmp_path / f"{path.stem}.json").read_text()), load_fsdp_config(path)
         assert {k: v for k, v in r["config"].items() if k != "notes"} == {k: v for k, v in asdict(cfg).items() if k != "notes"}
-        assert r["units"][-1]["module"] == "" and len(r["units"]) == 5 and r["losses"][-1] < r["losses"][0]  # 2 layers, embeddings, tail, root
+        # 2 layers, embeddings, tail, root
+        assert r["units"][-1]["module"] == "" and len(r["units"]) == 5 and r["losses"][-1] < r["losses"][0]
         assert r["mesh"] == dict(dp_replicate=1, dp_shard=2, cp=1)  # the mesh it ran on, -1 filled in
         assert f"{len(r['units'])} FSDP units (the root included) by {cfg.auto_wrap_policy}" in out
-        assert r["timing"]["steps"] == 2 and re.search(r"step [\d.]+ ms \(median of 2, min [\d.]+, max [\d.]+; warm-up excluded\)", out), out
+        assert (r["timing"]["steps"] == 2
+                and re.search(r"step [\d.]+ ms \(median of 2, min [\d.]+, max [\d.]+; warm-up excluded\)", out)), out
         if r["max_param_diff"] is not None: assert r["max_param_diff"] <= 1e-4
 
 
@@ -122,8 +136,8 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
                                               stderr=subprocess.PIPE, text=True, env=os.environ | {"TMPDIR": str(tmp)})
     cp = run(tmps[0], "cp-eval", "--nproc", 2, "--cp", 2, "--fsdp-config", configs / "transformers_fsdp_config.json",
              "--json", tmp_path / "cp.json", "--quiet")  # also cp-eval's --quiet case of test_cli_contract.test_long_labs_print_...
-    qlora = run(tmps[1], "qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json", tmp_path / "q.json",
-                "--adapter-dir", tmp_path / "adapter")
+    qlora = run(tmps[1], "qlora", "--nproc", 2, "--steps", 3, "--fsdp-config", configs / "accelerate_fsdp_qlora.yaml", "--json",
+                tmp_path / "q.json", "--adapter-dir", tmp_path / "adapter")
     outputs = []
     for proc in (cp, qlora):
         outputs.append(proc.communicate(timeout=240))

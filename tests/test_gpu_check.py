@@ -30,16 +30,20 @@ def test_cpu_mode_end_to_end(tmp_path):
     rc, record, steps = run(tmp_path, "--only", "env,train,qlora,hf-native", "--limit", "qlora=4")
     assert list(steps) == ["env", "train", "qlora", "hf-native"]  # the plan's order, the steps asked for
     assert rc == 1  # a step timed out: the check as a whole did not pass
-    assert steps["env"]["status"] == "passed" and steps["env"]["result"]["device_type"] == "cpu" and steps["env"]["line"].startswith("cpu, backend gloo")
+    assert (steps["env"]["status"] == "passed" and steps["env"]["result"]["device_type"] == "cpu"
+            and steps["env"]["line"].startswith("cpu, backend gloo"))
     train = steps["train"]
     assert train["status"] == "passed" and train["command"].startswith("fsdp-kit train --nproc 1 --model tiny")
-    assert train["result"]["world_size"] == 1 and train["result"]["max_param_diff"] < 1e-6 and len(train["result"]["units"]) > 1  # FSDP2 on 1 rank
-    assert steps["qlora"]["status"] == "timed_out" and steps["qlora"]["limit_s"] == 4 and steps["qlora"]["seconds"] < 4 + 25  # stopped, not waited on
+    # FSDP2 on 1 rank
+    assert train["result"]["world_size"] == 1 and train["result"]["max_param_diff"] < 1e-6 and len(train["result"]["units"]) > 1
+    # stopped, not waited on
+    assert steps["qlora"]["status"] == "timed_out" and steps["qlora"]["limit_s"] == 4 and steps["qlora"]["seconds"] < 4 + 25
     assert steps["hf-native"]["status"] == "skipped" and "needs 2 GPUs" in steps["hf-native"]["line"]
     assert record["seconds"] < time.perf_counter() - start + 1
     # the notebooks' stored-record path, on this record: labelled as CPU mode, never as GPU numbers
     lines = stored_gpu_lines(["train", "hf-native", "hf-sft"], tmp_path / "records")
-    assert lines[0].startswith("stored CPU-mode record cpu-mode.json") and "NOT GPU numbers" in lines[0] and record["versions"]["torch"] in lines[0]
+    assert (lines[0].startswith("stored CPU-mode record cpu-mode.json") and "NOT GPU numbers" in lines[0]
+            and record["versions"]["torch"] in lines[0])
     assert lines[1].startswith("  train: passed") and "1 ranks" in lines[1] and lines[3] == "  hf-sft: not in this record"
     assert stored_gpu_lines(["train"], tmp_path / "empty")[0].startswith("no GPU record exists yet")
     # a GPU record, older or not, is shown before any CPU-mode one (its fields here only test the order)

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _children():
-    "This process's live children, except the kit's one TrainingArguments helper (fsdp_kit.upstream), which lives as long as this process on purpose."
+    "This process's live children, except the kit's one TrainingArguments helper (fsdp_kit.upstream)."
+    # that helper lives as long as this process, on purpose
     def helper(p):
         try: return "serve_plugin_args" in " ".join(p.cmdline())
         except psutil.NoSuchProcess: return True
@@ -45,7 +46,8 @@ def test_the_agent_starts_fresh_workers_when_a_fork_would_be_unsafe(tmp_path):
     (tmp_path/"call.pkl").write_bytes(pickle.dumps((started_with, (), "gloo", 60)))
     cmd = agent_command(str(tmp_path), 2)
     code = "import sys, peft; from fsdp_kit.launch import agent_main; agent_main(sys.argv[1:])"
-    subprocess.run([sys.executable, "-c", code, *cmd[4:]], timeout=150, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run([sys.executable, "-c", code, *cmd[4:]], timeout=150, check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert pickle.loads((tmp_path/"result.pkl").read_bytes()) == dict(forked=True, preloaded=[], session_leaders=2)
 
 
@@ -80,7 +82,8 @@ def test_hang_in_a_collective_fails_after_the_timeout():
     brief = info.value.brief()  # the user's frames only (a forked rank's stack starts in the caller's: this test), innermost last
     src, first = inspect.getsourcelines(hangs_on_rank_0)
     asleep = first + next(i for i, line in enumerate(src) if "time.sleep" in line)  # where rank 1 waits
-    assert brief.splitlines()[-1] == f"  tests/helpers.py:{asleep} in hangs_on_rank_0" and "site-packages" not in brief and "fsdp_kit/launch.py" not in brief, brief
+    assert (brief.splitlines()[-1] == f"  tests/helpers.py:{asleep} in hangs_on_rank_0" and "site-packages" not in brief
+            and "fsdp_kit/launch.py" not in brief), brief
     time.sleep(0.5)
     assert _children() == []
 
@@ -100,7 +103,8 @@ def test_nccl_without_a_gpu_and_a_spec_of_another_type_are_refused_in_one_line()
     from fsdp_kit.scale import scale_train_worker
     from fsdp_kit.train import TrainSpec
     check_arg_types(scale_train_worker, (TrainSpec(), None, 60))  # an optional spec left out is no wrong type (11_scale passes fault=None)
-    with pytest.raises(KitError, match=r"fault='TrainSpec' is not allowed: a FaultSpec"): check_arg_types(scale_train_worker, (TrainSpec(), TrainSpec()))
+    with pytest.raises(KitError, match=r"fault='TrainSpec' is not allowed: a FaultSpec"):
+        check_arg_types(scale_train_worker, (TrainSpec(), TrainSpec()))
     assert _children() == []
 
 
@@ -201,7 +205,8 @@ def test_many_forked_launches_in_a_row_never_hang():
 
 
 def test_an_interrupted_wait_kills_the_forked_workers():
-    "A BaseException in the caller while it waits (Ctrl-C in a notebook, pytest's timeout) ends the forked workers too: none is left for exit to wait on."
+    "A BaseException in the caller while it waits (Ctrl-C in a notebook, pytest's timeout) ends the forked workers too."
+    # none is left for exit to wait on.
     import multiprocessing, signal
     from tests.helpers import hangs_on_rank_0
 
@@ -219,12 +224,14 @@ def test_an_interrupted_wait_kills_the_forked_workers():
 
 @pytest.mark.timeout(180)
 def test_kernel_interrupt_during_a_launch_says_so_in_one_line(tmp_path):
-    "Kernel > Interrupt signals the kernel's whole process group, forked workers included: the kernel reports it in one line, no rank's traceback, and nothing is left running."
+    "Kernel > Interrupt signals the kernel's whole process group, forked workers included."
+    # the kernel reports it in one line, no rank's traceback, and nothing is left running.
     from jupyter_client.manager import start_new_kernel
     started = tmp_path / "started"
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT))
     try:
-        cell = f"from fsdp_kit.launch import launch\nfrom tests.helpers import all_reduce_forever\nlaunch(all_reduce_forever, {str(started)!r}, nprocs=2)"
+        cell = ("from fsdp_kit.launch import launch\nfrom tests.helpers import all_reduce_forever\nlaunch(all_reduce_forever, "
+                f"{str(started)!r}, nprocs=2)")
         msg_id, deadline = kc.execute(cell), time.monotonic() + 120
         while not started.exists():
             assert time.monotonic() < deadline, "the workers never started their loop"
@@ -238,7 +245,8 @@ def test_kernel_interrupt_during_a_launch_says_so_in_one_line(tmp_path):
             elif m["msg_type"] == "error": out.append("\n".join(m["content"]["traceback"]))
             elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle": break
         text = re.sub(r"\x1b\[[0-9;]*m", "", "".join(out))
-        assert text.rstrip().endswith("KeyboardInterrupt: all_reduce_forever on 2 process(es) was interrupted (SIGINT); every worker was stopped"), text[-3000:]
+        assert text.rstrip().endswith("KeyboardInterrupt: all_reduce_forever on 2 process(es) was interrupted (SIGINT); every worker was "
+                                      "stopped"), text[-3000:]
         assert "WorkerError" not in text and "SignalException" not in text and "death signal" not in text, text[-3000:]
         assert len(text.splitlines()) < 20, text  # the cell's line and the kit's, not a traceback per rank
         time.sleep(1)
@@ -249,7 +257,8 @@ def test_kernel_interrupt_during_a_launch_says_so_in_one_line(tmp_path):
 
 
 def test_sweep_tolerates_a_run_folder_removed_meanwhile(tmp_path, monkeypatch):
-    "Launches run side by side (nbval runs two notebooks at once): a folder listed by the sweep may be removed by its own launch before it is looked at."
+    "Launches run side by side (nbval runs two notebooks at once)."
+    # a folder listed by the sweep may be removed by its own launch before it is looked at.
     import tempfile
     from fsdp_kit import launch as launch_module
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))

@@ -28,7 +28,8 @@ def _snapshot(folder: Path) -> dict:
 
 
 def _kill_mid_training(proc, folder: Path, how: str, deadline=120, before=lambda: None) -> dict:
-    "Wait for a checkpoint, call `before()`, send `how`, and return what was seen: workers, seconds until they were gone, writes after that."
+    "Wait for a checkpoint, call `before()`, send `how`, and return what was seen."
+    # workers, seconds until they were gone, writes after that.
     start, seen = time.monotonic(), set()
     while not (folder / "latest").exists() or len(seen) < 3:  # torchrun and its two workers, and a first checkpoint
         assert proc.poll() is None and time.monotonic() - start < deadline, f"{how}: the run ended or stalled before its first checkpoint"
@@ -55,7 +56,9 @@ def test_killing_the_launcher_stops_every_worker_and_a_second_run_is_refused_mea
         from tests.badinput import Case, check_case
         check_case(Case("second-run", ["train", "--steps", 4, "--ckpt", tmp_path / "SIGTERM", "--resume"], 2,
                         f"is in use by another run (pid {runs['SIGTERM'].pid})"), tmp_path)
-    try: seen = {how: _kill_mid_training(proc, tmp_path / how, how, before=second_run if how == "SIGTERM" else lambda: None) for how, proc in runs.items()}
+    try:
+        seen = {how: _kill_mid_training(proc, tmp_path / how, how, before=second_run if how == "SIGTERM" else lambda: None) for how,
+                proc in runs.items()}
     finally:
         for proc in runs.values():
             if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL)
@@ -72,7 +75,8 @@ def test_killing_the_launcher_stops_every_worker_and_a_second_run_is_refused_mea
     for how in seen:
         latest = tmp_path / how / "latest"
         assert verify(latest) == [] and int(os.readlink(latest).removeprefix("step-")) >= 4
-        spec = TrainSpec(model="tiny", seq_len=32, steps=100_000, ckpt=CheckpointSpec(str(tmp_path / how), save_every=4, keep=3, resume=True))
+        spec = TrainSpec(model="tiny", seq_len=32, steps=100_000,
+                         ckpt=CheckpointSpec(str(tmp_path / how), save_every=4, keep=3, resume=True))
         assert check_resume(spec)[0] == latest.resolve(), how
     # the SIGKILLed command could not remove its temporary folder: its janitor did (test_leftovers.py checks every command)
     assert list(SESSION_TMP.glob("fsdp_kit_cmd_*")) == [] and list(SESSION_TMP.glob("fsdp_kit_run_*")) == []
@@ -101,7 +105,8 @@ def test_a_torchrun_command_line_runs_one_job(tmp_path):
     "The `torchrun ... -m fsdp_kit train` line the launch lesson prints: each rank runs in place, and rank 0 alone reports."
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fsdp_kit",
            "train", "--steps", "3", "--seq-len", "32", "--json", str(tmp_path / "out.json")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun's own logs
+    # torchrun's own logs
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("2 ranks, steps 1-3") == 1 and out.stdout.count("wrote ") == 1
     assert json.loads((tmp_path / "out.json").read_text())["world_size"] == 2
@@ -135,7 +140,8 @@ def full_disk(tmp_path):
 
 def test_json_on_a_full_disk_is_printed_not_lost(full_disk):
     from tests.badinput import Case, run_case
-    code, out, err = run_case(Case("json-full-disk", ["plan", "--model", "tiny", "--gpus", "2", "--json", f"{full_disk}/plan.json"], 2, ""), full_disk)
+    code, out, err = run_case(Case("json-full-disk", ["plan", "--model", "tiny", "--gpus", "2", "--json", f"{full_disk}/plan.json"], 2, ""),
+                              full_disk)
     assert code == 2 and "could not write it (No space left on device); the result was printed to stdout instead" in err
     assert json.loads(out[out.index("\n{") + 1:])["model"] == "tiny"  # the JSON is on stdout, after the plan's text
     assert sorted(p.name for p in full_disk.iterdir()) == ["fill"]  # no empty or partial file

@@ -6,7 +6,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _count_both():
-    "Every rank: count one FSDP2 step's collectives with comm_counter and with CommDebugMode, on a model without and with a module called twice."
+    "Every rank: count one FSDP2 step's collectives with comm_counter and with CommDebugMode."
+    # on a model without and with a module called twice
     import torch, torch.nn as nn
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
@@ -37,7 +38,11 @@ def _count_both():
 def test_comm_counter_counts_what_comm_debug_mode_counts_and_survives_a_module_called_twice():
     r = launch(_count_both, nprocs=2, timeout=60)
     counts, nbytes = r["kit_once"]
-    assert counts == r["torch_once"][0] == {"_allgather_base_": 4, "_reduce_scatter_base_": 2}, r  # c10d ops on gloo: a and b gathered in forward and again in backward; the root holds none
-    assert nbytes == {"all_gather": 4 * (16 * 16 + 16) * 4, "reduce_scatter": 2 * (16 * 16 + 16) * 4}  # each gathered / reduced buffer is one whole Linear in fp32
+    # c10d ops on gloo: a and b gathered in forward and again in backward; the root holds none
+    assert counts == r["torch_once"][0] == {"_allgather_base_": 4, "_reduce_scatter_base_": 2}, r
+    # each gathered / reduced buffer is one whole Linear in fp32
+    assert nbytes == {"all_gather": 4 * (16 * 16 + 16) * 4, "reduce_scatter": 2 * (16 * 16 + 16) * 4}
     assert r["kit_twice"] == r["kit_once"]  # the same collectives with the module called twice
-    assert r["torch_twice"].startswith("IndexError: "), r["torch_twice"]  # its module tracker pops its stack once too often, which is why the kit counts on its own; if torch fixes it, this line fails and says so
+    # its module tracker pops its stack once too often, which is why the kit counts on its own; if torch fixes it, this line fails and says
+    # so
+    assert r["torch_twice"].startswith("IndexError: "), r["torch_twice"]

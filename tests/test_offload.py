@@ -66,4 +66,5 @@ def test_grouped_by_site():
         for _ in range(3): t.to("cpu")
         t.to("cpu", torch.float64)
     site = f"{__name__}.test_grouped_by_site"
-    assert copies_by_site(calls) == {(site, "cpu -> cpu", False): dict(calls=3, bytes=120), (site, "cpu -> cpu", True): dict(calls=1, bytes=40)}
+    assert copies_by_site(calls) == {(site, "cpu -> cpu", False): dict(calls=3, bytes=120),
+                                     (site, "cpu -> cpu", True): dict(calls=1, bytes=40)}

@@ -8,7 +8,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_bad_settings_are_refused_naming_the_field():
     from fsdp_kit.errors import KitError
     from fsdp_kit.peft_guide import PeftSpec, method_config
-    for kw, start in ((dict(steps=0), "steps=0 is not allowed: a whole number >= 1"), (dict(lr=-1.0), "lr=-1.0 is not allowed: a finite number > 0"),
+    for kw, start in ((dict(steps=0), "steps=0 is not allowed: a whole number >= 1"),
+                      (dict(lr=-1.0), "lr=-1.0 is not allowed: a finite number > 0"),
                       (dict(best_max_steps=3), "best_max_steps=3 is not allowed: a whole number >= 4"),
                       (dict(seed=-1), "seed=-1 is not allowed: a whole number in 0 .. 4294967295")):
         with pytest.raises(KitError) as e: PeftSpec(**kw).check()
@@ -23,7 +24,8 @@ def test_the_seed_commands_are_whole_and_parsed():
     from fsdp_kit.peft_guide import SEED_COMMANDS, SEED_DIFF, command_flags
     lora, qlora = (dict(command_flags(SEED_COMMANDS[k])) for k in ("lora", "qlora"))
     assert len(command_flags(SEED_COMMANDS["lora"])) == 38 and len(command_flags(SEED_COMMANDS["qlora"])) == 41
-    assert lora["model_name_or_path"] == "meta-llama/Llama-2-70b-hf" and lora["push_to_hub"] is None and lora["use_4bit_quantization"] == "False"
+    assert (lora["model_name_or_path"] == "meta-llama/Llama-2-70b-hf" and lora["push_to_hub"] is None
+            and lora["use_4bit_quantization"] == "False")
     assert (qlora["per_device_train_batch_size"], qlora["gradient_accumulation_steps"], qlora["use_reentrant"]) == ("2", "2", "True")
     assert qlora["bnb_4bit_quant_storage_dtype"] == "bfloat16" and set(qlora) - set(lora) == {"use_nested_quant", "bnb_4bit_compute_dtype",
                                                                                            "bnb_4bit_quant_storage_dtype"}

@@ -26,8 +26,10 @@ def test_unknown_model_refused():
 
 
 def test_predictions_beside_real_runs():
-    "Six settings on 2 ranks in one launch (each checkpointing policy, LoRA on q and v, pure bf16 with chunked loss, optimizer in backward and offloaded activations): totals within 5%, collective bytes exact."
-    specs = [PlanSpec("small", 2, reshard_after_forward=False), PlanSpec("tiny", 2, activation_checkpointing=True), PlanSpec("tiny", 2, method="lora", lora_targets="q_proj,v_proj"),
+    "Six settings on 2 ranks in one launch: totals within 5%, collective bytes exact."
+    # each checkpointing policy, LoRA on q and v, pure bf16 with chunked loss, optimizer in backward and offloaded activations
+    specs = [PlanSpec("small", 2, reshard_after_forward=False), PlanSpec("tiny", 2, activation_checkpointing=True),
+             PlanSpec("tiny", 2, method="lora", lora_targets="q_proj,v_proj"),
              PlanSpec("tiny", 2, ac="selective-layer:2"), PlanSpec("tiny", 2, mixed_precision="bf16", ac="selective-op"),
              PlanSpec("tiny", 2, base_dtype="bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True)]
     result = validate(specs, launcher="notebook", timeout=120)
@@ -45,9 +47,12 @@ def test_stored_matrix_matches_planner():
     assert {r["config"]["world_size"] for r in stored["runs"]} == {1, 2, 4}
     assert {r["config"]["method"] for r in stored["runs"]} == {"full", "lora", "qlora"}
     specs = [PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"}) for r in stored["runs"]]
-    assert {s.policy_ac for s in specs} == {"none", "full", "selective-layer:2", "selective-op"}  # every kind of activation checkpointing, measured
-    assert {s.precision for s in specs} == {"fp32", "bf16-fp32-reduce", "pure-bf16"} and {s.lora_targets for s in specs if s.method != "full"} > {"all-linear"}
-    for term in ("ce_chunks", "optimizer_in_backward", "offload_activations"): assert any(getattr(s, term) for s in specs), term  # every term that runs on CPU
+    # every kind of activation checkpointing, measured
+    assert {s.policy_ac for s in specs} == {"none", "full", "selective-layer:2", "selective-op"}
+    assert ({s.precision for s in specs} == {"fp32", "bf16-fp32-reduce", "pure-bf16"}
+            and {s.lora_targets for s in specs if s.method != "full"} > {"all-linear"})
+    # every term that runs on CPU
+    for term in ("ce_chunks", "optimizer_in_backward", "offload_activations"): assert any(getattr(s, term) for s in specs), term
     for r in stored["runs"]:
         spec = PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"})
         config = plan_config(spec.model)
@@ -62,7 +67,8 @@ def test_units_follow_the_wrap_plan():
     config = plan_config("small")
     spec = PlanSpec("small", 4)
     us = units(model_tensors(config, spec), spec)
-    assert list(us)[:3] == ["root", "embed", "tail"] and len(us) == 3 + config.num_hidden_layers and us["root"].unsharded == 0  # apply_fsdp's units
+    # apply_fsdp's units
+    assert list(us)[:3] == ["root", "embed", "tail"] and len(us) == 3 + config.num_hidden_layers and us["root"].unsharded == 0
     assert sum(u.sharded for u in us.values()) * 4 == sum(t.padded_numel(4) * 4 for t in model_tensors(config, spec))
 
 
@@ -85,12 +91,14 @@ def test_recommend_fits_and_explains():
     r = recommend("llama-2-7b", gpus=2, gpu_mem_gb=40, method="full", batch=2, seq_len=2048)
     assert r["fits"] and r["plan"]["fits"] and r["plan"]["per_gpu_peak_bytes"] <= 40 * GB
     assert r["fitting"] <= r["candidates"] and any("chosen" in line for line in r["explanation"])
-    none = recommend("llama-2-70b", gpus=1, gpu_mem_gb=6, method="full", seq_len=2048)  # the smallest peak: 7.5 GB under accelerate-bf16 (9.4 with fp32 reduce)
+    # the smallest peak: 7.5 GB under accelerate-bf16 (9.4 with fp32 reduce)
+    none = recommend("llama-2-70b", gpus=1, gpu_mem_gb=6, method="full", seq_len=2048)
     assert not none["fits"] and "nothing fits" in none["explanation"]
 
 
 def test_recommend_says_what_it_minimises_and_each_line_its_own_reason():
-    "Each line names the best alternative and the criterion it lost on; a saver left off is not needed; 'more than' is never said of fewer bytes."
+    "Each line names the best alternative and the criterion it lost on; a saver left off is not needed."
+    # 'more than' is never said of fewer bytes.
     import re
     lines = recommend("llama-2-7b", gpus=8, gpu_mem_gb=24, method="full")["explanation"]
     assert "minimises the bytes each GPU moves per training token" in lines[0] and "not the GPU count" in lines[0]
@@ -98,9 +106,12 @@ def test_recommend_says_what_it_minimises_and_each_line_its_own_reason():
         more = re.search(r"moves ([\d.]+) MiB/token, more than ([\d.]+) MiB/token", line)
         assert not more or float(more[1]) > float(more[2]), line
     saver = {l.split("=")[0]: l for l in lines[2:]}
-    for name in ("offload_activations", "chunked cross-entropy (ce_chunks)", "optimizer_in_backward"):  # all three off here: no other line's reason
-        assert saver[name].endswith("not needed: it is tried only for settings that do not fit without it, and the chosen one fits without it"), saver[name]
-    assert "and it uses CPU offload" in saver["reshard_after_forward"]  # 21.96 MiB/token, fewer bytes, only with CPU offload (was 'more than 24.98')
+    # all three off here: no other line's reason
+    for name in ("offload_activations", "chunked cross-entropy (ce_chunks)", "optimizer_in_backward"):
+        assert saver[name].endswith("not needed: it is tried only for settings that do not fit without it, and the chosen one fits without "
+                                    "it"), saver[name]
+    # 21.96 MiB/token, fewer bytes, only with CPU offload (was 'more than 24.98')
+    assert "and it uses CPU offload" in saver["reshard_after_forward"]
     assert any(l.startswith("GPUs: 8 of up to 8: ") for l in lines)
 
 
@@ -111,7 +122,8 @@ def test_list_models_reads_the_stored_table_that_counting_gives():
 
 
 def test_recommend_says_which_criterion_decided():
-    "A tie in bytes names the criterion that broke it; a batch at the top of the search is not called the best that fits; a memory saver is used only where needed."
+    "A tie in bytes names the criterion that broke it; a batch at the top of the search is not called the best that fits."
+    # a memory saver is used only where needed.
     lines = recommend("llama-3-8b", gpus=8, gpu_mem_gb=80, method="lora", batch=8, seq_len=2048)["explanation"]
     ckpt = next(l for l in lines if l.startswith("activation checkpointing=none"))
     assert "the same bytes; none wins the tie over full: it recomputes less" in ckpt
@@ -121,24 +133,29 @@ def test_recommend_says_which_criterion_decided():
     r = recommend("llama-3-8b", gpus=2, gpu_mem_gb=80, method="full", batch=2, seq_len=4096)
     top, chosen = r["explanation"], r["plan"]["settings"]
     assert top[-1].startswith("batch 2 per GPU, the largest searched") and "1 GPUs" not in "".join(top)
-    assert chosen["ce_chunks"] == 8 and not chosen["optimizer_in_backward"] and not chosen["offload_activations"]  # the first saver that makes it fit
-    assert any(l.startswith("chunked cross-entropy (ce_chunks)=8: the best setting with chunked cross-entropy (ce_chunks)=0") and "more than" in l for l in top)
+    # the first saver that makes it fit
+    assert chosen["ce_chunks"] == 8 and not chosen["optimizer_in_backward"] and not chosen["offload_activations"]
+    assert any(l.startswith("chunked cross-entropy (ce_chunks)=8: the best setting with chunked cross-entropy (ce_chunks)=0")
+               and "more than" in l for l in top)
     without = plan_gpu("llama-3-8b", 2, 80, "full", batch=2, seq_len=4096, reshard=chosen["reshard"], ac=chosen["ac"])
     assert not without.fits  # the same setting without chunking does not fit: that is why it is on
 
 
 def test_bad_settings_refused():
-    for kwargs, field in ((dict(method="sft"), "method"), (dict(gpus=0), "gpus"), (dict(gpus=4, cp=3), "cp"), (dict(mixed_precision="fp8"), "mixed_precision"),
+    for kwargs, field in ((dict(method="sft"), "method"), (dict(gpus=0), "gpus"), (dict(gpus=4, cp=3), "cp"),
+                          (dict(mixed_precision="fp8"), "mixed_precision"),
                           (dict(gpu_mem_gb=0), "gpu_mem_gb"), (dict(base_dtype="int8"), "base_dtype"), (dict(ac="selective"), "ac"),
                           (dict(ac="selective-op", grad_ckpt=True), "ac"), (dict(ac="selective-layer:2", method="qlora"), "ac")):
         with pytest.raises(KitError, match=field): plan_gpu("llama-2-7b", **kwargs)
 
 
 def test_published_rows_explained():
-    "At least 12 figures from 3 sources, the median error at most 10%, every miss beyond 15% explained, each compared with the statistic it reports."
+    "At least 12 figures from 3 sources, the median error at most 10%, every miss beyond 15% explained."
+    # each compared with the statistic it reports
     import statistics
     rows = published_table()
-    assert len(rows) >= 12 and len({r["source"].split("/")[2] + r["source"].split("/")[3] for r in rows}) >= 3 and all(r["source"].startswith("https://") for r in rows)
+    assert (len(rows) >= 12 and len({r["source"].split("/")[2] + r["source"].split("/")[3] for r in rows}) >= 3
+            and all(r["source"].startswith("https://") for r in rows))
     assert statistics.median(abs(r["error"]) for r in rows) <= 0.10
     assert {r["reports"] for r in rows} >= {"reserved", "allocated", "nvidia-smi"}
     for r in rows: assert r["reserved_gb"][0] <= r["reserved_gb"][1]
@@ -153,7 +170,8 @@ def test_cli(cli, tmp_path):
     models = {m["name"]: m["parameters"] for m in json.loads(out.read_text())["models"]}
     assert models["llama-2-7b"] == 6_738_415_616 and len(models) >= 8
     out = tmp_path / "plan.json"  # the installed command, in a process of its own
-    r = cli("plan", "--model", "llama-3-8b", "--gpus", "4", "--gpu-mem-gb", "24", "--method", "lora", "--grad-ckpt", "--json", out, timeout=120)
+    r = cli("plan", "--model", "llama-3-8b", "--gpus", "4", "--gpu-mem-gb", "24", "--method", "lora", "--grad-ckpt", "--json", out,
+            timeout=120)
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
     assert p == json.loads(json.dumps(vars(plan_gpu("llama-3-8b", gpus=4, gpu_mem_gb=24, method="lora", grad_ckpt=True))))
@@ -161,7 +179,8 @@ def test_cli(cli, tmp_path):
 
 
 def test_checkpointing_policies_order_the_plan():
-    "On a GPU plan (the 8B shape torchtitan publishes, batch 2 x 8192): activations fall from none through selective-op and every 2nd layer to full, and the plan names its policy."
+    "On a GPU plan (the 8B shape torchtitan publishes, batch 2 x 8192)."
+    # activations fall from none through selective-op and every 2nd layer to full, and the plan names its policy.
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192)
     plans = {ac: plan_gpu("llama-3-8b", ac=ac, **kw) for ac in ("none", "selective-layer:2", "selective-op", "full")}
     act = {ac: p.breakdown.get("activations", 0) for ac, p in plans.items()}
@@ -174,8 +193,9 @@ def test_plan_json_fields_and_terms(tmp_path):
     "The command line's JSON: allocated and a reserved range beside the peak, and each memory saver that is on with the bytes it takes off."
     from tests.badinput import Case, run_case
     out = tmp_path / "plan.json"
+    # torchtitan's reduce
     argv = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--gpu-mem-gb", "96", "--method", "full", "--batch", "2", "--seq-len", "8192",
-            "--ac", "selective-op", "--chunked-ce", "--optimizer-in-backward", "--precision", "bf16-fp32-reduce", "--json", out]  # torchtitan's reduce
+            "--ac", "selective-op", "--chunked-ce", "--optimizer-in-backward", "--precision", "bf16-fp32-reduce", "--json", out]
     code, _, err = run_case(Case("plan-terms", argv, 0, ""), tmp_path)
     assert code == 0, err
     p = json.loads(out.read_text())
@@ -183,15 +203,20 @@ def test_plan_json_fields_and_terms(tmp_path):
     assert p["per_gpu_allocated_bytes"] == low < high < p["per_gpu_peak_bytes"] + p["per_gpu_allocated_bytes"]
     assert p["settings"]["ce_chunks"] == 8 and set(p["terms"]) == {"ac", "ce_chunks", "optimizer_in_backward"}
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192, ac="selective-op", ce_chunks=8, optimizer_in_backward=True, reduce_dtype="fp32")
-    assert p["settings"]["precision"] == "bf16-fp32-reduce" and p["terms"]["ce_chunks"] == plan_gpu("llama-3-8b", **kw | dict(ce_chunks=0)).per_gpu_allocated_bytes - p["per_gpu_allocated_bytes"] > 0
-    # its peak falls in the last layer's backward, where the only reduced gradients are the tail's (lm_head's, 1/8 of 128256 x 4096 in fp32): stepped and freed at once
+    assert (p["settings"]["precision"] == "bf16-fp32-reduce"
+            and p["terms"]["ce_chunks"] == plan_gpu("llama-3-8b",
+                                                    **kw | dict(ce_chunks=0)).per_gpu_allocated_bytes - p["per_gpu_allocated_bytes"] > 0)
+    # its peak falls in the last layer's backward, where the only reduced gradients are the tail's (lm_head's, 1/8 of 128256 x 4096 in
+    # fp32): stepped and freed at once
     assert 0.99 * 128256 * 4096 / 8 * 4 < p["terms"]["optimizer_in_backward"] < 1.01 * 128256 * 4096 / 8 * 4
-    lean = plan_gpu("llama-3-8b", **kw, offload_activations=True)  # with activations offloaded the peak moves to where reduced gradients pile up
+    # with activations offloaded the peak moves to where reduced gradients pile up
+    lean = plan_gpu("llama-3-8b", **kw, offload_activations=True)
     assert lean.terms["optimizer_in_backward"] > 0 and lean.terms["offload_activations"] > 0
 
 
 def test_each_term_moves_its_own_bytes():
-    "Pure bf16 halves the stored weights and optimizer state; float8 all-gather shrinks what is gathered; offloaded activations leave only rope's tables; LoRA on q, v trains fewer adapters."
+    "Pure bf16 halves the stored weights and optimizer state; float8 all-gather shrinks what is gathered."
+    # offloaded activations leave only rope's tables; LoRA on q, v trains fewer adapters.
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192)
     mixed, pure = plan_gpu("llama-3-8b", **kw), plan_gpu("llama-3-8b", **kw, mixed_precision="no", base_dtype="bf16")
     assert pure.settings["precision"] == "pure-bf16" and pure.breakdown["optimizer_state"] < 0.51 * mixed.breakdown["optimizer_state"]
@@ -199,13 +224,15 @@ def test_each_term_moves_its_own_bytes():
     assert fp8.communication["all_gather"]["bytes"] < 0.6 * mixed.communication["all_gather"]["bytes"]
     assert fp8.communication["reduce_scatter"] == mixed.communication["reduce_scatter"]
     off = plan_gpu("llama-3-8b", **kw, offload_activations=True)
-    assert off.breakdown["activations"] < 0.01 * mixed.breakdown["activations"] and off.communication["host_device"]["bytes"] > 0 and off.host_bytes > 0
+    assert (off.breakdown["activations"] < 0.01 * mixed.breakdown["activations"] and off.communication["host_device"]["bytes"] > 0
+            and off.host_bytes > 0)
     qv, every = (plan_gpu("llama-3-8b", **kw, method="lora", lora_targets=t) for t in ("q_proj,v_proj", "all-linear"))
     assert qv.breakdown["optimizer_state"] < every.breakdown["optimizer_state"]
 
 
 def test_chunked_loss_optimizer_in_backward_and_offload_change_no_number():
-    "On one process: the chunked loss equals the model's own, AdamW in backward updates as AdamW does, offloaded activations give the same gradients."
+    "On one process: the chunked loss equals the model's own, AdamW in backward updates as AdamW does."
+    # and offloaded activations give the same gradients
     import torch
     from fsdp_kit.models import build_model, model_config, synthetic_tokens
     from fsdp_kit.ac import causal_lm_loss, OptimizerInBackward, activations_on_host
@@ -223,7 +250,8 @@ def test_chunked_loss_optimizer_in_backward_and_offload_change_no_number():
 
 
 def test_planner_table_is_the_planners():
-    "The docs' planner page reads a stored table (`fsdp-kit plan --export-table`): its grid is PLANNER_GRID and every sampled plan is what plan_gpu says now."
+    "The docs' planner page reads a stored table (`fsdp-kit plan --export-table`)."
+    # its grid is PLANNER_GRID and every sampled plan is what plan_gpu says now.
     import itertools
     from fsdp_kit.plan_gpu import PLANNER_GRID, plan_line
     stored = json.loads((ROOT / "examples" / "plan" / "planner_table.json").read_text())
@@ -234,18 +262,21 @@ def test_planner_table_is_the_planners():
         p = plan_gpu(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
         peak, allocated, moment = stored["plans"][i]
         assert (peak, allocated, stored["moments"][moment]) == (p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment), s
-        assert plan_line(peak, allocated, stored["moments"][moment], 80) == plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, 80)
+        assert plan_line(peak, allocated, stored["moments"][moment], 80) == plan_line(
+            p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, 80)
 
 
 def test_first_principles_and_the_tracker_names_keep_every_byte():
-    "The textbook terms: 16 bytes per parameter over N ranks for fp32 AdamW, 8 in pure bf16; the correction is exactly measured minus them; naming bytes as the tracker does moves no byte."
+    "The textbook terms: 16 bytes per parameter over N ranks for fp32 AdamW, 8 in pure bf16."
+    # the correction is exactly measured minus them; naming bytes as the tracker does moves no byte.
     from fsdp_kit.plan import state_terms, first_principles, tracker_correction, moments
     from fsdp_kit.plan_validate import as_tracked
     config, P = plan_config("llama-2-7b"), count_parameters("llama-2-7b")
     for spec, per_param in ((PlanSpec("llama-2-7b", 8), 16), (PlanSpec("llama-2-7b", 8, base_dtype="bf16"), 8)):
         s = state_terms(config, spec)
         assert abs(s["sharded_params"] + s["sharded_grads"] + s["adam_moments"] - per_param * P / 8) <= 8, (spec.label(), s)
-        assert s["adam_steps"] == 4 * len(model_tensors(config, spec)) > 0  # one float32 step per trainable tensor: all of them in a full fine-tune
+        # one float32 step per trainable tensor: all of them in a full fine-tune
+        assert s["adam_steps"] == 4 * len(model_tensors(config, spec)) > 0
     stored = json.loads((ROOT / "examples" / "plan" / "validation.json").read_text())
     for r in stored["runs"][:12]:
         spec = PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"})
@@ -258,23 +289,27 @@ def test_first_principles_and_the_tracker_names_keep_every_byte():
         assert all(first.get(k, 0) + v == measured.get(k, 0) for k, v in correction.items()), r["config"]["label"]
         for name, m in moments(config, spec):
             tracked = as_tracked(name, m)
-            assert sum(tracked.values()) == sum(m.values()) and (name != "optimizer step" or "temporaries" not in tracked), (r["config"]["label"], name)
+            assert (sum(tracked.values()) == sum(m.values())
+                    and (name != "optimizer step" or "temporaries" not in tracked)), (r["config"]["label"], name)
 
 
 def test_validate_picks_the_cuda_matrix_only_with_cuda(monkeypatch):
-    "plan --validate's choice of settings: the CPU matrix without CUDA, the CUDA one (on min(--nproc, GPUs)) with it; CUDA is mocked for the choice only."
+    "plan --validate's choice of settings: the CPU matrix without CUDA, the CUDA one (on min(--nproc, GPUs)) with it."
+    # CUDA is mocked for the choice only.
     import torch
     from fsdp_kit import plan_validate
     from fsdp_kit.plan import count_parameters
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan_validate.validation_settings(2) == ("cpu", plan_validate.validation_matrix(2) + plan_validate.held_out_matrix(2))  # held out last
+    # held out last
+    assert plan_validate.validation_settings(2) == ("cpu", plan_validate.validation_matrix(2) + plan_validate.held_out_matrix(2))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for gpus, nproc, world in ((1, 2, 1), (8, 2, 2), (8, 8, 8)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
         device, specs = plan_validate.validation_settings(nproc)
         assert device == "cuda" and {s.world_size for s in specs} == {world} and specs == plan_validate.cuda_validation_matrix(world)
     labels = [s.label() for s in specs]
-    assert {"small w8 full layer reshard fp32 s512", "llama-3.2-1b w8 full layer reshard fp32 s1024", "llama-3.2-1b w8 full layer reshard bf16 s1024",
+    assert {"small w8 full layer reshard fp32 s512", "llama-3.2-1b w8 full layer reshard fp32 s1024",
+            "llama-3.2-1b w8 full layer reshard bf16 s1024",
             "llama-3.2-1b w8 full layer reshard bf16 s1024 ac", "llama-3.2-1b w8 lora layer reshard bf16 s1024",
             "llama-3.2-1b w8 qlora layer reshard bf16 s1024", "llama-3.2-1b w8 full layer reshard bf16 s1024 ac offload"} <= set(labels)
     assert len(set(labels)) == len(labels) and all(s.check() for s in specs)

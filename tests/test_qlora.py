@@ -23,7 +23,8 @@ for shape in shapes:
         torch.manual_seed(0)
         weight = torch.randn(shape)
         try:
-            p = bnb.nn.Params4bit(weight, requires_grad=False, quant_storage=getattr(torch, storage), compress_statistics=True, quant_type="nf4")._quantize("cpu")
+            p = bnb.nn.Params4bit(weight, requires_grad=False, quant_storage=getattr(torch, storage), compress_statistics=True,
+                                  quant_type="nf4")._quantize("cpu")
         except RuntimeError as e:
             out.append(dict(shape=shape, storage=storage, error=str(e)[:200])); continue
         s = p.quant_state
@@ -40,7 +41,8 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def bnb_storage():
     "What bitsandbytes really stores for each shape and storage dtype, measured in a subprocess."
-    proc = subprocess.run([sys.executable, "-c", BNB_PROBE, json.dumps([SHAPES, STORAGES])], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", BNB_PROBE, json.dumps([SHAPES, STORAGES])], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return {(tuple(r["shape"]), r["storage"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
 
@@ -64,7 +66,8 @@ def test_packed_shape_equals_bitsandbytes(bnb_storage, storage):
         assert real["dtype"] == f"torch.{storage}"
         odd_seen += math.prod(shape) % 2
     assert odd_seen >= 1  # odd code counts, whose last byte is half padding, were compared
-    assert refused_seen == (0 if storage == "uint8" else sum(1 for s in SHAPES if ((math.prod(s) + 1) // 2) % (params_per_element(storage) // 2)))
+    assert refused_seen == (0 if storage == "uint8"
+                            else sum(1 for s in SHAPES if ((math.prod(s) + 1) // 2) % (params_per_element(storage) // 2)))
 
 
 def test_quant_state_bytes_equal_bitsandbytes(bnb_storage):
@@ -126,21 +129,24 @@ def test_cli_guards_exit_2_without_traceback(tmp_path, args, text):
         assert ("--quant-storage" in err or "quant_storage" in err) and "param_dtype" in err
     if args[:2] == ["--quant-storage", "float32"]:  # PEFT's rule in the kit's terms, and both ways out, as options
         assert "the storage dtype is the dtype the other parameters are in" in err and "float32 under autocast" in err
-        assert "Type --quant-storage=bfloat16 --mixed-precision=bf16, or" in err and "--quant-storage=float32 --mixed-precision=no --autocast=bf16" in err
+        assert ("Type --quant-storage=bfloat16 --mixed-precision=bf16, or" in err
+                and "--quant-storage=float32 --mixed-precision=no --autocast=bf16" in err)
 
 
 def test_autocast_spec():
     assert QLoRASpec(quant_storage="float32", autocast="bf16").check().param_dtype == "float32"
     assert QLoRASpec(quant_storage="float32", autocast="bf16").config.mixed_precision == "no"  # FSDP casts nothing
-    assert QLoRASpec(quant_storage="bfloat16", mixed_precision="bf16", autocast="bf16").check().param_dtype == "bfloat16"  # accelerate's bf16: both
+    # accelerate's bf16: both
+    assert QLoRASpec(quant_storage="bfloat16", mixed_precision="bf16", autocast="bf16").check().param_dtype == "bfloat16"
     with pytest.raises(KitError, match="Did you mean 'bf16'"): QLoRASpec(autocast="torch.bfloat16").check()
     with pytest.raises(KitError, match="autocast=bf16"): QLoRASpec(quant_storage="float32", mixed_precision="bf16", autocast="bf16").check()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three storages in one launch: bfloat16 (10 steps, adapter saved to a folder), uint8 and float32 (2 steps each), then float32 under bf16 autocast. The command
-    line's `fsdp-kit qlora` (with --adapter-dir) is run by tests/test_fsdp_config_runs.py::test_qlora_and_cp_eval_run_the_users_config."""
+    """The three storages in one launch: bfloat16 (10 steps, adapter saved to a folder), uint8 and float32 (2 steps each).
+    Then float32 under bf16 autocast. The command line's `fsdp-kit qlora` (with --adapter-dir) is run by
+    tests/test_fsdp_config_runs.py::test_qlora_and_cp_eval_run_the_users_config."""
     from dataclasses import asdict
     from fsdp_kit.launch import launch
     from tests.helpers import qlora_each
@@ -191,7 +197,8 @@ def test_bfloat16_trains_matches_saves_and_saves_memory(runs):
 
 
 def test_other_storages(runs):
-    "uint8 storage without mixed precision (bf16 compute), and float32 storage with no mixed precision (fp32 compute): both pack, shard, match one process at every step and save their adapter."
+    "uint8 storage without mixed precision (bf16 compute), and float32 storage with no mixed precision (fp32 compute)."
+    # both pack, shard, match one process at every step and save their adapter.
     _, results, specs = runs
     for spec, r in zip(specs[1:3], results[1:3]):
         assert r["param_dtype"] is None  # uint8: no mixed precision; fp32 is accelerate's "no"
@@ -201,13 +208,16 @@ def test_other_storages(runs):
 
 
 def test_float32_storage_under_autocast(runs):
-    "PEFT's 'float32 storage for automatic mixed precision': float32 parameters and storage, FSDP casts nothing, the forward under bf16 autocast."
+    "PEFT's 'float32 storage for automatic mixed precision'."
+    # float32 parameters and storage, FSDP casts nothing, the forward under bf16 autocast.
     _, results, specs = runs
     r = results[3]
-    assert specs[3].autocast == "bf16" and r["autocast"] == "bf16" and r["param_dtype"] == "float32" and r["config"]["mixed_precision"] == "no"
+    assert (specs[3].autocast == "bf16" and r["autocast"] == "bf16" and r["param_dtype"] == "float32"
+            and r["config"]["mixed_precision"] == "no")
     assert r["compute_dtype"] == "bfloat16"  # autocast ran the 4-bit matmuls in bf16
     g = r["gathered_codes"]
-    assert g["intact"] == g["weights"] == 14 and g["bytes_gathered"] == g["bytes_before"] and g["gathered_dtypes"] == g["stored_dtypes"] == ["float32"]
+    assert (g["intact"] == g["weights"] == 14 and g["bytes_gathered"] == g["bytes_before"]
+            and g["gathered_dtypes"] == g["stored_dtypes"] == ["float32"])
     assert sorted(r["changed_parameters"]) == sorted(r["trainable_parameters"]) and all("lora_" in n for n in r["changed_parameters"])
     assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < 3e-3 and r["adapter"]["reload_loss_diff"] < 1e-4
     assert r["peak_bytes"]["qlora"][0] > results[0]["peak_bytes"]["qlora"][0]  # float32 storage costs more memory than bfloat16

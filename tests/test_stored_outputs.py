@@ -1,4 +1,5 @@
-"""What the notebooks store and draw: no machine paths or library warnings in stored outputs, and one colour per memory category in every figure."""
+"""What the notebooks store and draw."""
+# no machine paths or library warnings in stored outputs, and one colour per memory category in every figure.
 import json, re
 from types import SimpleNamespace
 import pytest
@@ -37,7 +38,8 @@ def test_stored_outputs_hold_no_machine_paths_and_no_warnings(nb):
 def test_the_scan_finds_what_it_looks_for(tmp_path):
     nb = tmp_path / "x.ipynb"
     cells = [dict(id="a", cell_type="code", outputs=[dict(output_type="stream", name="stdout", text=["saved to /tmp/x/y\n"])]),
-             dict(id="b", cell_type="code", outputs=[dict(output_type="stream", name="stderr", text=["/v/lib/site-packages/t.py:3: UserWarning: x\n"])])]
+             dict(id="b", cell_type="code",
+                  outputs=[dict(output_type="stream", name="stderr", text=["/v/lib/site-packages/t.py:3: UserWarning: x\n"])])]
     nb.write_text(json.dumps(dict(cells=cells)))
     kinds = [(cid, kind) for cid, kind, text in _outputs(nb)]
     assert kinds == [("a", "stdout"), ("b", "stderr")]
@@ -64,13 +66,15 @@ def test_every_memory_figure_draws_a_category_in_its_one_colour():
     fig = plot_categories(dict(a=peak, b=peak))
     assert _bar_colours(fig.axes[0]) == {c: CATEGORY_COLOURS[c] for c in CATEGORIES.values()}
     plt.close(fig)
-    result = SimpleNamespace(model="tiny", world_size=2, quant_storage="bfloat16", peak_by_category=dict(bf16_lora=[peak, peak], qlora=[peak, peak]))
+    result = SimpleNamespace(model="tiny", world_size=2, quant_storage="bfloat16",
+                             peak_by_category=dict(bf16_lora=[peak, peak], qlora=[peak, peak]))
     fig = plot_memory(result)
     left, right = (_bar_colours(ax) for ax in fig.axes[:2])
     assert left == {c: CATEGORY_COLOURS[c] for c in CATEGORIES.values()} and right == {c: CATEGORY_COLOURS[c] for c in PARAMETER_CATEGORIES}
     plt.close(fig)
     run = dict(config=dict(world_size=2, label="x"), measured_bytes=2**20, predicted_bytes=2**20, peak_moment="loss backward",
-               measured_by_category=dict(activations=2**20, all_gather_buffers=2**19), predicted_by_category=dict(activations=2**20, all_gather_buffers=2**19))
+               measured_by_category=dict(activations=2**20, all_gather_buffers=2**19),
+               predicted_by_category=dict(activations=2**20, all_gather_buffers=2**19))
     fig = plot_validation(dict(runs=[run], max_abs_error=0.0))
     dots = {c.get_label(): to_hex(c.get_facecolor()[0]) for c in fig.axes[1].collections if c.get_label() in CATEGORY_COLOURS}
     assert dots == {c: CATEGORY_COLOURS[c] for c in ("activations", "all_gather_buffers")}

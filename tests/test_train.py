@@ -24,7 +24,8 @@ def test_hsdp_shards_within_a_replica_and_trains_like_one_process(tmp_path):
 
 
 def test_other_architectures_train_like_one_process():
-    "Qwen2 (GQA) and Mistral built from their config.json files, one launch: losses fall and match one process (the tiny Llama's parity is the training lesson's, nbs/01_train.ipynb)."
+    "Qwen2 (GQA) and Mistral built from their config.json files, one launch."
+    # losses fall and match one process (the tiny Llama's parity is the training lesson's, nbs/01_train.ipynb).
     from fsdp_kit.launch import launch
     from tests.helpers import train_each
     specs = [TrainSpec(model=str(EXAMPLES / n / "config.json"), steps=10, check_parity=True) for n in ("qwen2-tiny", "mistral-tiny")]

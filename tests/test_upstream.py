@@ -1,4 +1,5 @@
-"""`fsdp-kit hf --fsdp-config FILE --json` reports what accelerate launch / TrainingArguments build from FILE: checked here against accelerate and transformers called directly, for every upstream-style file."""
+"""`fsdp-kit hf --fsdp-config FILE --json` reports what accelerate launch / TrainingArguments build from FILE."""
+# checked here against accelerate and transformers called directly, for every upstream-style file.
 import json, os, subprocess, sys
 from unittest import mock
 import pytest
@@ -35,7 +36,8 @@ def is_accelerate(path) -> bool:
 def training_arguments_process():
     "A process computing TrainingArguments for every JSON file, started before the reports so that the two overlap."
     paths = [str(p) for p in FILES if not is_accelerate(p)]
-    proc = subprocess.Popen([sys.executable, "-c", TRAINING_ARGUMENTS, *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=FRESH)
+    proc = subprocess.Popen([sys.executable, "-c", TRAINING_ARGUMENTS, *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=FRESH)
     yield proc
     proc.kill(); proc.wait()
 
@@ -60,18 +62,21 @@ def reports(training_arguments_process, tmp_path_factory):
 
 
 def a_gpu_for_fsdp1():
-    "FSDP1 with sync_module_states asks for the current GPU: accelerate <= 1.15 through is_cuda_available, >= 1.16 through get_torch_accelerator_backend."
+    "FSDP1 with sync_module_states asks for the current GPU."
+    # accelerate <= 1.15 through is_cuda_available, >= 1.16 through get_torch_accelerator_backend.
     import contextlib, torch
     import accelerate.utils.dataclasses as dc
     stack = contextlib.ExitStack()
-    if hasattr(dc, "get_torch_accelerator_backend"): stack.enter_context(mock.patch.object(dc, "get_torch_accelerator_backend", return_value=("cuda", torch.cuda)))
+    if hasattr(dc, "get_torch_accelerator_backend"):
+        stack.enter_context(mock.patch.object(dc, "get_torch_accelerator_backend", return_value=("cuda", torch.cuda)))
     else: stack.enter_context(mock.patch.object(dc, "is_cuda_available", return_value=True))
     stack.enter_context(mock.patch("torch.cuda.current_device", return_value=0))
     return stack
 
 
 def upstream_plugin(path, trainer_args):
-    "accelerate's FSDP plugin as the file's entry point builds it, with accelerate's and transformers' own calls (a GPU lookup stubbed for FSDP1)."
+    "accelerate's FSDP plugin as the file's entry point builds it, with accelerate's and transformers' own calls."
+    # a GPU lookup is stubbed for FSDP1
     from accelerate.commands.launch import launch_command_parser, _validate_launch_command
     from accelerate.utils.launch import prepare_multi_gpu_env
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -97,18 +102,22 @@ def expected_reading(plugin, mixed, parallelism) -> dict:
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
     v2 = plugin.fsdp_version == 2
-    policy = {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP", None: "NO_WRAP"}[plugin.auto_wrap_policy]
+    policy = {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP",
+              None: "NO_WRAP"}[plugin.auto_wrap_policy]
     mp = plugin.mixed_precision_policy
     names = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
     return dict(fsdp_version=plugin.fsdp_version,
-                reshard_after_forward=plugin.reshard_after_forward if v2 else FSDP_SHARDING_STRATEGY[(plugin.sharding_strategy or plugin.reshard_after_forward).value - 1],
+                reshard_after_forward=plugin.reshard_after_forward if v2
+                else FSDP_SHARDING_STRATEGY[(plugin.sharding_strategy or plugin.reshard_after_forward).value - 1],
                 auto_wrap_policy=policy, transformer_layer_cls_to_wrap=list(plugin.transformer_cls_names_to_wrap or []),
                 min_num_params=plugin.min_num_params if policy == "SIZE_BASED_WRAP" else 0,
                 cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy) if v2 else plugin.cpu_offload.offload_params,
-                mixed_precision=mixed, reduce_dtype=None if mp is None or mp.reduce_dtype == mp.param_dtype else names[str(mp.reduce_dtype)],
+                mixed_precision=mixed, reduce_dtype=None if mp is None or mp.reduce_dtype == mp.param_dtype
+                else names[str(mp.reduce_dtype)],
                 activation_checkpointing=plugin.activation_checkpointing, state_dict_type=plugin.state_dict_type.name,
                 cpu_ram_efficient_loading=plugin.cpu_ram_efficient_loading,
-                parallelism_config=None if parallelism is None else {k: getattr(parallelism, k) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")})
+                parallelism_config=None if parallelism is None
+                else {k: getattr(parallelism, k) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")})
 
 
 def test_enough_upstream_style_files():

@@ -1,4 +1,5 @@
-"The versions matrix: its stored file, the grid, the environments, the doctor's verdict, and every version-dependent sentence of the lessons naming its version."
+("The versions matrix: its stored file, the grid, the environments, the doctor's verdict, and every version-dependent sentence of the "
+ "lessons naming its version.")
 import json, re
 import pytest
 from fsdp_kit.versions import (LIBS, PROBES, STATUS, CHANGES, grid, minors, supported_oldest, load_matrix, versions_verdict, make_env,
@@ -28,7 +29,8 @@ def test_the_newest_combination_passes_every_probe_and_is_what_the_ranges_allow(
 
 
 def test_the_grid_varies_one_library_at_a_time():
-    releases = dict(accelerate=["1.16.0", "1.15.0", "1.14.0"], transformers=["5.25.0", "5.24.0"], peft=["0.21.2"], trl=["1.16.0"], bitsandbytes=["0.50.2"])
+    releases = dict(accelerate=["1.16.0", "1.15.0", "1.14.0"], transformers=["5.25.0", "5.24.0"], peft=["0.21.2"], trl=["1.16.0"],
+                    bitsandbytes=["0.50.2"])
     oldest = dict(accelerate="1.14.0", transformers="5.24.0", peft="0.21.2", trl="1.16.0", bitsandbytes="0.50.2")
     combos = grid(releases, oldest)
     assert [c["name"] for c in combos] == ["newest", "accelerate 1.15.0", "accelerate 1.14.0", "transformers 5.24.0", "oldest supported"]
@@ -76,5 +78,6 @@ def test_every_sentence_on_a_changed_behaviour_names_its_versions():
     changed = [c for c in CHANGES if any(change_of(k, name) is c for combo in M["combos"] for name, p in combo["probes"].items()
                                          for k, _, _ in p.get("diff", []))]
     assert changed
-    bad = [(nb, s[:160]) for nb, s in sentences() for c in changed if any(w in s for w in c["words"]) and c["lib"] in s and not VERSION.search(s)]
+    bad = [(nb, s[:160]) for nb, s in sentences() for c in changed if any(w in s for w in c["words"]) and c["lib"] in s
+           and not VERSION.search(s)]
     assert not bad, bad

@@ -1,4 +1,6 @@
-"""The script `fsdp-kit doctor` runs on the twin of the user's model, through the entry point the user's FSDP file belongs to.
+"""The script `fsdp-kit doctor` runs on the twin of the user's model, through the user's entry point.
+
+It runs through the entry point the user's FSDP file belongs to:
 
     accelerate launch --config_file USER.yaml --num_processes 2 -m fsdp_kit.examples.doctor_twin RUN_FOLDER
     torchrun --standalone --nproc-per-node 2 -m fsdp_kit.examples.doctor_twin RUN_FOLDER      (a transformers fsdp_config JSON)

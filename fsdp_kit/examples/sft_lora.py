@@ -1,4 +1,6 @@
-"""Supervised fine-tuning with LoRA or QLoRA under FSDP2, after PEFT's examples/sft/train.py: TRL's SFTTrainer, LoRA on all-linear.
+"""Supervised fine-tuning with LoRA or QLoRA under FSDP2, after PEFT's examples/sft/train.py.
+
+TRL's SFTTrainer, LoRA on all-linear:
 
     accelerate to-fsdp2 --config_file examples/fsdp_configs/accelerate_fsdp_lora.yaml --output_file runs/fsdp2.yaml
     accelerate launch --config_file runs/fsdp2.yaml --num_processes 2 examples/sft_lora.py \
