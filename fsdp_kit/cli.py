@@ -148,7 +148,7 @@ def _cmd_train(a):
     from fsdp_kit.train import TrainSpec
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
-    cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype)
+    cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype, ac=a.ac)
     ckpt = None
     if a.ckpt:
         state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
@@ -157,7 +157,7 @@ def _cmd_train(a):
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
-                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt, ac=a.ac,
+                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt,
                      layout=a.layout).check(a.nnodes * a.nproc)
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8))
@@ -206,13 +206,12 @@ def _override(flag: str, value, field: str, was, source: str):
 
 def fsdp_config(a, **flags):
     "The FSDPConfig a command runs: --fsdp-config's file (or the defaults), with the flags that duplicate one of its fields laid over it."
-    from dataclasses import replace
-    from fsdp_kit.config import FSDPConfig, load_fsdp_config
-    cfg = load_fsdp_config(a.fsdp_config) if a.fsdp_config else FSDPConfig()
+    from fsdp_kit.config import FSDPConfig, load_fsdp_config, override
+    read = load_fsdp_config(a.fsdp_config) if a.fsdp_config else FSDPConfig()
     given = {k: v for k, v in flags.items() if v is not None}
+    cfg = override(read, **given)  # another --ac beside a file's activation_checkpointing true is refused here
     for k, v in given.items():
-        if a.fsdp_config: _override(f"--{k.replace('_', '-')}", v, k, getattr(cfg, k), a.fsdp_config)
-    cfg = replace(cfg, **given).check()
+        if a.fsdp_config: _override(f"--{k.replace('_', '-')}", v, k, getattr(read, k), a.fsdp_config)
     if a.fsdp_config:
         for note in cfg.notes: print(f"  {note}", file=sys.stderr)
     return cfg

@@ -21,7 +21,7 @@ from .errors import bad_value, require_whole
 from .config import EXAMPLES, FSDPConfig, POLICIES
 from .spec import RunSpec
 from .models import PRESETS, model_config, build_model, read_config_json
-from .ac import ac_policy, parse_ac
+from .ac import parse_ac
 from .lora import LINEARS, lora_targets
 
 # %% ../nbs/08_plan.ipynb #0752fdfc
@@ -38,7 +38,7 @@ class PlanSpec(RunSpec):
     lora_r:int=8 # LoRA rank
     cpu_offload:bool=False # sharded params, grads and optimizer state in host memory
     base_dtype:str=None # dtype the model's weights are loaded and kept in: None for fp32 (full) or bf16 (LoRA/QLoRA's frozen base); "bf16" on a full fine-tune is pure bf16, "fp32" on LoRA is what peft's example script loads
-    ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: "full" if activation_checkpointing, else "none"
+    ac:str=None # activation checkpointing policy (fsdp_kit.config.AC_POLICIES); None: "full" if activation_checkpointing, else "none"
     lora_targets:str="all-linear" # the Linears LoRA adapts: all-linear, or names joined by commas (fsdp_kit.lora.lora_targets)
     ce_chunks:int=0 # the loss computed in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward, each gradient freed once used (fsdp_kit.ac.OptimizerInBackward)
@@ -84,8 +84,11 @@ class PlanSpec(RunSpec):
 
     @property
     def policy_ac(self) -> str:
-        "The activation checkpointing policy this setting runs, as `fsdp_kit.ac.ac_policy` reads `ac` beside the config (a conflict is refused)."
-        policy = ac_policy(self.config, self.ac)
+        "The activation checkpointing policy this setting runs: `ac`, else 'full' if activation_checkpointing (another beside it is refused)."
+        policy = self.ac or ("full" if self.activation_checkpointing else "none")
+        parse_ac(policy)
+        if self.activation_checkpointing and policy != "full":
+            raise bad_value("ac", self.ac, "'full' when activation_checkpointing=True (that field is the policy 'full')")
         if policy not in ("none", "full") and self.method != "full":
             raise bad_value("ac", self.ac, "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)")
         return policy
@@ -122,7 +125,7 @@ class PlanSpec(RunSpec):
         "The FSDPConfig of a full fine-tune in this setting."
         return FSDPConfig(auto_wrap_policy=self.policy, reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision,
                           reduce_dtype=self.reduce_dtype,  # None: reduced in the compute dtype, as accelerate's bf16
-                          activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload).check()
+                          ac=self.policy_ac, cpu_offload=self.cpu_offload).check()
 
     def label(self) -> str:
         "A short name: model, ranks, method, policy, reshard, precision, checkpointing."

@@ -43,7 +43,7 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
 def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
-    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac,
+    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh,
                    dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=spec.ce_chunks, optimizer_in_backward=spec.optimizer_in_backward,
                    offload_activations=spec.offload_activations, edge_units=spec.edge_units)
     return r.peak_bytes, r.collectives, r.step_seconds

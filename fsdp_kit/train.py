@@ -28,7 +28,6 @@ class TrainSpec(RunSpec):
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
     lora_r:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
-    ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: the config's ("full" if activation_checkpointing, else "none")
     layout:str="accelerate" # FSDP units (wrap.LAYOUTS): "accelerate" (embeddings, a [norm, lm_head] tail apart), "layers" (per layer)
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
@@ -47,7 +46,6 @@ class TrainSpec(RunSpec):
         if self.check_parity and (self.lora_r or (self.ckpt and self.ckpt.resume)):
             raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
-        ac_policy(self.config, self.ac)  # an unknown policy, or another one beside the config's activation_checkpointing, is refused
         return self
 
 # %% ../nbs/01_train.ipynb #399cb3b6
@@ -138,7 +136,7 @@ def train_worker(spec:TrainSpec,
         from fsdp_kit.lora import add_lora
         model = add_lora(model, spec.lora_r, spec.seed)
     mesh = fsdp_mesh(build_mesh(spec.mesh))
-    model, units = apply_fsdp(model, spec.config, mesh, spec.ac, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
+    model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver
@@ -154,7 +152,7 @@ def train_worker(spec:TrainSpec,
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config, spec.ac))
+                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
     if spec.lora_r:
         from fsdp_kit.lora import adapter_round_trip

@@ -183,14 +183,13 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
 def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
                mesh, # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
-               ac:str=None, # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: 'full' if cfg.activation_checkpointing, else 'none'
                edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own, as accelerate; False: left in the root (FSDP1's layout, to compare)
               ):
     "Shard `model` with `fully_shard` as `cfg` says, in the units accelerate's FSDP2 path makes (`plan_units`); the kit's only call of `fully_shard`. Return the model and its units."
     from torch.distributed.fsdp import fully_shard
     units, groups = plan_units(model, cfg, edge_units), _unit_groups(model, cfg, edge_units)
     _check_reshard(cfg, mesh.size(-1))
-    wrappers = checkpoint_layers(model, ac_policy(cfg, ac))
+    wrappers = checkpoint_layers(model, ac_policy(cfg))
     mp, offload = _policies(cfg)
     for group, reshard in groups:  # the policy's units, the embeddings, the tail, the root last
         modules = [wrappers.get(id(m), m) for _, m in group]
@@ -268,14 +267,14 @@ def _thin(timeline:list, points:int=400) -> list:
     return [list(max(c, key=lambda t: t[1])) for c in chunks if c]
 
 # %% ../nbs/04_wrap.ipynb #8184f581
-def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
+def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
                dtype:str=None, # the dtype the model is kept and trained in (None: float32; "bfloat16" with no mixed precision is pure bf16: no fp32 master weights)
                ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
                optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
                offload_activations:bool=False, # what autograd saves kept in host memory until backward (fsdp_kit.ac.activations_on_host)
                edge_units:bool=True # the embeddings and the tail in units of their own (see `apply_fsdp`)
               ) -> RunResult:
-    "Build, shard as `cfg` says (activation checkpointing as `ac` says, see `apply_fsdp`), and measure one training step on this rank."
+    "Build, shard as `cfg` says (its activation checkpointing policy too, see `apply_fsdp`), and measure one training step on this rank."
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -285,8 +284,8 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
         model.config.use_cache = False
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
     check_for_model(cfg, model, spec.gradient_checkpointing)
-    policy = ac_policy(cfg, ac)
-    model, units = apply_fsdp(model, cfg, mesh, policy, edge_units)
+    policy = ac_policy(cfg)
+    model, units = apply_fsdp(model, cfg, mesh, edge_units)
     optim = OptimizerInBackward(model, lr=1e-3) if optimizer_in_backward else torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
     last = {}
