@@ -146,6 +146,7 @@ def _cmd_mesh(a):
 def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
+    from fsdp_kit.spec import StepSpec, LoraSpec
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype, ac=a.ac)
@@ -156,11 +157,12 @@ def _cmd_train(a):
             _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
-    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
-                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt,
+    lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
+    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
+                     check_parity=a.check_parity, step=StepSpec(lr=a.lr, warmup=a.warmup), lora=lora, fsdp=cfg, ckpt=ckpt,
                      layout=a.layout).check(a.nnodes * a.nproc)
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
-                                    method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8))
+                                    method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
         if a.resume:

@@ -62,12 +62,13 @@ def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True)
     "Run the shared steps in this process group, in order; {step: (result, seconds)}. Rank 0 prints each step as it starts and its result as it ends."
     import torch.distributed as dist
     from fsdp_kit.train import TrainSpec, train_worker
+    from fsdp_kit.spec import StepSpec
     from fsdp_kit.wrap import CompareSpec, compare_worker
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     from fsdp_kit.checkpoint import CheckpointSpec
     from fsdp_kit.hf_run import HFRunSpec, trainer_worker
-    run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt))
+    run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, step=StepSpec(warmup=2), ckpt=ckpt))
     work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
                 compare=lambda: compare_worker(CompareSpec(model="small")),
                 qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5)),

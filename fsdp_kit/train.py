@@ -11,22 +11,20 @@ __all__ = ['TrainSpec', 'make_optimizer', 'train_loop', 'TrainResult', 'train_wo
 import statistics, time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict, KW_ONLY
-from .errors import bad_value, require_whole, require_positive
+from .errors import bad_value
 from .spec import RunSpec
 from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
 from .ac import ac_policy
 from .wrap import LAYOUTS
+from .lora import lora_targets
 
 # %% ../nbs/01_train.ipynb #cd8142c2
 @dataclass(frozen=True)
 class TrainSpec(RunSpec):
-    "Settings of a training run: the shared ones (`RunSpec`: model, seed, batch per rank, seq_len, steps, mesh sizes, fsdp), then the optimizer, the parity check, LoRA and checkpoints."
+    "A training run: the shared settings (`RunSpec`: model, data, steps, mesh, fsdp, step, lora), the parity check and checkpoints."
     _:KW_ONLY
-    lr:float=3e-3 # AdamW learning rate
     check_parity:bool=False # also train one process on the same global batches and compare
-    warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
-    lora_r:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
     layout:str="accelerate" # FSDP units (wrap.LAYOUTS): "accelerate" (embeddings, a [norm, lm_head] tail apart), "layers" (per layer)
 
@@ -34,8 +32,9 @@ class TrainSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
         self.refuse_unless("cp", 1, "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
-        require_positive("lr", self.lr)
-        for name in ("warmup", "lora_r"): require_whole(name, getattr(self, name), 0)
+        if self.lora is not None: lora_targets(self.lora.targets)
+        if self.lora is not None and self.lora.base_dtype not in (None, "fp32"):
+            raise bad_value("base_dtype", self.lora.base_dtype, "None or fp32 for training (a bf16 or 4-bit base is the QLoRA lab's)")
         if self.layout not in LAYOUTS: raise bad_value("layout", self.layout, f"one of {', '.join(LAYOUTS)}")
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
@@ -43,17 +42,17 @@ class TrainSpec(RunSpec):
         if self.check_parity and (self.config.mixed_precision != "no" or self.config.reduce_dtype not in (None, "fp32")):
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32",
                             f"Drop --check-parity or mixed_precision={self.config.mixed_precision!r}")
-        if self.check_parity and (self.lora_r or (self.ckpt and self.ckpt.resume)):
+        if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
             raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
         return self
 
 # %% ../nbs/01_train.ipynb #399cb3b6
-def make_optimizer(model, spec:TrainSpec): # a TrainSpec or a QLoRASpec: its lr and warmup
+def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr and warmup
     "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
     import torch
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
-    warmup = spec.warmup
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.step.lr)
+    warmup = spec.step.warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
 
@@ -100,7 +99,7 @@ class TrainResult:
     max_param_diff:float=None # largest |sharded - one process| over all parameters, with check_parity
     first_step:int=0 # the global step of losses[0]: 0 for a fresh run, the checkpoint's step for a resumed one
     checkpoint:dict=None # what was saved and resumed, with ckpt (see `checkpoint.CheckpointSpec`)
-    adapter:dict=None # the LoRA adapter saved and reloaded, with lora_r
+    adapter:dict=None # the LoRA adapter saved and reloaded, with lora
     units:list=None # the FSDP units `apply_fsdp` made: [{"module", "cls", "parameters"}], the root ("") last
     config:dict=None # the FSDPConfig the run applied, field by field
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
@@ -132,9 +131,9 @@ def train_worker(spec:TrainSpec,
     from fsdp_kit.measure import first_step_tracker, step_timing
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
-    if spec.lora_r:
+    if spec.lora:
         from fsdp_kit.lora import add_lora
-        model = add_lora(model, spec.lora_r, spec.seed)
+        model = add_lora(model, spec.lora.r, spec.seed, spec.lora.targets)
     mesh = fsdp_mesh(build_mesh(spec.mesh))
     model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
@@ -154,7 +153,7 @@ def train_worker(spec:TrainSpec,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
                          peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
-    if spec.lora_r:
+    if spec.lora:
         from fsdp_kit.lora import adapter_round_trip
         result.adapter = adapter_round_trip(model, spec, saver.adapter_dir() if saver else None)
     if spec.check_parity and rank == 0:
