@@ -150,7 +150,7 @@ def _steps(nproc: int, progress: bool = True):
         from fsdp_kit.plan import PlanSpec
         from fsdp_kit.plan_validate import validate, plot_validation
         from fsdp_kit.plan_gpu import plan_gpu
-        r = validate([PlanSpec("small", nproc), PlanSpec("small", nproc, mixed_precision="bf16"), PlanSpec("tiny", nproc, method="qlora")])
+        r = validate([PlanSpec.of("small", nproc), PlanSpec.of("small", nproc, mixed_precision="bf16"), PlanSpec.of("tiny", nproc, method="qlora")])
         big = plan_gpu("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=2048, grad_ckpt=True, offload=True)
         line = (f"planner vs measured, {len(r['runs'])} settings on {nproc} ranks: largest |error| {r['max_abs_error'] * 100:.1f}%, "
                 f"communication exact: {r['comm_exact']}; llama-2-70b QLoRA on 2 x 24 GB with offload: "
