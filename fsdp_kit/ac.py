@@ -6,10 +6,10 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
 # %% auto #0
 __all__ = ['saved_ops', 'checkpoint_layers', 'ac_policy', 'causal_lm_loss', 'OptimizerInBackward', 'activations_on_host',
-           'DeviceCopy', 'count_copies', 'copies_by_site']
+           'step_optimizer', 'train_step', 'DeviceCopy', 'count_copies', 'copies_by_site']
 
 # %% ../nbs/04c_ac.ipynb #bd4eb51d
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from .errors import bad_value
@@ -130,6 +130,26 @@ def activations_on_host():
         dtype, shape, data = packed
         return torch.from_numpy(data).view(dtype).view(shape).clone()
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+# %% ../nbs/04c_ac.ipynb #fd7f17c2
+def step_optimizer(model, # a sharded model
+                   step # a spec.StepSpec: its lr and optimizer_in_backward
+                  ):
+    "AdamW over the trainable parameters: one per parameter stepped inside backward (`OptimizerInBackward`), or one for all."
+    import torch
+    if step.optimizer_in_backward: return OptimizerInBackward(model, lr=step.lr)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=step.lr)
+
+def train_step(model, optim, # the model and its optimizer (`step_optimizer`)
+               tokens, # this rank's (batch, seq) token ids; the labels are the same ids
+               step # a spec.StepSpec: ce_chunks and offload_activations
+              ):
+    "One training step as `step` says: the loss (in chunks), backward (activations on the host), the optimizer; return the loss."
+    with activations_on_host() if step.offload_activations else nullcontext(): loss = causal_lm_loss(model, tokens, step.ce_chunks)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
 
 # %% ../nbs/04c_ac.ipynb #7135acb8
 @dataclass

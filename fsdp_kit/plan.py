@@ -25,8 +25,7 @@ from .ac import ac_policy, parse_ac
 from .lora import LINEARS, lora_targets
 
 # %% ../nbs/08_plan.ipynb #0752fdfc
-FSDP_NAMES = {"policy": "auto_wrap_policy", "reshard_after_forward": "reshard_after_forward", "mixed_precision": "mixed_precision",
-              "reduce_dtype": "reduce_dtype", "cpu_offload": "cpu_offload", "ac": "ac"}  # the planner's flat names -> FSDPConfig's fields
+FSDP_NAMES = ("mixed_precision", "reduce_dtype", "cpu_offload", "ac")  # flat names of FSDPConfig's fields (policy and reshard: `of`'s own)
 STEP_NAMES = ("ce_chunks", "optimizer_in_backward", "offload_activations")  # flat names of StepSpec's fields
 
 @dataclass(frozen=True)
@@ -40,6 +39,8 @@ class PlanSpec(RunSpec):
     @classmethod
     def of(cls, model:str="small", # preset (tiny, small, llama-2-7b, ...) or config.json path
            world_size:int=2, # ranks sharing the parameters
+           policy:str="TRANSFORMER_BASED_WRAP", # FSDPConfig.auto_wrap_policy
+           reshard_after_forward:bool|int=True, # FSDPConfig.reshard_after_forward: True, False, or a group size
            method:str="full", # "full", "lora" (bf16 base) or "qlora" (4-bit NF4 base, bf16 storage)
            lora_r:int=8, # LoRA rank
            lora_targets:str="all-linear", # the Linears LoRA adapts (fsdp_kit.lora.lora_targets)
@@ -50,7 +51,7 @@ class PlanSpec(RunSpec):
           ) -> "PlanSpec":
         "A PlanSpec from the planner's flat names, each sorted into its section (fsdp, step, lora); reads `flat()`'s record back."
         if flat.get("fsdp", 0) is None: del flat["fsdp"]  # a stored record's: the FSDP settings are its flat names
-        fsdp = {FSDP_NAMES[k]: flat.pop(k) for k in list(flat) if k in FSDP_NAMES}
+        fsdp = {k: flat.pop(k) for k in list(flat) if k in FSDP_NAMES} | dict(auto_wrap_policy=policy, reshard_after_forward=reshard_after_forward)
         ac = fsdp.pop("ac", None)
         if activation_checkpointing and ac not in (None, "full"):
             raise bad_value("ac", ac, "'full' when activation_checkpointing=True (that field is the policy 'full')")

@@ -15,7 +15,7 @@ from .errors import bad_value
 from .spec import RunSpec
 from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
-from .ac import ac_policy
+from .ac import ac_policy, step_optimizer, train_step
 from .wrap import LAYOUTS
 from .lora import lora_targets
 
@@ -45,13 +45,23 @@ class TrainSpec(RunSpec):
         if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
             raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
+        self.check_step()
         return self
 
+    def check_step(self):
+        "Refuse step settings training cannot combine, naming the field."
+        step = self.step
+        if step.pure_bf16 and (self.lora or self.config.mixed_precision != "no" or self.check_parity):
+            raise bad_value("precision", step.precision, "fp32 with LoRA, mixed_precision or check_parity (pure bf16 keeps a full model in bf16)")
+        if step.optimizer_in_backward and (step.warmup or self.ckpt is not None):
+            raise bad_value("optimizer_in_backward", True, "False with warmup or ckpt (one optimizer per parameter: no schedule, no state to save)")
+
 # %% ../nbs/01_train.ipynb #399cb3b6
-def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr and warmup
-    "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
+def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr, warmup and optimizer_in_backward
+    "AdamW over the trainable parameters (all, or only the adapters under LoRA; `ac.step_optimizer`) and a linear warm-up schedule."
     import torch
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.step.lr)
+    optim = step_optimizer(model, spec.step)
+    if spec.step.optimizer_in_backward: return optim, optim  # stepped inside backward: no schedule (warm-up is refused with it)
     warmup = spec.step.warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
@@ -72,11 +82,8 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
         start = time.perf_counter()
         tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size).to(device)
         with first_step if first_step is not None and step == start_step else nullcontext():
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optim.step()
+            loss = train_step(model, optim, tokens, spec.step)  # the wrap lab's step too (fsdp_kit.ac.train_step)
             schedule.step()
-            optim.zero_grad()
         losses.append(loss.detach())
         if times is not None:
             if device.type == "cuda": torch.cuda.synchronize()  # a GPU step is only done when its kernels are
@@ -106,6 +113,7 @@ class TrainResult:
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
     timing:dict=None # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
     ac:str="none" # the activation checkpointing policy the run applied (fsdp_kit.ac)
+    step:dict=None # the StepSpec the run applied: lr, warmup, precision and the memory savers
 
 # %% ../nbs/01_train.ipynb #5e9a22d5
 def _reference(spec:TrainSpec, world_size:int):
@@ -124,13 +132,14 @@ def train_worker(spec:TrainSpec,
                  watch=None # called after each step like the checkpoint saver (see `scale.StepWatch`): heartbeats, faults, loss log
                 ) -> TrainResult:
     "Shard a model as `spec.config` says (`apply_fsdp`), train it on this process group, and measure (rank 0 returns)."
-    import torch.distributed as dist
+    import torch, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
     from fsdp_kit.measure import first_step_tracker, step_timing
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
+    if spec.step.pure_bf16: model = model.to(torch.bfloat16)  # weights, gradients and AdamW's moments all bf16: no fp32 master
     if spec.lora:
         from fsdp_kit.lora import add_lora
         model = add_lora(model, spec.lora.r, spec.seed, spec.lora.targets)
@@ -142,7 +151,7 @@ def train_worker(spec:TrainSpec,
         saver = Saver(spec.ckpt, model, *optimizer, spec)
         start = saver.resume()
     times, after_step = [], saver if watch is None else watch.start(model, start, saver)
-    tracker = first_step_tracker(model, optimizer[0])
+    tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])  # one optimizer per parameter: none to hook
     losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step, first_step=tracker)
     if watch is not None: watch.stop()
     losses = mean_over_ranks(losses)
@@ -151,7 +160,8 @@ def train_worker(spec:TrainSpec,
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config))
+                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config),
+                         step=asdict(spec.step))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
     if spec.lora:
         from fsdp_kit.lora import adapter_round_trip

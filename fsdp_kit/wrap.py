@@ -11,13 +11,12 @@ __all__ = ['LAYOUTS', 'size_policy', 'size_floor', 'fsdp1_size_targets', 'wrap_t
 
 # %% ../nbs/04_wrap.ipynb #1396aeee
 import gc
-from contextlib import nullcontext
 from dataclasses import dataclass, field, asdict, KW_ONLY
 from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES, PRECISION, check_for_model, to_reshard
-from .spec import RunSpec
+from .spec import RunSpec, StepSpec
 from .models import model_config, check_model, build_model, synthetic_tokens, rank_rows
-from .ac import checkpoint_layers, ac_policy, causal_lm_loss, OptimizerInBackward, activations_on_host
+from .ac import checkpoint_layers, ac_policy, step_optimizer, train_step
 
 # %% ../nbs/04_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -286,15 +285,11 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
     check_for_model(cfg, model, spec.gradient_checkpointing)
     policy = ac_policy(cfg)
     model, units = apply_fsdp(model, cfg, mesh, edge_units)
-    optim = OptimizerInBackward(model, lr=1e-3) if optimizer_in_backward else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saver = StepSpec(lr=1e-3, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations)
+    optim = step_optimizer(model, saver)
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
     last = {}
-    def step():
-        with activations_on_host() if offload_activations else nullcontext(): loss = causal_lm_loss(model, tokens, ce_chunks)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        last["loss"] = loss.item()
+    def step(): last["loss"] = train_step(model, optim, tokens, saver).item()  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
     m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
                        m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, last["loss"])

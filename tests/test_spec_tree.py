@@ -1,5 +1,6 @@
 "The spec tree: each field name declared once across the `*Spec` classes and `FSDPConfig`; the sections every lab shares."
-import ast, collections
+import ast, collections, json, math, subprocess, sys
+import pytest
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent/"fsdp_kit"
@@ -49,3 +50,27 @@ def test_plan_spec_embeds_the_fsdp_config():
     spec = PlanSpec.of("small", 2, activation_checkpointing=True, reshard_after_forward=False, method="lora", lora_r=4, ce_chunks=0).check()
     assert (spec.config.ac, spec.config.reshard_after_forward, spec.lora.r, spec.method, spec.batch) == ("full", False, 4, "lora", 2)
     assert PlanSpec.of(**spec.flat()) == spec
+
+
+@pytest.mark.timeout(240)
+def test_train_runs_the_step_savers_the_planner_models(tmp_path):
+    "fsdp-kit train with pure bf16, chunked cross-entropy, the optimizer in backward and activations on the host, on 2 gloo ranks."
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "2", "--seq-len", "32", "--precision", "pure-bf16",
+           "--chunked-ce", "4", "--optimizer-in-backward", "--offload-activations", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert len(r["losses"]) == 2 and all(math.isfinite(l) for l in r["losses"])
+    assert r["step"] == dict(lr=3e-3, warmup=0, precision="pure-bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True)
+    assert r["config"]["mixed_precision"] == "no"
+    assert "step: pure-bf16, loss in 4 chunks, optimizer in backward, activations offloaded to host" in proc.stdout
+
+
+def test_train_and_the_wrap_lab_share_one_step_function():
+    "train.train_loop and wrap.run_config both call ac.train_step; neither computes a loss of its own."
+    import inspect
+    from fsdp_kit import train, wrap
+    for fn in (train.train_loop, wrap.run_config):
+        src = inspect.getsource(fn)
+        assert "train_step(" in src and ".backward()" not in src and "labels=tokens" not in src, fn.__name__
