@@ -163,7 +163,7 @@ def _cmd_train(a):
                      check_parity=a.check_parity, lora=lora,
                      step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
                                    optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations), fsdp=cfg, ckpt=ckpt,
-                     layout=a.layout).check(a.nnodes * a.nproc)
+                     layout=a.layout).checked(a.nnodes * a.nproc)  # once: launch does not check it again
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)

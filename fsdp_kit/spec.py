@@ -100,6 +100,13 @@ class RunSpec:
         if world_size is not None: self.mesh.resolve(world_size)
         return self
 
+    def checked(self, world_size:int=None): # processes that will run it
+        "The spec, checked once: `check(world_size)` unless it already passed for this world size (launch calls this)."
+        if getattr(self, "_passed", None) != (world_size,):
+            self.check(world_size)
+            object.__setattr__(self, "_passed", (world_size,))  # not a field: a replace()d variant is a new spec, checked again
+        return self
+
     def refuse_unless(self, name:str, # a shared field
                       allowed, # the one value this lab runs
                       why:str # what to do instead

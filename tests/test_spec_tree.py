@@ -1,5 +1,5 @@
 "The spec tree: each field name declared once across the `*Spec` classes and `FSDPConfig`; the sections every lab shares."
-import ast, collections, json, math, subprocess, sys
+import ast, collections, json, math, os, subprocess, sys
 import pytest
 from pathlib import Path
 
@@ -74,3 +74,28 @@ def test_train_and_the_wrap_lab_share_one_step_function():
     for fn in (train.train_loop, wrap.run_config):
         src = inspect.getsource(fn)
         assert "train_step(" in src and ".backward()" not in src and "labels=tokens" not in src, fn.__name__
+
+
+SITE = '''
+import os
+from fsdp_kit.config import FSDPConfig
+_check = FSDPConfig.check
+def counted(self):
+    with open(os.environ["CHECK_COUNT_FILE"], "a") as f: f.write(f"{os.getpid()}\\n")
+    return _check(self)
+FSDPConfig.check = counted
+'''
+
+@pytest.mark.timeout(240)
+def test_a_train_run_checks_its_fsdp_config_once(tmp_path):
+    "One `fsdp-kit train --fsdp-config F`: FSDPConfig.check runs once, in the launching process; no worker checks again."
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITE)  # every process of the run (launcher, torchrun, ranks) counts its calls
+    count = tmp_path / "checks.txt"
+    config = Path(__file__).resolve().parent.parent / "fsdp_kit" / "examples" / "fsdp_configs" / "transformers_fsdp_config.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]), CHECK_COUNT_FILE=str(count))
+    cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "1", "--seq-len", "32", "--fsdp-config", str(config)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = count.read_text().split()
+    assert len(pids) == 1, pids
