@@ -17,10 +17,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from .errors import KitError, bad_value
 from .models import model_checkpointing
+from .upstream import DTYPES
 
 # %% ../nbs/03_config.ipynb #c0da56d2
 POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP", "PER_LINEAR")
-PRECISION = {"no": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # accelerate's spelling -> torch dtype name (no: keep fp32)
+PRECISION = {"no": None} | {name: torch_name for name, torch_name, _ in DTYPES}  # accelerate's spelling -> torch dtype (no: keep fp32)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 

@@ -10,7 +10,8 @@ __all__ = ['STEP_PRECISIONS', 'QUANT_STORAGES', 'BASE_DTYPES', 'StepSpec', 'Lora
 # %% ../nbs/01b_spec.ipynb #4f4d60ee
 from dataclasses import dataclass, field, KW_ONLY
 from .errors import bad_value, require_whole, require_seed, require_model, require_positive
-from .config import FSDPConfig, PRECISION, MIXED_PRECISION
+from .config import FSDPConfig, MIXED_PRECISION
+from .upstream import DTYPE_NAMES
 from .mesh import MeshSpec
 
 # %% ../nbs/01b_spec.ipynb #f493d761
@@ -40,7 +41,7 @@ class StepSpec:
         return self.precision == "pure-bf16"
 
 # %% ../nbs/01b_spec.ipynb #a1732b24
-QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")  # bnb_4bit_quant_storage: the dtype FSDP sees the packed 4-bit weights as
+QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")  # bnb_4bit_quant_storage: uint8, or a torch name of upstream.DTYPES
 BASE_DTYPES = (None, "fp32", "bf16", "nf4")  # the frozen base: float32, bf16, or 4-bit NF4 (bitsandbytes, QLoRA)
 
 @dataclass(frozen=True)
@@ -118,9 +119,9 @@ class RunSpec:
 def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spellings: fp32, float32, bfloat16, float16, torch.bfloat16)
                          field:str="mixed_precision" # the field being read, named in the error
                         ) -> str:
-    "accelerate's name (no, bf16, fp16) for a compute precision, reading the old spellings through `config.PRECISION`."
+    "accelerate's name (no, bf16, fp16) for a compute precision, reading the old spellings through `upstream.DTYPES`."
     name = str(value).removeprefix("torch.")
-    name = {dtype: short for short, dtype in PRECISION.items() if dtype}.get(name, name)  # bfloat16 -> bf16, float32 -> fp32
+    name = DTYPE_NAMES.get(name, name)  # bfloat16 -> bf16, float32 -> fp32
     name = "no" if name == "fp32" else name  # computing in fp32 is no mixed precision
     if name not in MIXED_PRECISION: raise bad_value(field, value, "no, bf16 or fp16 (accelerate's names for the compute dtype)")
     return name

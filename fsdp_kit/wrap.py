@@ -223,6 +223,8 @@ class CompareSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
         self.refuse_unless("cp", 1, "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        self.refuse_unless("step", StepSpec(), "the wrap lab's memory savers are run_config's arguments")
+        self.refuse_unless("lora", None, "the wrap lab trains every parameter")
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
         for r in self.reshard: to_reshard("reshard_after_forward", r)
