@@ -159,10 +159,12 @@ def _cmd_train(a):
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
-    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
+    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed, dp_replicate=a.dp_replicate,
+                     dp_shard=a.dp_shard,
                      check_parity=a.check_parity, lora=lora,
                      step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
-                                   optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations), fsdp=cfg, ckpt=ckpt,
+                                   optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
+                     fsdp=cfg, ckpt=ckpt,
                      layout=a.layout).checked(a.nnodes * a.nproc)  # once: launch does not check it again
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
@@ -580,14 +582,14 @@ progress (one line per finished unit of work) goes to stderr, results to stdout;
 
 def _step_flags(s, precision:bool=True):
     "The flags of a step's memory savers (spec.StepSpec), spelled alike on train and plan."
-    if precision: s.add_argument("--precision", default=None, help="fp32, accelerate-bf16, bf16-fp32-reduce or pure-bf16 (weights, gradients "
-                                 "and optimizer state in bf16), as plan reads them (default: --mixed-precision's)")
-    s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the loss in N "
-                   "chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
-    s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded gradient is "
-                   "freed once used (no optimizer-step peak)")
-    s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied back "
-                   "when backward needs it")
+    if precision: s.add_argument("--precision", default=None, help="fp32, accelerate-bf16, bf16-fp32-reduce or pure-bf16 "
+                                 "(weights, gradients and optimizer state in bf16), as plan reads them (default: --mixed-precision's)")
+    s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the "
+                   "loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
+    s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded "
+                   "gradient is freed once used (no optimizer-step peak)")
+    s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied "
+                   "back when backward needs it")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 AC_POLICIES = ("none", "full", "selective-layer:K", "selective-op")  # what `ac` accepts; K is a whole number >= 1
 
 def parse_ac(policy:str) -> tuple:
-    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) for every K-th decoder layer or ('op', 1); a KitError naming the value otherwise."
+    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) every K-th decoder layer or ('op', 1); a KitError otherwise."
     fixed = {"none": ("none", 0), "full": ("full", 1), "selective-op": ("op", 1)}
     if isinstance(policy, str) and policy in fixed: return fixed[policy]
     if isinstance(policy, str) and policy.startswith("selective-layer:"):
@@ -87,8 +87,9 @@ class FSDPConfig:
             case "transformer_layer_cls_to_wrap" if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
                 raise bad_value(name, value, "a list of class names, e.g. ['LlamaDecoderLayer']")
 
-CHECKED_FIELDS = ("auto_wrap_policy", "mixed_precision", "state_dict_type", "reduce_dtype", "ac", "cpu_offload", "cpu_ram_efficient_loading",
-                  "reshard_after_forward", "min_num_params", "parallelism_config", "transformer_layer_cls_to_wrap")  # in the order check() reads them
+CHECKED_FIELDS = ("auto_wrap_policy", "mixed_precision", "state_dict_type", "reduce_dtype", "ac", "cpu_offload",  # in check()'s order
+                  "cpu_ram_efficient_loading", "reshard_after_forward", "min_num_params", "parallelism_config",
+                  "transformer_layer_cls_to_wrap")
 
 # %% ../nbs/03_config.ipynb #a92d1855
 def _check_choice(name:str, value, allowed:tuple):
@@ -183,7 +184,7 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
         if key in FIELD_KEYS:
             name, convert = FIELD_KEYS[key]
             setattr(cfg, name, convert(key, value))
-            cfg.check_field("ac" if name == "activation_checkpointing" else name)  # each field as it is set; the run's spec checks the whole
+            cfg.check_field("ac" if name == "activation_checkpointing" else name)  # each field as set; the run's spec checks the whole
             given[name] = (key, value)
             if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
         elif key == "sharding_strategy":
@@ -386,7 +387,8 @@ def override(cfg:FSDPConfig, # a config, read from a file or the defaults
     given = {k: v for k, v in given.items() if v is not None}
     if cfg.ac == "full" and given.get("ac", "full") != "full":
         parse_ac(given["ac"])  # an unknown policy is named as such first
-        raise bad_value("ac", given["ac"], "'full' when the FSDP config sets activation_checkpointing=True (that field is the policy 'full')",
+        raise bad_value("ac", given["ac"],
+                        "'full' when the FSDP config sets activation_checkpointing=True (that field is the policy 'full')",
                         "Drop activation_checkpointing from the config to run another policy.")
     out = replace(cfg, **given)
     for name in given: out.check_field(name)

@@ -33,8 +33,8 @@ class PlanSpec(RunSpec):
     "One training setting to predict (and measure): the shared sections (`RunSpec`: data, mesh, fsdp, step, lora), then the planner's own."
     world_size:int=2 # ranks sharing the parameters (GPUs)
     _:KW_ONLY
-    fp8_all_gather:bool=False # decoder Linear weights all-gathered (and used) in float8 (torchao, enable_fsdp_float8_all_gather); a GPU plan only
-    edge_units:bool=True # embeddings and a [final norm, lm_head] tail in units of their own (apply_fsdp, accelerate); False: in the root (FSDP1)
+    fp8_all_gather:bool=False # decoder Linear weights all-gathered and used in float8 (torchao's fsdp float8 all-gather); GPU plans only
+    edge_units:bool=True # embeddings and a [norm, lm_head] tail in units of their own (apply_fsdp, accelerate); False: in the root (FSDP1)
 
     @classmethod
     def of(cls, model:str="small", # preset (tiny, small, llama-2-7b, ...) or config.json path
@@ -51,7 +51,8 @@ class PlanSpec(RunSpec):
           ) -> "PlanSpec":
         "A PlanSpec from the planner's flat names, each sorted into its section (fsdp, step, lora); reads `flat()`'s record back."
         if flat.get("fsdp", 0) is None: del flat["fsdp"]  # a stored record's: the FSDP settings are its flat names
-        fsdp = {k: flat.pop(k) for k in list(flat) if k in FSDP_NAMES} | dict(auto_wrap_policy=policy, reshard_after_forward=reshard_after_forward)
+        fsdp = {k: flat.pop(k) for k in list(flat) if k in FSDP_NAMES}
+        fsdp |= dict(auto_wrap_policy=policy, reshard_after_forward=reshard_after_forward)
         ac = fsdp.pop("ac", None)
         if activation_checkpointing and ac not in (None, "full"):
             raise bad_value("ac", ac, "'full' when activation_checkpointing=True (that field is the policy 'full')")
@@ -67,11 +68,13 @@ class PlanSpec(RunSpec):
         "The setting under the planner's flat names, as stored validation runs record it (`of` reads it back)."
         cfg, step, lora = self.config, self.step, self.lora or LoraSpec()
         base_dtype = "bf16" if self.pure_bf16 else "fp32" if lora.base_dtype == "fp32" else None
-        return dict(model=self.model, seed=self.seed, batch=self.batch, seq_len=self.seq_len, steps=self.steps, dp_replicate=self.dp_replicate,
-                    dp_shard=self.dp_shard, cp=self.cp, world_size=self.world_size, policy=cfg.auto_wrap_policy,
+        return dict(model=self.model, seed=self.seed, batch=self.batch, seq_len=self.seq_len, steps=self.steps,
+                    dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, world_size=self.world_size,
+                    policy=cfg.auto_wrap_policy,
                     reshard_after_forward=cfg.reshard_after_forward, mixed_precision=cfg.mixed_precision, method=self.method, lora_r=lora.r,
                     cpu_offload=cfg.cpu_offload, base_dtype=base_dtype, ac=None if cfg.ac == "none" else cfg.ac, lora_targets=lora.targets,
-                    ce_chunks=step.ce_chunks, optimizer_in_backward=step.optimizer_in_backward, offload_activations=step.offload_activations,
+                    ce_chunks=step.ce_chunks, optimizer_in_backward=step.optimizer_in_backward,
+                    offload_activations=step.offload_activations,
                     fp8_all_gather=self.fp8_all_gather, edge_units=self.edge_units, reduce_dtype=cfg.reduce_dtype)
 
     @property
@@ -84,21 +87,28 @@ class PlanSpec(RunSpec):
         require_whole("world_size", self.world_size, 1)
         cfg, step = self.config, self.step
         if cfg.auto_wrap_policy not in POLICIES: raise bad_value("policy", cfg.auto_wrap_policy, f"one of {', '.join(POLICIES)}")
-        if cfg.mixed_precision not in ("no", "bf16"): raise bad_value("mixed_precision", cfg.mixed_precision, "no or bf16 (what the planner models)")
+        if cfg.mixed_precision not in ("no", "bf16"):
+            raise bad_value("mixed_precision", cfg.mixed_precision, "no or bf16 (what the planner models)")
         if cfg.reduce_dtype not in (None, "fp32"): raise bad_value("reduce_dtype", cfg.reduce_dtype, "None (the compute dtype) or fp32")
         if cfg.reduce_dtype and cfg.mixed_precision != "bf16":
-            raise bad_value("reduce_dtype", cfg.reduce_dtype, "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
+            raise bad_value("reduce_dtype", cfg.reduce_dtype,
+                            "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
         if self.pure_bf16 and cfg.mixed_precision != "no":
-            raise bad_value("mixed_precision", cfg.mixed_precision, "no when a full fine-tune keeps its weights in bf16 (pure bf16: no fp32 copy to cast from)")
-        if step.pure_bf16 and self.lora is not None: raise bad_value("precision", step.precision, "fp32 for LoRA or QLoRA (the base's dtype is lora.base_dtype)")
+            raise bad_value("mixed_precision", cfg.mixed_precision,
+                            "no when a full fine-tune keeps its weights in bf16 (pure bf16: no fp32 copy to cast from)")
+        if step.pure_bf16 and self.lora is not None:
+            raise bad_value("precision", step.precision, "fp32 for LoRA or QLoRA (the base's dtype is lora.base_dtype)")
         if self.lora is not None: lora_targets(self.lora.targets)
         tokens = self.batch * self.seq_len // max(1, self.cp)
         if self.fp8_all_gather and (self.method != "full" or self.precision == "fp32"):
-            raise bad_value("fp8_all_gather", self.fp8_all_gather, "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 full fine-tune's Linear weights (accelerate-bf16, bf16-fp32-reduce or pure-bf16)")
+            raise bad_value("fp8_all_gather", self.fp8_all_gather, "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 "
+                            "full fine-tune's Linear weights (accelerate-bf16, bf16-fp32-reduce or pure-bf16)")
         for name in ("optimizer_in_backward", "offload_activations"):
             if getattr(step, name) and self.method != "full":
                 raise bad_value(name, True, "False for a LoRA or QLoRA run (the planner models it for full fine-tunes)")
-        if step.ce_chunks > tokens: raise bad_value("ce_chunks", step.ce_chunks, f"at most the {tokens} tokens a rank computes logits for (batch x seq_len / cp): a chunk with no tokens has no logits")
+        if step.ce_chunks > tokens:
+            raise bad_value("ce_chunks", step.ce_chunks, f"at most the {tokens} tokens a rank computes logits for (batch x seq_len / cp): "
+                            "a chunk with no tokens has no logits")
         self.refuse_unless("dp_replicate", 1, "The planner models one shard group of world_size ranks")
         self.policy_ac  # a policy the planner does not model for this method is refused
         super().check(self.world_size)
@@ -109,7 +119,8 @@ class PlanSpec(RunSpec):
         "The activation checkpointing policy this setting runs: the config's `ac` (none or full for LoRA and QLoRA)."
         policy = ac_policy(self.config)
         if policy not in ("none", "full") and self.method != "full":
-            raise bad_value("ac", policy, "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)")
+            raise bad_value("ac", policy,
+                            "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)")
         return policy
 
     @property
@@ -143,22 +154,26 @@ class PlanSpec(RunSpec):
 
     @property
     def master_bytes(self) -> int:
-        "Bytes per element of what the optimizer updates: trainable shards, reduced gradients and each Adam moment (LoRA adapters stay fp32)."
+        "Bytes per element of what the optimizer updates: trainable shards, reduced gradients, Adam's moments (LoRA adapters: fp32)."
         return 2 if self.pure_bf16 else 4
 
     def label(self) -> str:
         "A short name: model, ranks, method, policy, reshard, precision, checkpointing."
         cfg, step, r = self.config, self.step, self.config.reshard_after_forward
-        policy = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}.get(cfg.auto_wrap_policy, cfg.auto_wrap_policy)
+        short = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}
+        policy = short.get(cfg.auto_wrap_policy, cfg.auto_wrap_policy)
         reshard = {True: "reshard", False: "keep"}.get(r, f"to{r}") if isinstance(r, bool) else f"to{r}"
-        model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model  # a shipped config by its folder's name
-        precision = {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision)  # bf16: the stored runs' name
+        model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model  # a shipped config: its folder
+        precision = {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision)  # the stored runs' names
         parts = [model, f"w{self.world_size}", self.method, policy, reshard, precision, f"s{self.seq_len}" * (self.seq_len != 64)]
         kind, k = parse_ac(self.policy_ac)
-        targets = "" if self.lora is None or self.lora.targets == "all-linear" else "lora:" + "".join(n[0] for n in lora_targets(self.lora.targets))
-        extras = [f"ce/{step.ce_chunks}" * bool(step.ce_chunks), "opt-in-bwd" * step.optimizer_in_backward, "act-offload" * step.offload_activations,
+        adapted = lora_targets(self.lora.targets) if self.lora is not None and self.lora.targets != "all-linear" else ()
+        targets = "lora:" + "".join(n[0] for n in adapted) if adapted else ""
+        extras = [f"ce/{step.ce_chunks}" * bool(step.ce_chunks), "opt-in-bwd" * step.optimizer_in_backward,
+                  "act-offload" * step.offload_activations,
                   "fp8-ag" * self.fp8_all_gather, "root-edges" * (not self.edge_units), "offload" * cfg.cpu_offload]
-        return " ".join(p for p in parts + [{"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind], targets] + extras if p)
+        checkpointing = {"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind]
+        return " ".join(p for p in parts + [checkpointing, targets] + extras if p)
 
 # %% ../nbs/08_plan.ipynb #c6ad0115
 @dataclass

@@ -161,7 +161,8 @@ def plan_gpu(model:str, # preset or config.json path
         comm["host_device"] = dict(bytes=sum(u.sharded * gathers.get(u.name, 1) + u.sharded_grads for u in us))
     offloaded = 0
     if offload_activations:  # what the end of forward keeps without offloading, less the loss's transient logits: to the host in forward, back in backward
-        offloaded = moments(config, replace(spec, step=replace(spec.step, offload_activations=False)))[0][1]["activations"] - activation_bytes(dims(config, spec))["loss_extra"]
+        kept = moments(config, replace(spec, step=replace(spec.step, offload_activations=False)))[0][1]["activations"]
+        offloaded = kept - activation_bytes(dims(config, spec))["loss_extra"]
         comm["host_device"] = dict(bytes=comm.get("host_device", {}).get("bytes", 0) + 2 * offloaded)
     comm["total_bytes"] = sum(v.get("bytes", 0) for v in comm.values() if isinstance(v, dict))
     load = sum(math.prod(s) for _, s in meta_shapes(config)[0]) * (4 if spec.precision == "fp32" else 2)

@@ -21,7 +21,8 @@ from .plan import PlanSpec, plan_config, predict_peak, predict_comm, moments
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
     from fsdp_kit.qlora import QLoRASpec
-    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora.r, lora_targets=spec.lora.targets)
+    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora.r,
+                     lora_targets=spec.lora.targets)
 
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
@@ -209,7 +210,8 @@ def compare(spec:PlanSpec, peak:dict, collectives:dict, cuda:dict=None) -> Valid
     moment, predicted = predict_peak(config, spec)
     comm = predict_comm(config, spec)
     measured_comm = {k: v for k, v in collectives.items() if k in ("all_gather", "reduce_scatter")}
-    return ValidationRun(spec.flat() | dict(label=spec.label()), predicted["total"], peak["total"], _comm_bytes(comm), _comm_bytes(measured_comm),
+    return ValidationRun(spec.flat() | dict(label=spec.label()), predicted["total"], peak["total"], _comm_bytes(comm),
+                         _comm_bytes(measured_comm),
                          (predicted["total"] - peak["total"]) / peak["total"], moment, {k: v for k, v in as_tracked(moment, predicted).items() if v and k != "total"},
                          {k: v for k, v in peak.items() if v and k != "total"}, comm, measured_comm,
                          gpu_comparison(spec, cuda) if cuda else None)

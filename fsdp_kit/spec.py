@@ -55,9 +55,11 @@ class LoraSpec:
     def check(self) -> "LoraSpec":
         "Refuse values outside what each field allows, naming the option (lora_r, lora_targets...); return the spec."
         require_whole("lora_r", self.r, 1)
-        if not isinstance(self.targets, str) or not self.targets: raise bad_value("lora_targets", self.targets, "all-linear or names joined by commas")
+        if not isinstance(self.targets, str) or not self.targets:
+            raise bad_value("lora_targets", self.targets, "all-linear or names joined by commas")
         if self.base_dtype not in BASE_DTYPES: raise bad_value("base_dtype", self.base_dtype, "None, fp32, bf16 or nf4")
-        if self.quant_storage not in QUANT_STORAGES: raise bad_value("quant_storage", self.quant_storage, f"one of {', '.join(QUANT_STORAGES)}")
+        if self.quant_storage not in QUANT_STORAGES:
+            raise bad_value("quant_storage", self.quant_storage, f"one of {', '.join(QUANT_STORAGES)}")
         return self
 
 # %% ../nbs/01b_spec.ipynb #133d8d6e

@@ -52,9 +52,9 @@ class TrainSpec(RunSpec):
         "Refuse step settings training cannot combine, naming the field."
         step = self.step
         if step.pure_bf16 and (self.lora or self.config.mixed_precision != "no" or self.check_parity):
-            raise bad_value("precision", step.precision, "fp32 with LoRA, mixed_precision or check_parity (pure bf16 keeps a full model in bf16)")
+            raise bad_value("precision", step.precision, "fp32 with LoRA, mixed_precision or check_parity (pure bf16: all of it bf16)")
         if step.optimizer_in_backward and (step.warmup or self.ckpt is not None):
-            raise bad_value("optimizer_in_backward", True, "False with warmup or ckpt (one optimizer per parameter: no schedule, no state to save)")
+            raise bad_value("optimizer_in_backward", True, "False with warmup or ckpt (an optimizer per parameter: no schedule, no state)")
 
 # %% ../nbs/01_train.ipynb #399cb3b6
 def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr, warmup and optimizer_in_backward
@@ -151,7 +151,7 @@ def train_worker(spec:TrainSpec,
         saver = Saver(spec.ckpt, model, *optimizer, spec)
         start = saver.resume()
     times, after_step = [], saver if watch is None else watch.start(model, start, saver)
-    tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])  # one optimizer per parameter: none to hook
+    tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])  # per-parameter optimizers: none to hook
     losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step, first_step=tracker)
     if watch is not None: watch.stop()
     losses = mean_over_ranks(losses)
@@ -160,7 +160,8 @@ def train_worker(spec:TrainSpec,
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config),
+                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None,
+                         ac=ac_policy(spec.config),
                          step=asdict(spec.step))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
     if spec.lora:

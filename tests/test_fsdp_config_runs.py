@@ -29,7 +29,8 @@ def runs():
                     size=FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=108_864),  # tiny's size_floor
                     checkpointing=FSDPConfig(ac="full"), offload=FSDPConfig(cpu_offload=True))
     specs = [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=c) for c in settings.values()]
-    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=FSDPConfig(ac=ac)) for ac in ("selective-layer:2", "selective-op")]  # the other policies (fsdp_kit.ac)
+    policies = ("selective-layer:2", "selective-op")  # the other policies (fsdp_kit.ac)
+    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=FSDPConfig(ac=ac)) for ac in policies]
     return dict(zip([*settings, "layer2", "op"], launch(train_each, specs, nprocs=2)))
 
 

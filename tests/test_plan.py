@@ -46,8 +46,10 @@ def test_stored_matrix_matches_planner():
     assert {r["config"]["method"] for r in stored["runs"]} == {"full", "lora", "qlora"}
     specs = [PlanSpec.of(**{k: v for k, v in r["config"].items() if k != "label"}) for r in stored["runs"]]
     assert {s.policy_ac for s in specs} == {"none", "full", "selective-layer:2", "selective-op"}  # every kind of activation checkpointing, measured
-    assert {s.precision for s in specs} == {"fp32", "bf16-fp32-reduce", "pure-bf16"} and {s.lora.targets for s in specs if s.method != "full"} > {"all-linear"}
-    for term in ("ce_chunks", "optimizer_in_backward", "offload_activations"): assert any(getattr(s.step, term) for s in specs), term  # every term that runs on CPU
+    assert {s.precision for s in specs} == {"fp32", "bf16-fp32-reduce", "pure-bf16"}
+    assert {s.lora.targets for s in specs if s.method != "full"} > {"all-linear"}
+    for term in ("ce_chunks", "optimizer_in_backward", "offload_activations"):  # every term that runs on CPU
+        assert any(getattr(s.step, term) for s in specs), term
     for r in stored["runs"]:
         spec = PlanSpec.of(**{k: v for k, v in r["config"].items() if k != "label"})
         config = plan_config(spec.model)

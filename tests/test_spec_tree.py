@@ -93,7 +93,8 @@ def test_a_train_run_checks_its_fsdp_config_once(tmp_path):
     (tmp_path / "site" / "sitecustomize.py").write_text(SITE)  # every process of the run (launcher, torchrun, ranks) counts its calls
     count = tmp_path / "checks.txt"
     config = Path(__file__).resolve().parent.parent / "fsdp_kit" / "examples" / "fsdp_configs" / "transformers_fsdp_config.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]), CHECK_COUNT_FILE=str(count))
+    path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, CHECK_COUNT_FILE=str(count))
     cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "1", "--seq-len", "32", "--fsdp-config", str(config)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
