@@ -436,8 +436,8 @@ def model_shape(model:str) -> dict:
 
 def _run_info(spec) -> dict:
     "What a checkpoint must agree with to be resumed by the run `spec` describes."
-    # "lora": the key manifests have always had
-    return dict(model=str(spec.model), lora=spec.lora_r, seed=spec.seed, model_shape=model_shape(spec.model))
+    lora = spec.lora.r if spec.lora else 0  # "lora": the key manifests have always had, the rank (0: a full fine-tune)
+    return dict(model=str(spec.model), lora=lora, seed=spec.seed, model_shape=model_shape(spec.model))
 
 def _trainer_state_problem(folder:Path, step:int) -> str:
     "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold step, schedule, RNG."

@@ -146,9 +146,11 @@ def _cmd_mesh(a):
 def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
+    from fsdp_kit.spec import StepSpec, LoraSpec
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
-    cfg = fsdp_config(a, mixed_precision=a.mixed_precision, reduce_dtype=a.reduce_dtype)
+    mixed, reduce, precision = _train_precision(a)
+    cfg = fsdp_config(a, mixed_precision=mixed, reduce_dtype=reduce, ac=a.ac)
     ckpt = None
     if a.ckpt:
         state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
@@ -156,11 +158,16 @@ def _cmd_train(a):
             _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
     elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
-    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, seed=a.seed, dp_replicate=a.dp_replicate, dp_shard=a.dp_shard,
-                     check_parity=a.check_parity, warmup=a.warmup, lora_r=a.lora_r, fsdp=cfg, ckpt=ckpt, ac=a.ac,
-                     layout=a.layout).check(a.nnodes * a.nproc)
+    lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
+    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed, dp_replicate=a.dp_replicate,
+                     dp_shard=a.dp_shard,
+                     check_parity=a.check_parity, lora=lora,
+                     step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
+                                   optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
+                     fsdp=cfg, ckpt=ckpt,
+                     layout=a.layout).checked(a.nnodes * a.nproc)  # once: launch does not check it again
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
-                                    method="lora" if spec.lora_r else "full", lora_r=spec.lora_r or 8))
+                                    method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
     with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
         if a.resume:
@@ -188,6 +195,10 @@ def _cmd_train(a):
     text += (f"\n{len(result.units)} FSDP units (the root included) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
              f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none") + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
+    st = result.step
+    savers = [st["precision"] * (st["precision"] != "fp32"), f"loss in {st['ce_chunks']} chunks" * bool(st["ce_chunks"]),
+              "optimizer in backward" * st["optimizer_in_backward"], "activations offloaded to host" * st["offload_activations"]]
+    if any(savers): text += "\nstep: " + ", ".join(s for s in savers if s)
     if result.checkpoint:
         c = result.checkpoint
         if c["resumed_from"]: text += f"\nresumed from {c['resumed_from']['path']} (saved by {c['resumed_from']['world_size']} ranks)"
@@ -204,15 +215,26 @@ def _override(flag: str, value, field: str, was, source: str):
     if value != was: print(f"note: {flag} {value} overrides {field}={was!r} from {source}", file=sys.stderr)
 
 
+def _train_precision(a) -> tuple:
+    "(mixed_precision, reduce_dtype, the step's precision) from train's --precision (plan's words), else --mixed-precision, --reduce-dtype."
+    from fsdp_kit.plan_gpu import PRECISIONS
+    if a.precision is None: return a.mixed_precision, a.reduce_dtype, "fp32"
+    if a.precision not in PRECISIONS: raise KitError(f"--precision={a.precision!r} is not allowed: one of {', '.join(PRECISIONS)}.")
+    word = PRECISIONS[a.precision]
+    if a.mixed_precision is not None and _precision(a.mixed_precision) != word["mixed_precision"]:
+        raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, "
+                       f"which means mixed_precision={word['mixed_precision']}: pass one of them")
+    return word["mixed_precision"], word.get("reduce_dtype", a.reduce_dtype), "pure-bf16" if a.precision == "pure-bf16" else "fp32"
+
+
 def fsdp_config(a, **flags):
     "The FSDPConfig a command runs: --fsdp-config's file (or the defaults), with the flags that duplicate one of its fields laid over it."
-    from dataclasses import replace
-    from fsdp_kit.config import FSDPConfig, load_fsdp_config
-    cfg = load_fsdp_config(a.fsdp_config) if a.fsdp_config else FSDPConfig()
+    from fsdp_kit.config import FSDPConfig, load_fsdp_config, override
+    read = load_fsdp_config(a.fsdp_config) if a.fsdp_config else FSDPConfig()
     given = {k: v for k, v in flags.items() if v is not None}
+    cfg = override(read, **given)  # another --ac beside a file's activation_checkpointing true is refused here
     for k, v in given.items():
-        if a.fsdp_config: _override(f"--{k.replace('_', '-')}", v, k, getattr(cfg, k), a.fsdp_config)
-    cfg = replace(cfg, **given).check()
+        if a.fsdp_config: _override(f"--{k.replace('_', '-')}", v, k, getattr(read, k), a.fsdp_config)
     if a.fsdp_config:
         for note in cfg.notes: print(f"  {note}", file=sys.stderr)
     return cfg
@@ -558,6 +580,18 @@ EXIT_CODES = """exit status:
 progress (one line per finished unit of work) goes to stderr, results to stdout; --quiet silences progress."""
 
 
+def _step_flags(s, precision:bool=True):
+    "The flags of a step's memory savers (spec.StepSpec), spelled alike on train and plan."
+    if precision: s.add_argument("--precision", default=None, help="fp32, accelerate-bf16, bf16-fp32-reduce or pure-bf16 "
+                                 "(weights, gradients and optimizer state in bf16), as plan reads them (default: --mixed-precision's)")
+    s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the "
+                   "loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
+    s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded "
+                   "gradient is freed once used (no optimizer-step peak)")
+    s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied "
+                   "back when backward needs it")
+
+
 def parser() -> argparse.ArgumentParser:
     "The `fsdp-kit` argument parser."
     p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.", epilog=EXIT_CODES,
@@ -597,6 +631,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--layout", default="accelerate", help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
                    "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
+    _step_flags(s)
     s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for this release)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
     s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
@@ -717,9 +752,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
     s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
     s.add_argument("--lora-targets", default=None, help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
-    s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
-    s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded gradient is freed once used (no optimizer-step peak)")
-    s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied back when backward needs it")
+    _step_flags(s, precision=False)  # plan's --precision also names the compute dtype (above)
     s.add_argument("--fp8-all-gather", action="store_true", help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a bf16 full fine-tune")
     s.add_argument("--compile", action="store_true", help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
     s.add_argument("--edges-in-root", action="store_true", help="plan the older unit layout: embeddings, final norm and lm_head left in the root (FSDP1; FSDP2 code that wraps only the layers) instead of units of their own as accelerate's FSDP2 path makes them")

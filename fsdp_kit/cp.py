@@ -15,7 +15,7 @@ __all__ = ['ROTATE_METHODS', 'MASK_TYPES', 'ATTENTION_NAME', 'check_rotate', 'ch
 import os, statistics, time
 from dataclasses import dataclass, field, asdict, KW_ONLY
 from .errors import KitError, bad_value
-from .spec import RunSpec
+from .spec import RunSpec, StepSpec
 from .models import model_config, build_model, synthetic_tokens, rank_rows
 from .ranks import all_gather_tensors
 
@@ -254,6 +254,8 @@ class CPSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check()
         self.refuse_unless("steps", 1, "CP evaluation runs one forward pass over the batch")
+        self.refuse_unless("step", StepSpec(), "CP evaluation runs no optimizer step")
+        self.refuse_unless("lora", None, "CP evaluation runs the whole model")
         self.refuse_unless("dp_replicate", 1, "CP evaluation shards the model over dp_shard x cp (dp_shard_cp)")
         if world_size is not None: check_sizes(world_size, self.cp, self.dp_shard, self.sp)
         check_rotate(self.rotate); check_mask(self.mask); check_seq_len(self.seq_len, self.cp)

@@ -26,6 +26,9 @@ def _expressible(cfg:FSDPConfig):
     if cfg.auto_wrap_policy == "PER_LINEAR":
         raise bad_value("auto_wrap_policy", cfg.auto_wrap_policy, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP upstream",
                         "PER_LINEAR is the kit's own policy for the wrap lab")
+    if cfg.ac not in ("none", "full"):
+        raise bad_value("ac", cfg.ac, "none or full upstream (activation_checkpointing false or true)",
+                        "Selective policies are the kit's own (fsdp_kit.ac)")
 
 # %% ../nbs/09_hf.ipynb #894085f0
 SPELLINGS = {  # FSDPConfig field -> (transformers fsdp_config key, accelerate YAML key, FullyShardedDataParallelPlugin keyword)

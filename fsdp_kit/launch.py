@@ -601,6 +601,7 @@ def check_specs(args:tuple, world_size:int):
     for a in args:
         check = getattr(a, "check", None)
         if not callable(check) or isinstance(a, type): continue
+        if callable(getattr(a, "checked", None)): a.checked(world_size); continue  # a RunSpec the caller checked is not checked again
         params = inspect.signature(check).parameters
         wanted = [p for p in params.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
         optional = params.get("world_size")

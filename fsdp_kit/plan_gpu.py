@@ -131,7 +131,7 @@ def plan_gpu(model:str, # preset or config.json path
     mixed_precision = accelerate_precision(mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     if cpu_ram_efficient_loading not in (None, *LOAD_PATHS):
         raise bad_value("cpu_ram_efficient_loading", cpu_ram_efficient_loading, f"None, {' or '.join(LOAD_PATHS)}")
-    spec = PlanSpec(model, gpus, reshard_after_forward=reshard, mixed_precision=mixed_precision, activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r,
+    spec = PlanSpec.of(model, gpus, reshard_after_forward=reshard, mixed_precision=mixed_precision, activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r,
                     cpu_offload=offload, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward,
                     offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units, reduce_dtype=reduce_dtype, batch=batch, seq_len=seq_len,
                     cp=cp).check()
@@ -161,7 +161,8 @@ def plan_gpu(model:str, # preset or config.json path
         comm["host_device"] = dict(bytes=sum(u.sharded * gathers.get(u.name, 1) + u.sharded_grads for u in us))
     offloaded = 0
     if offload_activations:  # what the end of forward keeps without offloading, less the loss's transient logits: to the host in forward, back in backward
-        offloaded = moments(config, replace(spec, offload_activations=False))[0][1]["activations"] - activation_bytes(dims(config, spec))["loss_extra"]
+        kept = moments(config, replace(spec, step=replace(spec.step, offload_activations=False)))[0][1]["activations"]
+        offloaded = kept - activation_bytes(dims(config, spec))["loss_extra"]
         comm["host_device"] = dict(bytes=comm.get("host_device", {}).get("bytes", 0) + 2 * offloaded)
     comm["total_bytes"] = sum(v.get("bytes", 0) for v in comm.values() if isinstance(v, dict))
     load = sum(math.prod(s) for _, s in meta_shapes(config)[0]) * (4 if spec.precision == "fp32" else 2)

@@ -21,7 +21,8 @@ from .plan import PlanSpec, plan_config, predict_peak, predict_comm, moments
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
     from fsdp_kit.qlora import QLoRASpec
-    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora_r, lora_targets=spec.lora_targets)
+    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora.r,
+                     lora_targets=spec.lora.targets)
 
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
@@ -34,7 +35,7 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tokens = batch_rows(lspec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
     def step():
-        causal_lm_loss(model, tokens, spec.ce_chunks).backward()
+        causal_lm_loss(model, tokens, spec.step.ce_chunks).backward()
         optim.step(); optim.zero_grad()
     m = measure_step(model, optim, step, timed_steps=1)
     model = optim = None; gc.collect()  # drop this setting's model and optimizer before the next one
@@ -43,9 +44,10 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
 def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
-    r = run_config(spec.fsdp_config(), CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh, ac=spec.ac,
-                   dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=spec.ce_chunks, optimizer_in_backward=spec.optimizer_in_backward,
-                   offload_activations=spec.offload_activations, edge_units=spec.edge_units)
+    step = spec.step
+    r = run_config(spec.config, CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh,
+                   dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=step.ce_chunks, optimizer_in_backward=step.optimizer_in_backward,
+                   offload_activations=step.offload_activations, edge_units=spec.edge_units)
     return r.peak_bytes, r.collectives, r.step_seconds
 
 def nvml_used() -> int:
@@ -105,25 +107,25 @@ def progress_line(progress:tuple, done_here:int, spec:PlanSpec):
 def validation_matrix(max_world:int=2) -> list:
     "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each feature."
     T, F = True, False
-    specs = [PlanSpec("tiny", 1), PlanSpec("tiny", 1, method="lora"), PlanSpec("small", 1), PlanSpec("small", 1, "NO_WRAP"),
-             PlanSpec("small", 1, mixed_precision="bf16", reduce_dtype="fp32"), PlanSpec("small", 1, optimizer_in_backward=True)]
+    specs = [PlanSpec.of("tiny", 1), PlanSpec.of("tiny", 1, method="lora"), PlanSpec.of("small", 1), PlanSpec.of("small", 1, "NO_WRAP"),
+             PlanSpec.of("small", 1, mixed_precision="bf16", reduce_dtype="fp32"), PlanSpec.of("small", 1, optimizer_in_backward=True)]
     if max_world >= 2:
-        specs += [PlanSpec(m, 2, p, r) for m in ("tiny", "small") for p, r in (("TRANSFORMER_BASED_WRAP", T), ("TRANSFORMER_BASED_WRAP", F), ("NO_WRAP", T))]
-        specs += [PlanSpec("small", 2, "PER_LINEAR"), PlanSpec("small", 2, reshard_after_forward=2)]
-        specs += [PlanSpec(m, 2, mixed_precision="bf16", reduce_dtype="fp32") for m in ("tiny", "small")]
-        specs += [PlanSpec(m, 2, activation_checkpointing=True) for m in ("tiny", "small")]
-        specs += [PlanSpec("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="selective-op")]
-        specs += [PlanSpec(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
-        specs += [PlanSpec("small", 2, method="lora", lora_targets="q_proj,v_proj"), PlanSpec("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
-        specs += [PlanSpec("small", 2, base_dtype="bf16"), PlanSpec("small", 2, optimizer_in_backward=True), PlanSpec("small", 2, ac="full", optimizer_in_backward=True)]
-        specs += [PlanSpec("small", 2, edge_units=False), PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", edge_units=False)]  # FSDP1's layout: edges in the root
+        specs += [PlanSpec.of(m, 2, p, r) for m in ("tiny", "small") for p, r in (("TRANSFORMER_BASED_WRAP", T), ("TRANSFORMER_BASED_WRAP", F), ("NO_WRAP", T))]
+        specs += [PlanSpec.of("small", 2, "PER_LINEAR"), PlanSpec.of("small", 2, reshard_after_forward=2)]
+        specs += [PlanSpec.of(m, 2, mixed_precision="bf16", reduce_dtype="fp32") for m in ("tiny", "small")]
+        specs += [PlanSpec.of(m, 2, activation_checkpointing=True) for m in ("tiny", "small")]
+        specs += [PlanSpec.of("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="selective-op")]
+        specs += [PlanSpec.of(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
+        specs += [PlanSpec.of("small", 2, method="lora", lora_targets="q_proj,v_proj"), PlanSpec.of("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
+        specs += [PlanSpec.of("small", 2, base_dtype="bf16"), PlanSpec.of("small", 2, optimizer_in_backward=True), PlanSpec.of("small", 2, ac="full", optimizer_in_backward=True)]
+        specs += [PlanSpec.of("small", 2, edge_units=False), PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", edge_units=False)]  # FSDP1's layout: edges in the root
         long = dict(seq_len=256)  # 2 x 256 tokens per rank: the loss and the activations, not the weights, set the peak
-        specs += [PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ce_chunks=8, **long), PlanSpec("small", 2, method="lora", ce_chunks=8, **long),
-                  PlanSpec("small", 2, offload_activations=True, **long), PlanSpec("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", offload_activations=True, **long),
-                  PlanSpec("small", 2, base_dtype="bf16", ce_chunks=8, optimizer_in_backward=True, offload_activations=True, **long)]
+        specs += [PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ce_chunks=8, **long), PlanSpec.of("small", 2, method="lora", ce_chunks=8, **long),
+                  PlanSpec.of("small", 2, offload_activations=True, **long), PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", offload_activations=True, **long),
+                  PlanSpec.of("small", 2, base_dtype="bf16", ce_chunks=8, optimizer_in_backward=True, offload_activations=True, **long)]
     if max_world >= 4:
-        specs += [PlanSpec("small", 4), PlanSpec("small", 4, reshard_after_forward=2), PlanSpec("small", 4, mixed_precision="bf16", reduce_dtype="fp32"),
-                  PlanSpec("small", 4, activation_checkpointing=True), PlanSpec("tiny", 4, method="qlora")]
+        specs += [PlanSpec.of("small", 4), PlanSpec.of("small", 4, reshard_after_forward=2), PlanSpec.of("small", 4, mixed_precision="bf16", reduce_dtype="fp32"),
+                  PlanSpec.of("small", 4, activation_checkpointing=True), PlanSpec.of("tiny", 4, method="qlora")]
     return specs
 
 LLAMA_1B = str(EXAMPLES / "configs" / "llama-3.2-1b" / "config.json")  # Llama-3.2-1B's shape (1.24B parameters, tied embeddings), no weights
@@ -132,12 +134,12 @@ def cuda_validation_matrix(gpus:int=1) -> list:
     """The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config (fp32 and bf16 full fine-tunes, checkpointing
     none and full, LoRA, QLoRA with bf16 storage, CPU offload) and the small preset (fp32, bf16, bf16 with checkpointing)."""
     big, small = dict(batch=2, seq_len=1024, steps=3), dict(batch=4, seq_len=512, steps=3)
-    return [PlanSpec("small", gpus, mixed_precision="no", **small), PlanSpec("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", **small),
-            PlanSpec("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **small),
-            PlanSpec(LLAMA_1B, gpus, mixed_precision="no", **big), PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", **big),
-            PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **big),
-            PlanSpec(LLAMA_1B, gpus, method="lora", mixed_precision="bf16", reduce_dtype="fp32", **big), PlanSpec(LLAMA_1B, gpus, method="qlora", mixed_precision="bf16", reduce_dtype="fp32", **big),
-            PlanSpec(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", cpu_offload=True, **big)]
+    return [PlanSpec.of("small", gpus, mixed_precision="no", **small), PlanSpec.of("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", **small),
+            PlanSpec.of("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **small),
+            PlanSpec.of(LLAMA_1B, gpus, mixed_precision="no", **big), PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **big),
+            PlanSpec.of(LLAMA_1B, gpus, method="lora", mixed_precision="bf16", reduce_dtype="fp32", **big), PlanSpec.of(LLAMA_1B, gpus, method="qlora", mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", cpu_offload=True, **big)]
 
 def validation_settings(max_world:int=2 # the most ranks to use (--nproc)
                        ) -> tuple:
@@ -151,10 +153,10 @@ def held_out_matrix(max_world:int=2) -> list:
     """Settings never used to write the planner: its terms were checked, and its timeline constants read, on `validation_matrix`'s tiny and
     small Llama presets; these are Qwen2 (biased q, k, v) and Mistral shapes with other batch sizes and lengths."""
     qwen, mistral = (str(EXAMPLES / "configs" / name / "config.json") for name in ("qwen2-tiny", "mistral-tiny"))
-    specs = [PlanSpec(qwen, 1, batch=3, seq_len=48)]
+    specs = [PlanSpec.of(qwen, 1, batch=3, seq_len=48)]
     if max_world >= 2:
-        specs += [PlanSpec(qwen, 2, batch=3, seq_len=48), PlanSpec(qwen, 2, method="lora", batch=3, seq_len=48),
-                  PlanSpec(mistral, 2, reshard_after_forward=False, activation_checkpointing=True, batch=2, seq_len=80)]
+        specs += [PlanSpec.of(qwen, 2, batch=3, seq_len=48), PlanSpec.of(qwen, 2, method="lora", batch=3, seq_len=48),
+                  PlanSpec.of(mistral, 2, reshard_after_forward=False, activation_checkpointing=True, batch=2, seq_len=80)]
     return specs
 
 def fitted_and_held_out(result:dict) -> str:
@@ -192,9 +194,11 @@ def _comm_bytes(collectives:dict) -> int:
 def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
     "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), the reserved range, the nvidia-smi peak."
     from fsdp_kit.plan_gpu import plan_gpu
-    p = plan_gpu(spec.model, spec.world_size, 1000, spec.method, spec.lora_r, spec.batch, spec.seq_len, offload=spec.cpu_offload,
-                 mixed_precision=spec.mixed_precision, reshard=spec.reshard_after_forward, base_dtype=spec.base_dtype, ac=spec.policy_ac,
-                 lora_targets=spec.lora_targets, edge_units=spec.edge_units, _terms=False)
+    cfg, lora = spec.config, spec.lora
+    base_dtype = "bf16" if spec.pure_bf16 else "fp32" if lora and lora.base_dtype == "fp32" else None
+    p = plan_gpu(spec.model, spec.world_size, 1000, spec.method, lora.r if lora else 8, spec.batch, spec.seq_len, offload=cfg.cpu_offload,
+                 mixed_precision=cfg.mixed_precision, reshard=cfg.reshard_after_forward, base_dtype=base_dtype, ac=spec.policy_ac,
+                 lora_targets=lora.targets if lora else "all-linear", edge_units=spec.edge_units, _terms=False)
     allocated, (low, high), nvml = measured["max_memory_allocated"], p.per_gpu_reserved_bytes, measured["nvml_used"]
     return measured | dict(predicted_allocated=p.per_gpu_allocated_bytes, allocated_error=(p.per_gpu_allocated_bytes - allocated) / allocated,
                            predicted_reserved=[low, high], reserved_inside=low <= measured["max_memory_reserved"] <= high,
@@ -206,7 +210,8 @@ def compare(spec:PlanSpec, peak:dict, collectives:dict, cuda:dict=None) -> Valid
     moment, predicted = predict_peak(config, spec)
     comm = predict_comm(config, spec)
     measured_comm = {k: v for k, v in collectives.items() if k in ("all_gather", "reduce_scatter")}
-    return ValidationRun(asdict(spec) | dict(label=spec.label()), predicted["total"], peak["total"], _comm_bytes(comm), _comm_bytes(measured_comm),
+    return ValidationRun(spec.flat() | dict(label=spec.label()), predicted["total"], peak["total"], _comm_bytes(comm),
+                         _comm_bytes(measured_comm),
                          (predicted["total"] - peak["total"]) / peak["total"], moment, {k: v for k, v in as_tracked(moment, predicted).items() if v and k != "total"},
                          {k: v for k, v in peak.items() if v and k != "total"}, comm, measured_comm,
                          gpu_comparison(spec, cuda) if cuda else None)
@@ -225,7 +230,7 @@ def _gaps(measured:dict, predicted:dict, peak:int, share:float) -> list:
 
 def closest_moment(run:dict) -> tuple:
     "The planner's candidate moment whose categories are nearest the measured peak's (least total absolute difference): (name, categories)."
-    spec = PlanSpec(**{k: v for k, v in run["config"].items() if k != "label"})
+    spec = PlanSpec.of(**{k: v for k, v in run["config"].items() if k != "label"})
     m = run["measured_by_category"]
     candidates = [(name, as_tracked(name, c)) for name, c in moments(plan_config(spec.model), spec)]
     return min(candidates, key=lambda nc: sum(abs(m.get(k, 0) - nc[1].get(k, 0)) for k in {*m, *nc[1]} - {"total"}))

@@ -16,13 +16,14 @@ import gc, math, os, shutil
 from dataclasses import dataclass, field, asdict, replace, KW_ONLY
 from .errors import bad_value, require_whole, require_positive
 from .config import FSDPConfig, PRECISION, MIXED_PRECISION
-from .spec import RunSpec, accelerate_precision
+from .spec import RunSpec, StepSpec, QUANT_STORAGES, accelerate_precision
+from .upstream import DTYPE_BYTES
 from .models import model_config, build_model, synthetic_tokens, rank_rows, model_label
 from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
 from .lora import save_adapter, check_adapter, lora_config, lora_targets
 
 # %% ../nbs/05_qlora.ipynb #10feb0e8
-STORAGE_BYTES = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of each storage dtype
+STORAGE_BYTES = {"uint8": 1} | {t: DTYPE_BYTES[t] for t in QUANT_STORAGES[1:]}  # bytes per element of each storage dtype (upstream.DTYPES)
 
 # %% ../nbs/05_qlora.ipynb #69515103
 def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.bfloat16
@@ -174,6 +175,8 @@ class QLoRASpec(RunSpec):
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
+        self.refuse_unless("step", StepSpec(), "QLoRASpec has its own lr and warmup (its step runs none of the memory savers)")
+        self.refuse_unless("lora", None, "QLoRASpec has its own lora_r, lora_targets and quant_storage")
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             try: hint = f"Did you mean {accelerate_precision(self.mixed_precision)!r}? (fsdp-kit qlora still reads the old spelling)"
             except Exception: hint = "quant_storage must match the param_dtype it gives"

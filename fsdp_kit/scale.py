@@ -42,6 +42,10 @@ def inject_fault(kind:str):
     while True: time.sleep(3600)  # the other ranks wait for this one in their next collective
 
 # %% ../nbs/11_scale.ipynb #6eb52381
+def _loss_of(out):
+    "The loss of a forward's output: `loss`, or under chunked cross-entropy the `logits` slot that carries it (`ac.causal_lm_loss`)."
+    return (out.loss if out.loss is not None else out.logits).detach()
+
 class StepWatch:
     "Heartbeats for the watchdog, each step's loss in the run folder, and the injected fault, around `train_loop`."
     def __init__(self, timeout:float, # seconds a step may take before the watchdog ends the run
@@ -58,7 +62,7 @@ class StepWatch:
         self.log = open(self.beat.run_dir/f"losses-{rank_tag()}.jsonl", "a")
         # prepend: the step counts as started before FSDP's own pre-forward hook all-gathers
         self.hooks = [model.register_forward_pre_hook(lambda m, a: self.beat.beat(started=self.beat.state["done"] + 1), prepend=True),
-                      model.register_forward_hook(lambda m, a, out: setattr(self, "loss", out.loss.detach()))]
+                      model.register_forward_hook(lambda m, a, out: setattr(self, "loss", _loss_of(out)))]
         def after_step(done:int):
             if saver is not None: saver(done)
             self.log.write(json.dumps(dict(step=done, loss=self.loss.item())) + "\n"); self.log.flush()

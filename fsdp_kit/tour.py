@@ -69,12 +69,13 @@ def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True)
     # {step: (result, seconds)}. Rank 0 prints each step as it starts and its result as it ends.
     import torch.distributed as dist
     from fsdp_kit.train import TrainSpec, train_worker
+    from fsdp_kit.spec import StepSpec
     from fsdp_kit.wrap import CompareSpec, compare_worker
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     from fsdp_kit.checkpoint import CheckpointSpec
     from fsdp_kit.hf_run import HFRunSpec, trainer_worker
-    run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, warmup=2, ckpt=ckpt))
+    run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, step=StepSpec(warmup=2), ckpt=ckpt))
     # last: it opens accelerate's CPU gate
     work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
                 compare=lambda: compare_worker(CompareSpec(model="small")),
@@ -159,7 +160,8 @@ def _steps(nproc: int, progress: bool = True):
         from fsdp_kit.plan import PlanSpec
         from fsdp_kit.plan_validate import validate, plot_validation
         from fsdp_kit.plan_gpu import plan_gpu
-        r = validate([PlanSpec("small", nproc), PlanSpec("small", nproc, mixed_precision="bf16"), PlanSpec("tiny", nproc, method="qlora")])
+        r = validate([PlanSpec.of("small", nproc), PlanSpec.of("small", nproc, mixed_precision="bf16"),
+                      PlanSpec.of("tiny", nproc, method="qlora")])
         big = plan_gpu("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=2048, grad_ckpt=True, offload=True)
         line = (f"planner vs measured, {len(r['runs'])} settings on {nproc} ranks: largest |error| {r['max_abs_error'] * 100:.1f}%, "
                 f"communication exact: {r['comm_exact']}; llama-2-70b QLoRA on 2 x 24 GB with offload: "

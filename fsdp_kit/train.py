@@ -11,32 +11,30 @@ __all__ = ['TrainSpec', 'make_optimizer', 'train_loop', 'TrainResult', 'train_wo
 import statistics, time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict, KW_ONLY
-from .errors import bad_value, require_whole, require_positive
+from .errors import bad_value
 from .spec import RunSpec
 from .models import model_config, build_model, count_params, synthetic_tokens, rank_rows
 from .ranks import mean_over_ranks
-from .ac import ac_policy
+from .ac import ac_policy, step_optimizer, train_step
 from .wrap import LAYOUTS
+from .lora import lora_targets
 
 # %% ../nbs/01_train.ipynb #cd8142c2
 @dataclass(frozen=True)
 class TrainSpec(RunSpec):
-    "Settings of a training run: the shared ones (`RunSpec`: model, seed, batch per rank, seq_len, steps, mesh sizes, fsdp), then the optimizer, the parity check, LoRA and checkpoints."
+    "A training run: the shared settings (`RunSpec`: model, data, steps, mesh, fsdp, step, lora), the parity check and checkpoints."
     _:KW_ONLY
-    lr:float=3e-3 # AdamW learning rate
     check_parity:bool=False # also train one process on the same global batches and compare
-    warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
-    lora_r:int=0 # LoRA rank: train adapters on every Linear of the decoder (0: train every parameter)
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
-    ac:str=None # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: the config's ("full" if activation_checkpointing, else "none")
     layout:str="accelerate" # FSDP units (wrap.LAYOUTS): "accelerate" (embeddings, a [norm, lm_head] tail apart), "layers" (per layer)
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
         self.refuse_unless("cp", 1, "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
-        require_positive("lr", self.lr)
-        for name in ("warmup", "lora_r"): require_whole(name, getattr(self, name), 0)
+        if self.lora is not None: lora_targets(self.lora.targets)
+        if self.lora is not None and self.lora.base_dtype not in (None, "fp32"):
+            raise bad_value("base_dtype", self.lora.base_dtype, "None or fp32 for training (a bf16 or 4-bit base is the QLoRA lab's)")
         if self.layout not in LAYOUTS: raise bad_value("layout", self.layout, f"one of {', '.join(LAYOUTS)}")
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
@@ -44,18 +42,27 @@ class TrainSpec(RunSpec):
         if self.check_parity and (self.config.mixed_precision != "no" or self.config.reduce_dtype not in (None, "fp32")):
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32",
                             f"Drop --check-parity or mixed_precision={self.config.mixed_precision!r}")
-        if self.check_parity and (self.lora_r or (self.ckpt and self.ckpt.resume)):
+        if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
             raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
-        ac_policy(self.config, self.ac)  # an unknown policy, or another one beside the config's activation_checkpointing, is refused
+        self.check_step()
         return self
 
+    def check_step(self):
+        "Refuse step settings training cannot combine, naming the field."
+        step = self.step
+        if step.pure_bf16 and (self.lora or self.config.mixed_precision != "no" or self.check_parity):
+            raise bad_value("precision", step.precision, "fp32 with LoRA, mixed_precision or check_parity (pure bf16: all of it bf16)")
+        if step.optimizer_in_backward and (step.warmup or self.ckpt is not None):
+            raise bad_value("optimizer_in_backward", True, "False with warmup or ckpt (an optimizer per parameter: no schedule, no state)")
+
 # %% ../nbs/01_train.ipynb #399cb3b6
-def make_optimizer(model, spec:TrainSpec): # a TrainSpec or a QLoRASpec: its lr and warmup
-    "AdamW over the trainable parameters (all of them, or only the adapters under LoRA) and a linear warm-up schedule."
+def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr, warmup and optimizer_in_backward
+    "AdamW over the trainable parameters (all, or only the adapters under LoRA; `ac.step_optimizer`) and a linear warm-up schedule."
     import torch
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
-    warmup = spec.warmup
+    optim = step_optimizer(model, spec.step)
+    if spec.step.optimizer_in_backward: return optim, optim  # stepped inside backward: no schedule (warm-up is refused with it)
+    warmup = spec.step.warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
 
@@ -75,11 +82,8 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
         start = time.perf_counter()
         tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size).to(device)
         with first_step if first_step is not None and step == start_step else nullcontext():
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optim.step()
+            loss = train_step(model, optim, tokens, spec.step)  # the wrap lab's step too (fsdp_kit.ac.train_step)
             schedule.step()
-            optim.zero_grad()
         losses.append(loss.detach())
         if times is not None:
             if device.type == "cuda": torch.cuda.synchronize()  # a GPU step is only done when its kernels are
@@ -102,13 +106,14 @@ class TrainResult:
     max_param_diff:float=None # largest |sharded - one process| over all parameters, with check_parity
     first_step:int=0 # the global step of losses[0]: 0 for a fresh run, the checkpoint's step for a resumed one
     checkpoint:dict=None # what was saved and resumed, with ckpt (see `checkpoint.CheckpointSpec`)
-    adapter:dict=None # the LoRA adapter saved and reloaded, with lora_r
+    adapter:dict=None # the LoRA adapter saved and reloaded, with lora
     units:list=None # the FSDP units `apply_fsdp` made: [{"module", "cls", "parameters"}], the root ("") last
     config:dict=None # the FSDPConfig the run applied, field by field
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
     timing:dict=None # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
     ac:str="none" # the activation checkpointing policy the run applied (fsdp_kit.ac)
+    step:dict=None # the StepSpec the run applied: lr, warmup, precision and the memory savers
 
 # %% ../nbs/01_train.ipynb #5e9a22d5
 def _reference(spec:TrainSpec, world_size:int):
@@ -127,25 +132,26 @@ def train_worker(spec:TrainSpec,
                  watch=None # called after each step like the checkpoint saver (see `scale.StepWatch`): heartbeats, faults, loss log
                 ) -> TrainResult:
     "Shard a model as `spec.config` says (`apply_fsdp`), train it on this process group, and measure (rank 0 returns)."
-    import torch.distributed as dist
+    import torch, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
     from fsdp_kit.measure import first_step_tracker, step_timing
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
-    if spec.lora_r:
+    if spec.step.pure_bf16: model = model.to(torch.bfloat16)  # weights, gradients and AdamW's moments all bf16: no fp32 master
+    if spec.lora:
         from fsdp_kit.lora import add_lora
-        model = add_lora(model, spec.lora_r, spec.seed)
+        model = add_lora(model, spec.lora.r, spec.seed, spec.lora.targets)
     mesh = fsdp_mesh(build_mesh(spec.mesh))
-    model, units = apply_fsdp(model, spec.config, mesh, spec.ac, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
+    model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver
         saver = Saver(spec.ckpt, model, *optimizer, spec)
         start = saver.resume()
     times, after_step = [], saver if watch is None else watch.start(model, start, saver)
-    tracker = first_step_tracker(model, optimizer[0])
+    tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])  # per-parameter optimizers: none to hook
     losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step, first_step=tracker)
     if watch is not None: watch.stop()
     losses = mean_over_ranks(losses)
@@ -154,9 +160,11 @@ def train_worker(spec:TrainSpec,
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
     result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
                          dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None, ac=ac_policy(spec.config, spec.ac))
+                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None,
+                         ac=ac_policy(spec.config),
+                         step=asdict(spec.step))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
-    if spec.lora_r:
+    if spec.lora:
         from fsdp_kit.lora import adapter_round_trip
         result.adapter = adapter_round_trip(model, spec, saver.adapter_dir() if saver else None)
     if spec.check_parity and rank == 0:

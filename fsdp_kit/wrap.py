@@ -11,13 +11,12 @@ __all__ = ['LAYOUTS', 'size_policy', 'size_floor', 'fsdp1_size_targets', 'regist
 
 # %% ../nbs/04_wrap.ipynb #1396aeee
 import gc
-from contextlib import nullcontext
 from dataclasses import dataclass, field, asdict, KW_ONLY
 from .errors import bad_value, require_whole
 from .config import FSDPConfig, POLICIES, ADDED_POLICIES, PRECISION, check_for_model, to_reshard
-from .spec import RunSpec
+from .spec import RunSpec, StepSpec
 from .models import model_config, check_model, build_model, synthetic_tokens, rank_rows
-from .ac import checkpoint_layers, ac_policy, causal_lm_loss, OptimizerInBackward, activations_on_host
+from .ac import checkpoint_layers, ac_policy, step_optimizer, train_step
 
 # %% ../nbs/04_wrap.ipynb #553c5870
 def _layer_classes(model, cfg:FSDPConfig) -> set:
@@ -210,14 +209,13 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
 def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
                mesh, # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
-               ac:str=None, # activation checkpointing policy (fsdp_kit.ac.AC_POLICIES); None: 'full' if cfg.activation_checkpointing, else 'none'
                edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own, as accelerate; False: left in the root (FSDP1's layout, to compare)
               ):
     "Shard `model` with `fully_shard` as `cfg` says, in the units accelerate's FSDP2 path makes (`plan_units`); the kit's only call of `fully_shard`. Return the model and its units."
     from torch.distributed.fsdp import fully_shard
     units, groups = plan_units(model, cfg, edge_units), _unit_groups(model, cfg, edge_units)
     _check_reshard(cfg, mesh.size(-1))
-    wrappers = checkpoint_layers(model, ac_policy(cfg, ac))
+    wrappers = checkpoint_layers(model, ac_policy(cfg))
     mp, offload = _policies(cfg)
     for group, reshard in groups:  # the policy's units, the embeddings, the tail, the root last
         modules = [wrappers.get(id(m), m) for _, m in group]
@@ -252,6 +250,8 @@ class CompareSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
         self.refuse_unless("cp", 1, "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        self.refuse_unless("step", StepSpec(), "the wrap lab's memory savers are run_config's arguments")
+        self.refuse_unless("lora", None, "the wrap lab trains every parameter")
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
         for r in self.reshard: to_reshard("reshard_after_forward", r)
@@ -295,14 +295,14 @@ def _thin(timeline:list, points:int=400) -> list:
     return [list(max(c, key=lambda t: t[1])) for c in chunks if c]
 
 # %% ../nbs/04_wrap.ipynb #8184f581
-def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
+def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
                dtype:str=None, # the dtype the model is kept and trained in (None: float32; "bfloat16" with no mixed precision is pure bf16: no fp32 master weights)
                ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
                optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
                offload_activations:bool=False, # what autograd saves kept in host memory until backward (fsdp_kit.ac.activations_on_host)
                edge_units:bool=True # the embeddings and the tail in units of their own (see `apply_fsdp`)
               ) -> RunResult:
-    "Build, shard as `cfg` says (activation checkpointing as `ac` says, see `apply_fsdp`), and measure one training step on this rank."
+    "Build, shard as `cfg` says (its activation checkpointing policy too, see `apply_fsdp`), and measure one training step on this rank."
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -312,17 +312,13 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh, ac:str=None,
         model.config.use_cache = False
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
     check_for_model(cfg, model, spec.gradient_checkpointing)
-    policy = ac_policy(cfg, ac)
-    model, units = apply_fsdp(model, cfg, mesh, policy, edge_units)
-    optim = OptimizerInBackward(model, lr=1e-3) if optimizer_in_backward else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = ac_policy(cfg)
+    model, units = apply_fsdp(model, cfg, mesh, edge_units)
+    saver = StepSpec(lr=1e-3, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations)
+    optim = step_optimizer(model, saver)
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
     last = {}
-    def step():
-        with activations_on_host() if offload_activations else nullcontext(): loss = causal_lm_loss(model, tokens, ce_chunks)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        last["loss"] = loss.item()
+    def step(): last["loss"] = train_step(model, optim, tokens, saver).item()  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
     m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
                        m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, last["loss"])

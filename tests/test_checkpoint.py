@@ -17,9 +17,10 @@ def runs(tmp_path_factory):
     from fsdp_kit.checkpoint import CheckpointSpec
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
+    from fsdp_kit.spec import StepSpec
     from tests.helpers import train_each
     tmp = tmp_path_factory.mktemp("ckpt")
-    spec = lambda steps, ckpt=None: TrainSpec(model="tiny", warmup=3, steps=steps, ckpt=ckpt)
+    spec = lambda steps, ckpt=None: TrainSpec(model="tiny", step=StepSpec(warmup=3), steps=steps, ckpt=ckpt)
     specs = [spec(20)]
     for kind in ("sharded", "full"):
         specs += [spec(10, CheckpointSpec(str(tmp / kind), save_every=5, state_dict=kind)),

@@ -224,14 +224,16 @@ def vanish_worker(ck:str) -> dict:
     import fsdp_kit.checkpoint as checkpoint
     from fsdp_kit.checkpoint import CheckpointSpec
     from fsdp_kit.train import TrainSpec, train_worker
-    first = train_worker(TrainSpec(model="tiny", steps=4, warmup=2, ckpt=CheckpointSpec(ck, save_every=2)))
+    from fsdp_kit.spec import StepSpec
+    first = train_worker(TrainSpec(model="tiny", steps=4, step=StepSpec(warmup=2), ckpt=CheckpointSpec(ck, save_every=2)))
     real = checkpoint.load_checkpoint
     def load(folder, *args):
         if dist.get_rank() == 0 and Path(folder).name == "step-000004": shutil.rmtree(folder)  # another process deleted it
         dist.barrier()
         return real(folder, *args)
     checkpoint.load_checkpoint = load
-    try: second = train_worker(TrainSpec(model="tiny", steps=6, warmup=2, ckpt=CheckpointSpec(ck, save_every=2, resume=True)))
+    resume = CheckpointSpec(ck, save_every=2, resume=True)
+    try: second = train_worker(TrainSpec(model="tiny", steps=6, step=StepSpec(warmup=2), ckpt=resume))
     finally: checkpoint.load_checkpoint = real
     return dict(first=first.losses, second=second.losses, first_step=second.first_step, notes=second.checkpoint["notes"])
 

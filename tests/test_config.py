@@ -23,7 +23,7 @@ def test_transformers_json_loads_as_is():
     assert cfg == FSDPConfig(reshard_after_forward=True, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
                              transformer_layer_cls_to_wrap=["LlamaDecoderLayer"],
                              cpu_offload=False, state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=True,
-                             activation_checkpointing=True,
+                             ac="full",
                              source=str(EXAMPLES / "transformers_fsdp_config.json"))
 
 
@@ -139,7 +139,7 @@ def test_model_checks():
                              r".*LlamaDecoderLayer"):
         check_for_model(FSDPConfig(transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"]), model)
     with pytest.raises(KitError, match="activation_checkpointing=True together with gradient checkpointing is refused"):
-        check_for_model(FSDPConfig(activation_checkpointing=True), model, gradient_checkpointing=True)
+        check_for_model(FSDPConfig(ac="full"), model, gradient_checkpointing=True)
     assert check_for_model(FSDPConfig(), model).auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
 
 

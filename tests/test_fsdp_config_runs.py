@@ -27,10 +27,10 @@ def runs():
     "Two steps of tiny under each setting, on 2 ranks, in one launch."
     settings = dict(default=FSDPConfig(), no_wrap=FSDPConfig(auto_wrap_policy="NO_WRAP"),
                     size=FSDPConfig(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=108_864),  # tiny's size_floor
-                    checkpointing=FSDPConfig(activation_checkpointing=True), offload=FSDPConfig(cpu_offload=True))
+                    checkpointing=FSDPConfig(ac="full"), offload=FSDPConfig(cpu_offload=True))
     specs = [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=c) for c in settings.values()]
-    # the other policies (fsdp_kit.ac)
-    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, ac=ac) for ac in ("selective-layer:2", "selective-op")]
+    policies = ("selective-layer:2", "selective-op")  # the other policies (fsdp_kit.ac)
+    specs += [TrainSpec(model="tiny", steps=2, seq_len=128, fsdp=FSDPConfig(ac=ac)) for ac in policies]
     return dict(zip([*settings, "layer2", "op"], launch(train_each, specs, nprocs=2)))
 
 
@@ -70,7 +70,7 @@ def test_memory_moves_as_each_setting_should(runs):
 def test_every_field_reaches_fully_shard():
     "What each unit's FSDP state holds after apply_fsdp: offload policy, compute and reduce dtypes, reshard, checkpoint wrappers."
     default, custom = launch(fsdp_settings, [FSDPConfig(), FSDPConfig(cpu_offload=True, mixed_precision="bf16", reduce_dtype="fp32",
-                                                                      activation_checkpointing=True, reshard_after_forward=False)],
+                                                                      ac="full", reshard_after_forward=False)],
                                                                       nprocs=2)
     # the root holds nothing: no parameter group
     units = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
@@ -151,7 +151,7 @@ def test_qlora_and_cp_eval_run_the_users_config(tmp_path):
     for tmp in tmps:  # 1 s after each ended: no temporary folder, no process
         assert not (left := left_behind(tmp)), left
     r = json.loads((tmp_path / "cp.json").read_text())
-    assert r["config"]["activation_checkpointing"] and r["config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert r["config"]["ac"] == "full" and r["config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert len(r["units"]) == 5 and r["loss_diff"] < 1e-5
     q = json.loads((tmp_path / "q.json").read_text())
     assert q["config"]["cpu_offload"] and q["config"]["mixed_precision"] == "bf16" and q["param_dtype"] == "bfloat16"

@@ -28,10 +28,10 @@ def test_unknown_model_refused():
 def test_predictions_beside_real_runs():
     "Six settings on 2 ranks in one launch: totals within 5%, collective bytes exact."
     # each checkpointing policy, LoRA on q and v, pure bf16 with chunked loss, optimizer in backward and offloaded activations
-    specs = [PlanSpec("small", 2, reshard_after_forward=False), PlanSpec("tiny", 2, activation_checkpointing=True),
-             PlanSpec("tiny", 2, method="lora", lora_targets="q_proj,v_proj"),
-             PlanSpec("tiny", 2, ac="selective-layer:2"), PlanSpec("tiny", 2, mixed_precision="bf16", ac="selective-op"),
-             PlanSpec("tiny", 2, base_dtype="bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True)]
+    specs = [PlanSpec.of("small", 2, reshard_after_forward=False), PlanSpec.of("tiny", 2, activation_checkpointing=True),
+             PlanSpec.of("tiny", 2, method="lora", lora_targets="q_proj,v_proj"),
+             PlanSpec.of("tiny", 2, ac="selective-layer:2"), PlanSpec.of("tiny", 2, mixed_precision="bf16", ac="selective-op"),
+             PlanSpec.of("tiny", 2, base_dtype="bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True)]
     result = validate(specs, launcher="notebook", timeout=120)
     assert [r["config"]["label"] for r in result["runs"]] == [s.label() for s in specs]
     for r in result["runs"]:
@@ -46,15 +46,15 @@ def test_stored_matrix_matches_planner():
     assert len(stored["runs"]) >= 20 and stored["comm_exact"]
     assert {r["config"]["world_size"] for r in stored["runs"]} == {1, 2, 4}
     assert {r["config"]["method"] for r in stored["runs"]} == {"full", "lora", "qlora"}
-    specs = [PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"}) for r in stored["runs"]]
+    specs = [PlanSpec.of(**{k: v for k, v in r["config"].items() if k != "label"}) for r in stored["runs"]]
     # every kind of activation checkpointing, measured
     assert {s.policy_ac for s in specs} == {"none", "full", "selective-layer:2", "selective-op"}
-    assert ({s.precision for s in specs} == {"fp32", "bf16-fp32-reduce", "pure-bf16"}
-            and {s.lora_targets for s in specs if s.method != "full"} > {"all-linear"})
-    # every term that runs on CPU
-    for term in ("ce_chunks", "optimizer_in_backward", "offload_activations"): assert any(getattr(s, term) for s in specs), term
+    assert {s.precision for s in specs} == {"fp32", "bf16-fp32-reduce", "pure-bf16"}
+    assert {s.lora.targets for s in specs if s.method != "full"} > {"all-linear"}
+    for term in ("ce_chunks", "optimizer_in_backward", "offload_activations"):  # every term that runs on CPU
+        assert any(getattr(s.step, term) for s in specs), term
     for r in stored["runs"]:
-        spec = PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"})
+        spec = PlanSpec.of(**{k: v for k, v in r["config"].items() if k != "label"})
         config = plan_config(spec.model)
         assert predict_peak(config, spec)[1]["total"] == r["predicted_bytes"], r["config"]["label"]
         comm = predict_comm(config, spec)
@@ -65,7 +65,7 @@ def test_stored_matrix_matches_planner():
 def test_units_follow_the_wrap_plan():
     "Per-layer units hold each layer's parameters; their shards add up to the padded model."
     config = plan_config("small")
-    spec = PlanSpec("small", 4)
+    spec = PlanSpec.of("small", 4)
     us = units(model_tensors(config, spec), spec)
     # apply_fsdp's units
     assert list(us)[:3] == ["root", "embed", "tail"] and len(us) == 3 + config.num_hidden_layers and us["root"].unsharded == 0
@@ -272,14 +272,14 @@ def test_first_principles_and_the_tracker_names_keep_every_byte():
     from fsdp_kit.plan import state_terms, first_principles, tracker_correction, moments
     from fsdp_kit.plan_validate import as_tracked
     config, P = plan_config("llama-2-7b"), count_parameters("llama-2-7b")
-    for spec, per_param in ((PlanSpec("llama-2-7b", 8), 16), (PlanSpec("llama-2-7b", 8, base_dtype="bf16"), 8)):
+    for spec, per_param in ((PlanSpec.of("llama-2-7b", 8), 16), (PlanSpec.of("llama-2-7b", 8, base_dtype="bf16"), 8)):
         s = state_terms(config, spec)
         assert abs(s["sharded_params"] + s["sharded_grads"] + s["adam_moments"] - per_param * P / 8) <= 8, (spec.label(), s)
         # one float32 step per trainable tensor: all of them in a full fine-tune
         assert s["adam_steps"] == 4 * len(model_tensors(config, spec)) > 0
     stored = json.loads((ROOT / "examples" / "plan" / "validation.json").read_text())
     for r in stored["runs"][:12]:
-        spec = PlanSpec(**{k: v for k, v in r["config"].items() if k != "label"})
+        spec = PlanSpec.of(**{k: v for k, v in r["config"].items() if k != "label"})
         config = plan_config(spec.model)
         first = first_principles(config, spec)
         assert first["total"] == sum(v for k, v in first.items() if k != "total") > 0
@@ -328,7 +328,7 @@ def test_load_reserved_only_where_it_applies():
     root = (2 * 128256 * 8192 + 8192) * 2  # embeddings, lm_head, final norm in bf16: FSDP1's root unit, moved, flattened, its shard cloned
     high = p.breakdown["quant_state"] + 2 * root + root // 2
     assert p.breakdown["load_reserved"] == high - p.per_gpu_allocated_bytes - p.breakdown["allocator_overhead"] > 0
-    spec = PlanSpec("llama-3-70b", 2, method="qlora", cpu_offload=True, mixed_precision="bf16", edge_units=False)
+    spec = PlanSpec.of("llama-3-70b", 2, method="qlora", cpu_offload=True, mixed_precision="bf16", edge_units=False)
     assert load_high_water(plan_config("llama-3-70b"), spec, "per-weight") == high == p.per_gpu_reserved_bytes[0]
     assert plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="whole-model").breakdown["load_reserved"] > 24 * GB
     with pytest.raises(KitError, match="cpu_ram_efficient_loading"): plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="rank0")

@@ -50,8 +50,8 @@ def readable(modules:tuple) -> str:
 def test_planner_units_are_the_built_units(model, edge_units, mesh):
     config = model_config(model)
     for policy in (*POLICIES, "MLP_ONLY"):
-        spec = PlanSpec(model, 1, policy=policy, edge_units=edge_units)
-        built = built_units(apply_fsdp(build_model(config), spec.fsdp_config(), mesh, edge_units=edge_units)[0])
+        spec = PlanSpec.of(model, 1, policy=policy, edge_units=edge_units)
+        built = built_units(apply_fsdp(build_model(config), spec.config, mesh, edge_units=edge_units)[0])
         planned = {t.name: t.unit for t in model_tensors(plan_config(model), spec)}
         assert planned == {n: readable(m) for n, m in built.items()}, policy
         held, meta = {}, build_model(config, device="meta")
@@ -62,32 +62,32 @@ def test_planner_units_are_the_built_units(model, edge_units, mesh):
 def test_size_based_wrap_planned_as_wrapped():
     "SIZE_BASED_WRAP reaches the planner with its threshold: at small's floor accelerate's rule wraps no layer, so neither does the plan."
     config, meta = plan_config("small"), build_model(model_config("small"), device="meta")
-    assert PlanSpec("small", 2, policy="SIZE_BASED_WRAP").fsdp_config().min_num_params == size_floor(meta) == 869_504
-    size, none = (PlanSpec("small", 2, policy=p, min_num_params=10**9) for p in ("SIZE_BASED_WRAP", "NO_WRAP"))
+    assert PlanSpec.of("small", 2, policy="SIZE_BASED_WRAP").config.min_num_params == size_floor(meta) == 869_504
+    size, none = (PlanSpec.of("small", 2, policy=p, min_num_params=10**9) for p in ("SIZE_BASED_WRAP", "NO_WRAP"))
     assert set(units(model_tensors(config, size), size)) == {"root", "embed", "tail"}
-    assert predict_peak(config, size) == predict_peak(config, none) != predict_peak(config, PlanSpec("small", 2))
+    assert predict_peak(config, size) == predict_peak(config, none) != predict_peak(config, PlanSpec.of("small", 2))
     assert size.label() == "small w2 full SIZE_BASED_WRAP reshard fp32 min1000000000"
     with pytest.raises(KitError, match="min_num_params=10000 is not allowed: 869,504 or more"):
-        model_tensors(config, PlanSpec("small", 2, policy="SIZE_BASED_WRAP", min_num_params=10_000))
+        model_tensors(config, PlanSpec.of("small", 2, policy="SIZE_BASED_WRAP", min_num_params=10_000))
 
 
 @pytest.mark.parametrize("policy", ["PER_LINEAR", "MLP_ONLY", "TRANSFORMER_BASED_WRAP"])
 def test_lora_adapters_in_their_linear_unit(policy):
     config = plan_config("tiny")
-    spec = PlanSpec("tiny", 2, policy=policy, method="lora")
+    spec = PlanSpec.of("tiny", 2, policy=policy, method="lora")
     tensors = {t.name: t.unit for t in model_tensors(config, spec)}
     adapters = [n for n in tensors if ".lora_" in n]
     assert len(adapters) == 2 * 7 * config.num_hidden_layers
     assert all(tensors[n] == tensors[n.rsplit(".", 1)[0] + ".weight"] for n in adapters)
-    assert unit_map(build_model(config, device="meta"), spec.fsdp_config()) == {n: u for n, u in tensors.items() if ".lora_" not in n}
+    assert unit_map(build_model(config, device="meta"), spec.config) == {n: u for n, u in tensors.items() if ".lora_" not in n}
 
 
 def test_refusals():
     "An added policy cannot replace a built-in one; unknown policies and thresholds are refused naming the field."
     with pytest.raises(KitError, match="min_num_params=-1 is not allowed"):
-        PlanSpec("small", policy="SIZE_BASED_WRAP", min_num_params=-1).check()
+        PlanSpec.of("small", policy="SIZE_BASED_WRAP", min_num_params=-1).check()
     with pytest.raises(KitError, match="policy='MLP' is not allowed: one of .*PER_LINEAR, MLP_ONLY"):
-        PlanSpec("small", policy="MLP").check()
+        PlanSpec.of("small", policy="MLP").check()
     with pytest.raises(KitError, match="name='NO_WRAP' is not allowed"): register_policy("NO_WRAP", lambda n, m: False)
     with pytest.raises(KitError, match="auto_wrap_policy='MLP_ONCE' is not allowed: one of .*MLP_ONLY"):
         FSDPConfig(auto_wrap_policy="MLP_ONCE").check()

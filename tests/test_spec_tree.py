@@ -1,0 +1,102 @@
+"The spec tree: each field name declared once across the `*Spec` classes and `FSDPConfig`; the sections every lab shares."
+import ast, collections, json, math, os, subprocess, sys
+import pytest
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent/"fsdp_kit"
+MOST_SHARED = 18  # field names still declared in two or more spec classes (the spec tree aims at 4; lowered as sections move)
+
+
+def declared_fields() -> dict:
+    "Field name -> {module.Class} for every class named *Spec, and FSDPConfig, in fsdp_kit/*.py."
+    out = collections.defaultdict(set)
+    for path in sorted(PKG.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and (node.name.endswith("Spec") or node.name == "FSDPConfig"):
+                for s in node.body:
+                    if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.target.id != "_":
+                        out[s.target.id].add(f"{path.stem}.{node.name}")
+    return out
+
+
+def test_field_names_declared_once():
+    shared = {name: sorted(owners) for name, owners in declared_fields().items() if len(owners) > 1}
+    assert len(shared) <= MOST_SHARED, shared
+
+
+def test_ac_is_one_field_of_the_fsdp_config():
+    from fsdp_kit.config import FSDPConfig, load_fsdp_config, EXAMPLES
+    from fsdp_kit.ac import ac_policy
+    cfg = load_fsdp_config(str(EXAMPLES / "fsdp_configs" / "transformers_fsdp_config.json"))
+    assert (cfg.ac, cfg.activation_checkpointing, ac_policy(cfg)) == ("full", True, "full")
+    assert (FSDPConfig().ac, FSDPConfig().activation_checkpointing) == ("none", False)
+    assert "ac" in declared_fields() and declared_fields()["ac"] >= {"config.FSDPConfig"}
+
+
+def test_train_spec_reads_the_shared_step_and_lora():
+    from fsdp_kit.spec import StepSpec, LoraSpec
+    from fsdp_kit.train import TrainSpec
+    spec = TrainSpec(step=StepSpec(lr=1e-2, warmup=2), lora=LoraSpec(r=4)).check()
+    assert (spec.step.lr, spec.step.warmup, spec.lora.r, spec.lora.targets) == (1e-2, 2, 4, "all-linear")
+    assert not {"lr", "warmup", "lora_r", "ac"} & set(TrainSpec.__dataclass_fields__)
+
+
+def test_plan_spec_embeds_the_fsdp_config():
+    "PlanSpec has no FSDP field of its own: `of` sorts the planner's flat names into fsdp, step and lora; `flat` gives them back."
+    from fsdp_kit.plan import PlanSpec
+    from fsdp_kit.config import FSDPConfig
+    own = set(PlanSpec.__dataclass_fields__) - set(__import__("fsdp_kit.spec").spec.RunSpec.__dataclass_fields__)
+    assert own == {"world_size", "fp8_all_gather", "edge_units"} and not own & set(FSDPConfig.__dataclass_fields__)
+    spec = PlanSpec.of("small", 2, activation_checkpointing=True, reshard_after_forward=False, method="lora", lora_r=4, ce_chunks=0).check()
+    assert (spec.config.ac, spec.config.reshard_after_forward, spec.lora.r, spec.method, spec.batch) == ("full", False, 4, "lora", 2)
+    assert PlanSpec.of(**spec.flat()) == spec
+
+
+@pytest.mark.timeout(240)
+def test_train_runs_the_step_savers_the_planner_models(tmp_path):
+    "fsdp-kit train with pure bf16, chunked cross-entropy, the optimizer in backward and activations on the host, on 2 gloo ranks."
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "2", "--seq-len", "32", "--precision", "pure-bf16",
+           "--chunked-ce", "4", "--optimizer-in-backward", "--offload-activations", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert len(r["losses"]) == 2 and all(math.isfinite(l) for l in r["losses"])
+    assert r["step"] == dict(lr=3e-3, warmup=0, precision="pure-bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True)
+    assert r["config"]["mixed_precision"] == "no"
+    assert "step: pure-bf16, loss in 4 chunks, optimizer in backward, activations offloaded to host" in proc.stdout
+
+
+def test_train_and_the_wrap_lab_share_one_step_function():
+    "train.train_loop and wrap.run_config both call ac.train_step; neither computes a loss of its own."
+    import inspect
+    from fsdp_kit import train, wrap
+    for fn in (train.train_loop, wrap.run_config):
+        src = inspect.getsource(fn)
+        assert "train_step(" in src and ".backward()" not in src and "labels=tokens" not in src, fn.__name__
+
+
+SITE = '''
+import os
+from fsdp_kit.config import FSDPConfig
+_check = FSDPConfig.check
+def counted(self):
+    with open(os.environ["CHECK_COUNT_FILE"], "a") as f: f.write(f"{os.getpid()}\\n")
+    return _check(self)
+FSDPConfig.check = counted
+'''
+
+@pytest.mark.timeout(240)
+def test_a_train_run_checks_its_fsdp_config_once(tmp_path):
+    "One `fsdp-kit train --fsdp-config F`: FSDPConfig.check runs once, in the launching process; no worker checks again."
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITE)  # every process of the run (launcher, torchrun, ranks) counts its calls
+    count = tmp_path / "checks.txt"
+    config = Path(__file__).resolve().parent.parent / "fsdp_kit" / "examples" / "fsdp_configs" / "transformers_fsdp_config.json"
+    path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, CHECK_COUNT_FILE=str(count))
+    cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "1", "--seq-len", "32", "--fsdp-config", str(config)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = count.read_text().split()
+    assert len(pids) == 1, pids
