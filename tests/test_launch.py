@@ -141,7 +141,10 @@ def test_launch_refuses_bad_arguments_before_starting_anything(call, phrase):
 def test_launch_checks_the_spec_it_is_given(spec, phrase):
     "launch() calls the spec's check(): a spec built by hand is refused before any process starts, as the command line's is."
     from fsdp_kit.train import TrainSpec, train_worker
-    with pytest.raises(KitError, match=re.escape(phrase)): launch(train_worker, TrainSpec(**spec), nprocs=2)
+    from fsdp_kit.spec import StepSpec
+    step = {k: spec.pop(k) for k in list(spec) if k == "lr"}  # the learning rate is the step section's
+    with pytest.raises(KitError, match=re.escape(phrase)):
+        launch(train_worker, TrainSpec(**spec, **({"step": StepSpec(**step)} if step else {})), nprocs=2)
 
 
 def test_torchrun_launcher_refuses_a_function_workers_cannot_import():
