@@ -42,7 +42,8 @@ def size_policy(min_num_params:int):
     from types import SimpleNamespace
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    plugin = SimpleNamespace(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=min_num_params), min_num_params=min_num_params,
+    plugin = SimpleNamespace(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=min_num_params),
+                             min_num_params=min_num_params,
                              transformer_cls_names_to_wrap=None)  # the two fields its size branch reads
     return fsdp2_prepare_auto_wrap_policy(plugin, None)
 
@@ -57,18 +58,21 @@ def _carved(model) -> list:
     "Qualified names of the modules accelerate's FSDP2 path shards after its policy (the input embeddings, the final norm, the output head)."
     get = lambda attr: getattr(model, attr, lambda: None)()
     names = {id(m): n for n, m in model.named_modules()}
-    return [names[id(m)] for m in (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings")) if m is not None and id(m) in names]
+    return [names[id(m)] for m in (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings")) if m is not None
+            and id(m) in names]
 
 def _size_blocker(model, name:str, module) -> str:
     "Why accelerate's FSDP2 path cannot build a unit of `module` (None: it can): a container without forward, or a module holding the carved ones."
     if _no_forward(module): return "a container without forward, which fully_shard refuses"
     held = [c for c in _carved(model) if c.startswith(name + ".")]
-    if held: return f"which holds {', '.join(held)}: accelerate then calls fully_shard on them inside a unit, and prepare stops (09a_hf_run)"
+    if held:
+        return f"which holds {', '.join(held)}: accelerate then calls fully_shard on them inside a unit, and prepare stops (09a_hf_run)"
     return None
 
 def size_floor(model) -> int:
     "The smallest min_num_params under which accelerate's FSDP2 size rule selects no module it cannot build a unit of (`_size_blocker`)."
-    return max((sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if m is not model and _size_blocker(model, n, m)), default=0)
+    return max((sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if m is not model and _size_blocker(model, n, m)),
+               default=0)
 
 def _size_targets(model, min_num_params:int) -> list:
     """SIZE_BASED_WRAP as accelerate's FSDP2 path applies it: bottom-up (`get_module_children_bottom_up`), every module below the root that
@@ -79,8 +83,10 @@ def _size_targets(model, min_num_params:int) -> list:
     blocked = next(((n, m, why) for n, m in chosen for why in [_size_blocker(model, n, m)] if why), None)
     if blocked:
         n, m, why = blocked
-        raise bad_value("min_num_params", min_num_params, f"{size_floor(model):,} or more for this model, or TRANSFORMER_BASED_WRAP for one unit per layer",
-                        f"accelerate's FSDP2 size rule selects {n} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} parameters), {why}")
+        raise bad_value("min_num_params", min_num_params,
+                        f"{size_floor(model):,} or more for this model, or TRANSFORMER_BASED_WRAP for one unit per layer",
+                        f"accelerate's FSDP2 size rule selects {n} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} "
+                        f"parameters), {why}")
     return [(n, m) for n, m in chosen if not tied(n, m)]
 
 def fsdp1_size_targets(model, min_num_params:int) -> list:
@@ -203,7 +209,10 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
     "An int reshard_after_forward must divide the shard group size."
     r = cfg.reshard_after_forward
     if not isinstance(r, bool) and shard_size % r:
-        raise bad_value("reshard_after_forward", r, f"true, false, or a divisor of the shard group size {shard_size} (e.g. {shard_size // 2 if shard_size > 2 else 'use 4 or more ranks'})")
+        raise bad_value("reshard_after_forward", r,
+                        f"true, false, or a divisor of the shard group size {shard_size} (e.g. "
+                        f"{shard_size // 2 if shard_size > 2 else 'use 4 or more ranks'})")
+
 
 # %% ../nbs/04_wrap.ipynb #31809596
 def apply_fsdp(model, # a model on the device it will train on
@@ -219,7 +228,8 @@ def apply_fsdp(model, # a model on the device it will train on
     mp, offload = _policies(cfg)
     for group, reshard in groups:  # the policy's units, the embeddings, the tail, the root last
         modules = [wrappers.get(id(m), m) for _, m in group]
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload)
     return model, units
 
 # %% ../nbs/04_wrap.ipynb #4e4f720f
@@ -227,9 +237,11 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
     "What a measured training step does with the fields of `cfg` it does not act on."
     notes = []
     if cfg.cpu_offload and not cuda:
-        notes.append("cpu_offload=True: on a CPU-only machine parameters already live in host memory; CPUOffloadPolicy(pin_memory=False) runs but moves nothing")
+        notes.append("cpu_offload=True: on a CPU-only machine parameters already live in host memory; CPUOffloadPolicy(pin_memory=False) "
+                     "runs but moves nothing")
     if cfg.cpu_ram_efficient_loading:
-        notes.append("cpu_ram_efficient_loading=True concerns loading pretrained weights; this lab builds the weights from a seed on every rank")
+        notes.append("cpu_ram_efficient_loading=True concerns loading pretrained weights; this lab builds the weights from a seed on every "
+                     "rank")
     notes.append(f"state_dict_type={cfg.state_dict_type} concerns checkpoints; this lab saves none")
     return notes
 
@@ -249,14 +261,17 @@ class CompareSpec(RunSpec):
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
-        self.refuse_unless("cp", 1, "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        self.refuse_unless("cp", 1,
+                           "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit "
+                           "cp-eval)")
         self.refuse_unless("step", StepSpec(), "the wrap lab's memory savers are run_config's arguments")
         self.refuse_unless("lora", None, "the wrap lab trains every parameter")
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
         for r in self.reshard: to_reshard("reshard_after_forward", r)
         if self.min_num_params is not None: require_whole("min_num_params", self.min_num_params, 0)
-        if not isinstance(self.gradient_checkpointing, bool): raise bad_value("gradient_checkpointing", self.gradient_checkpointing, "True or False")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise bad_value("gradient_checkpointing", self.gradient_checkpointing, "True or False")
         return self
 
     def configs(self) -> list:
@@ -320,7 +335,8 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
     last = {}
     def step(): last["loss"] = train_step(model, optim, tokens, saver).item()  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
     m = measure_step(model, optim, step, spec.steps)
-    result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
+    result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world,
+                       [dict(module=u.module, parameters=u.parameters) for u in units],
                        m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, last["loss"])
     model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
@@ -388,10 +404,13 @@ def plot_compare(runs:list):
     plot_categories(dict(zip(labels, [r.peak_bytes for r in runs])), ax=top, title=f"peak memory per rank ({runs[0].world_size} ranks)")
     x = range(len(runs))
     for i, kind in enumerate(("all_gather", "reduce_scatter")):
-        calls.bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs], width=0.4, label=kind.replace("_", "-"))
-    calls.set(ylabel="collectives per step", title="communication: calls per step"); calls.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+        calls.bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs], width=0.4,
+                  label=kind.replace("_", "-"))
+    calls.set(ylabel="collectives per step", title="communication: calls per step")
+    calls.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
     ms = [r.step_seconds * 1e3 for r in runs]
-    spread = [[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)], [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]] if all(r.timing for r in runs) else None
+    spread = ([[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)], [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]]
+              if all(r.timing for r in runs) else None)
     times.bar(list(x), ms, yerr=spread, capsize=3, color="gray")
     times.set(ylabel="ms", title="step time (median, min-max)")
     times.set_xticks(list(x), labels, fontsize=9, rotation=30, ha="right")
