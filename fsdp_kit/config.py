@@ -1,4 +1,4 @@
-"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either as its upstream entry point does (`accelerate launch`, `TrainingArguments`), converts FSDP1 files as `accelerate to-fsdp2` does, notes every key it maps, ignores or runs differently, and refuses what it cannot read with a message naming the field, the value and what is allowed.
+"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 
@@ -42,17 +42,17 @@ def parse_ac(policy:str) -> tuple:
 @dataclass
 class FSDPConfig:
     "How FSDP2 wraps, shards and saves a model: the knobs of transformers' `fsdp_config` and accelerate's FSDP plugin."
-    reshard_after_forward:bool|int=True # free gathered parameters after forward (True), keep them (False), or reshard to groups of this size (int)
+    reshard_after_forward:bool|int=True # free gathered parameters after forward (True), keep them (False), or groups of this size (int)
     auto_wrap_policy:str="TRANSFORMER_BASED_WRAP" # which modules become FSDP units: one of POLICIES
     transformer_layer_cls_to_wrap:list=field(default_factory=list) # layer class names; empty reads the model's `_no_split_modules`
     min_num_params:int=0 # SIZE_BASED_WRAP: a module becomes a unit when it holds more parameters than this
     cpu_offload:bool=False # keep sharded parameters, gradients and optimizer state in host memory
     mixed_precision:str="no" # "no", "bf16" or "fp16": the dtype gathered parameters are computed in
-    reduce_dtype:str=None # dtype gradients are reduce-scattered in: None is accelerate's choice (the compute dtype); "fp32" keeps full precision
+    reduce_dtype:str=None # dtype of the gradient reduce-scatter: None is accelerate's (the compute dtype); "fp32" keeps full precision
     ac:str="none" # activation checkpointing policy (fsdp_kit.config.AC_POLICIES); a file's activation_checkpointing true reads as "full"
     state_dict_type:str="FULL_STATE_DICT" # checkpoint format: one gathered file or one shard per rank
     cpu_ram_efficient_loading:bool=False # only rank 0 reads weights; the others receive them by broadcast
-    parallelism_config:dict=None # accelerate's parallelism sizes (dp_replicate_size, dp_shard_size, tp_size, cp_size), shown; meshes come from the kit's own options
+    parallelism_config:dict=None # accelerate's parallelism sizes, shown only: meshes come from the kit's own options
     notes:list=field(default_factory=list) # what each upstream key was mapped to
     source:str="" # where this config came from
 
@@ -190,7 +190,7 @@ KNOWN_KEYS = sorted([*FIELD_KEYS, *NOT_APPLYING, "sharding_strategy", "version"]
 
 # %% ../nbs/03_config.ipynb #83217054
 def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
-    "Set `cfg`'s fields from FSDP2 `keys` (without the fsdp_ prefix), explaining the rest; returns {field: (key, value)} for the fields set."
+    "Set `cfg`'s fields from FSDP2 `keys` (no fsdp_ prefix), explaining the rest; returns {field: (key, value)} of those set."
     given, unknown = {}, []
     for key, value in keys.items():
         if key in FIELD_KEYS:
@@ -274,7 +274,7 @@ def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
                              "the kit runs the FSDP2 file accelerate to-fsdp2 writes")
 
 def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precision:str=None) -> FSDPConfig:
-    "The kit's reading: FSDP1 files converted as `accelerate to-fsdp2` does, every key checked, then each field as upstream reads it, differences noted."
+    "The kit's reading of an FSDP config, every key checked and each field read as upstream reads it."
     from fsdp_kit.upstream import reading_of
     entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
     keys = _strip_prefix(section)
@@ -298,7 +298,7 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
 # %% ../nbs/03_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
                       source:str="transformers fsdp_config", # where it came from, for messages
-                      mixed_precision:str=None # TrainingArguments' own precision ("bf16" for bf16=True, "fp16" for fp16=True); the dict cannot say it
+                      mixed_precision:str=None # TrainingArguments' precision ("bf16": bf16=True, "fp16": fp16=True); the dict cannot say it
                      ) -> FSDPConfig:
     "An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True, fsdp_config=...)` reads it."
     if not isinstance(fsdp_config, dict): raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
@@ -320,7 +320,7 @@ def accelerate_top_level() -> set:
 
 # %% ../nbs/03_config.ipynb #c9927bb2
 def _launch_notes(config:dict, cfg:FSDPConfig):
-    "Notes on the accelerate config's top-level keys: the process count, the keys that say something, the launch settings the kit leaves to its own launcher."
+    "Notes on the accelerate config's top-level keys, one per kind."
     if "num_processes" in config:
         cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit uses its own process count "
                          "(--nproc)")

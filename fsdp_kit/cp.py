@@ -1,4 +1,4 @@
-"""Context parallelism (CP) splits each sequence across ranks. The kit's CP attention runs on CPU as a transformers attention function (`allgather` or `alltoall` rotation, exact causal masking across shards, grouped-query attention), and CP evaluation reduces the loss over every valid token of the whole sequence, so `eval_loss` does not change with `cp_size`.
+"""Context parallelism (CP) splits each sequence across ranks; CP evaluation's `eval_loss` does not change with `cp_size`.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/cp.html.md"""
 
@@ -245,7 +245,7 @@ def use_cp_attention(model):
 # %% ../nbs/06_cp.ipynb #ada13ab1
 @dataclass(frozen=True)
 class CPSpec(RunSpec):
-    "Settings of a CP evaluation: the shared ones (`RunSpec`; `batch` is sequences per data-parallel rank, split over its cp ranks), then sp, rotation, mask and gathering."
+    "Settings of a CP evaluation: the shared ones (`RunSpec`), then sp, rotation, mask and gathering."
     _:KW_ONLY
     cp:int=2 # context-parallel ranks per sequence (cp_size)
     seq_len:int=128 # tokens per sequence: a multiple of 2 x cp

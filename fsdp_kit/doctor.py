@@ -33,7 +33,7 @@ class DoctorSpec:
     quant_storage:str=None # qlora: bnb_4bit_quant_storage; None is bitsandbytes' default, uint8
     mixed_precision:str=None # a transformers JSON: TrainingArguments' bf16=True / fp16=True ("bf16", "fp16"); a YAML says its own
     dtype:str=None # the dtype from_pretrained loads in (float32, bfloat16, float16); None: bfloat16 for lora/qlora under bf16, else float32
-    gradient_checkpointing:bool=False # the user's script turns on the Trainer's own checkpointing (TrainingArguments activation_checkpointing, formerly gradient_checkpointing)
+    gradient_checkpointing:bool=False # the Trainer's own checkpointing is on (activation_checkpointing, formerly gradient_checkpointing)
     kbit_prepare:bool=False # the user's script calls peft's prepare_model_for_kbit_training on the 4-bit model
     nproc:int=2 # ranks the twin runs on
     steps:int=2 # optimizer steps of the twin

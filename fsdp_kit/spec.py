@@ -1,4 +1,4 @@
-"""The settings every lab shares (model, seed, batch per rank, sequence length, steps, mesh sizes and the FSDP config) in one dataclass that each lab's spec extends; checked once, never changed afterwards; precision in accelerate's words.
+"""The settings every lab shares, in one dataclass that each lab's spec extends, checked once and never changed afterwards.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/spec.html.md"""
 

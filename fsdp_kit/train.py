@@ -1,4 +1,4 @@
-"""Shard a model as an FSDP config says (by default `fully_shard` each decoder layer, then the embeddings, the [norm, `lm_head`] tail and the root, as accelerate does); train on synthetic data on a real process group; check the result against one process trained on the same data.
+"""Shard a model as an FSDP config says, train it on synthetic data on a real process group, check it against one process.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 
@@ -198,7 +198,7 @@ def plot_ddp_fsdp(held:dict, # label -> peak bytes by the kit's memory category 
 
 # %% ../nbs/01_train.ipynb #92c7139c
 def plot_losses(result:TrainResult, ax=None):
-    "Loss per step of the sharded run, with the one-process reference when there is one; the legend beside the axes, whole steps on the x axis."
+    "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
     from fsdp_kit.measure import check_figure
