@@ -1,4 +1,4 @@
-"""Which modules become FSDP units under each policy, how many parameters each holds, and what that does to memory and communication, measured per rank on a real process group.
+"""Which modules become FSDP units under each policy, the parameters each holds, and what that does to memory and collectives.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/wrap.html.md"""
 
@@ -37,7 +37,7 @@ def _ties_outside(model):
     return ties_outside
 
 def size_policy(min_num_params:int):
-    "accelerate's own FSDP2 size policy (`fsdp2_prepare_auto_wrap_policy`) for `min_num_params`: module -> whether its prepare calls fully_shard on it."
+    "accelerate's own FSDP2 size policy for `min_num_params`: module -> whether its prepare calls fully_shard on it."
     from functools import partial
     from types import SimpleNamespace
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
@@ -55,14 +55,14 @@ def _no_forward(module) -> bool:
     return False
 
 def _carved(model) -> list:
-    "Qualified names of the modules accelerate's FSDP2 path shards after its policy (the input embeddings, the final norm, the output head)."
+    "Qualified names of the modules accelerate's FSDP2 path shards after its policy."
     get = lambda attr: getattr(model, attr, lambda: None)()
     names = {id(m): n for n, m in model.named_modules()}
     return [names[id(m)] for m in (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings")) if m is not None
             and id(m) in names]
 
 def _size_blocker(model, name:str, module) -> str:
-    "Why accelerate's FSDP2 path cannot build a unit of `module` (None: it can): a container without forward, or a module holding the carved ones."
+    "Why accelerate's FSDP2 path cannot build a unit of `module` (None: it can)."
     if _no_forward(module): return "a container without forward, which fully_shard refuses"
     held = [c for c in _carved(model) if c.startswith(name + ".")]
     if held:
@@ -75,8 +75,7 @@ def size_floor(model) -> int:
                default=0)
 
 def _size_targets(model, min_num_params:int) -> list:
-    """SIZE_BASED_WRAP as accelerate's FSDP2 path applies it: bottom-up (`get_module_children_bottom_up`), every module below the root that
-    `size_policy` selects (all its parameters, nested units' included, above `min_num_params`); one tied to a module outside it stays out."""
+    "SIZE_BASED_WRAP as accelerate's FSDP2 path applies it, bottom-up, to every module below the root."
     from accelerate.utils.fsdp_utils import get_module_children_bottom_up
     policy, tied = size_policy(min_num_params), _ties_outside(model)
     chosen = [(n, m) for n, m in get_module_children_bottom_up(model, return_fqns=True)[:-1] if policy(m)]
@@ -90,7 +89,7 @@ def _size_targets(model, min_num_params:int) -> list:
     return [(n, m) for n, m in chosen if not tied(n, m)]
 
 def fsdp1_size_targets(model, min_num_params:int) -> list:
-    "FSDP1's size rule, kept to compare: bottom-up, a module whose parameters not yet in a unit exceed `min_num_params` (containers skipped)."
+    "FSDP1's size rule, kept to compare: bottom-up, a module whose parameters not yet in a unit exceed `min_num_params`."
     import torch.nn as nn
     claimed, targets, tied = set(), [], _ties_outside(model)
     for name, module in reversed(list(model.named_modules())):
@@ -112,7 +111,7 @@ def register_policy(name:str, # the auto_wrap_policy value that selects it
     ADDED_POLICIES[name] = rule
 
 def wrap_targets(model, cfg:FSDPConfig) -> list:
-    "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded, and so is a module tied to one outside it."
+    "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded."
     import torch.nn as nn
     check_for_model(cfg, model)
     policy = cfg.auto_wrap_policy
@@ -127,23 +126,21 @@ def wrap_targets(model, cfg:FSDPConfig) -> list:
 # %% ../nbs/04_wrap.ipynb #176c4dd5
 @dataclass
 class Unit:
-    "One FSDP unit (one `fully_shard` call, one all-gather): its modules (qualified names joined by '+', '' for the root) and the parameters it holds."
+    "One FSDP unit (one `fully_shard` call, one all-gather): its modules and the parameters it holds."
     module:str # qualified name(s); "" is the root
     cls:str # the module's class (the first module's, for a group)
     parameters:int # parameters held by this unit (not by nested units)
-    reshard_after_forward:bool|int=True # after forward: the policy's units and the embeddings as configured; the tail and the root keep their weights (False)
+    reshard_after_forward:bool|int=True # after forward: the policy's units and the embeddings as configured; tail and root keep theirs
 
 # %% ../nbs/04_wrap.ipynb #5dc319ce
 def _final_norm(model):
-    "The norm before the output head: the last direct child of the base model whose class is a norm (Llama's `model.norm`), looked up through a PEFT wrapper."
+    "The norm before the output head: the base model's last direct child whose class is a norm, found through PEFT."
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     base = getattr(inner, getattr(inner, "base_model_prefix", "") or "", None) or inner
     return next((m for _, m in reversed(list(base.named_children())) if "Norm" in type(m).__name__), None)
 
 def edge_groups(model, targets:list) -> list:
-    """The units carved out around the policy's, as accelerate's FSDP2 path and transformers' own `fsdp_plan` do: the input embeddings alone
-    (resharded as configured), then a tail of the final norm and the output head, with the embeddings when they are tied, that keeps its weights
-    after forward (backward needs them at once). Each is ([(name, module)], keeps_weights); a module the policy wrapped, or holds inside a unit, is left out."""
+    "The units carved out around the policy's, as accelerate's FSDP2 path and transformers' own `fsdp_plan` do."
     inside = lambda name: any(name == t or name.startswith(t + ".") for t, _ in targets)
     names = {id(m): n for n, m in model.named_modules()}
     get = lambda attr: getattr(model, attr, lambda: None)()
@@ -179,9 +176,9 @@ def _owners(model, groups:list) -> dict:
     return owner
 
 def plan_units(model, cfg:FSDPConfig,
-               edge_units:bool=True # the embeddings and the tail in units of their own (`edge_groups`, as accelerate); False: in the root, resharded as configured
+               edge_units:bool=True # the embeddings and the tail in units of their own (`edge_groups`); False: in the root
               ) -> list:
-    "The FSDP units `cfg` makes of `model` (the policy's, then the embeddings and the tail of `edge_groups`, the root last), each with the parameters it holds."
+    "The FSDP units `cfg` makes of `model`: the policy's, then the embeddings and the tail, the root last."
     groups = _unit_groups(model, cfg, edge_units)
     owner, held = _owners(model, groups), [0] * len(groups)
     for p in model.parameters(): held[owner[id(p)]] += p.numel()
@@ -218,9 +215,9 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
 def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
                mesh, # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
-               edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own, as accelerate; False: left in the root (FSDP1's layout, to compare)
+               edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own; False: left in the root
               ):
-    "Shard `model` with `fully_shard` as `cfg` says, in the units accelerate's FSDP2 path makes (`plan_units`); the kit's only call of `fully_shard`. Return the model and its units."
+    "Shard `model` with `fully_shard` as `cfg` says, in accelerate's FSDP2 units (`plan_units`); returns model and units."
     from torch.distributed.fsdp import fully_shard
     units, groups = plan_units(model, cfg, edge_units), _unit_groups(model, cfg, edge_units)
     _check_reshard(cfg, mesh.size(-1))
@@ -248,7 +245,7 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
 # %% ../nbs/04_wrap.ipynb #0e04b547
 @dataclass(frozen=True)
 class CompareSpec(RunSpec):
-    "Which configs to run, on which model and data: the shared settings (`RunSpec`; `fsdp` runs that one config), then the policies and reshard values to compare."
+    "Which configs to run, on which model and data: the shared settings, then the policies and reshard values to compare."
     model:str="small" # preset name or config.json path
     _:KW_ONLY
     batch:int=2 # sequences per rank
@@ -311,7 +308,7 @@ def _thin(timeline:list, points:int=400) -> list:
 
 # %% ../nbs/04_wrap.ipynb #8184f581
 def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
-               dtype:str=None, # the dtype the model is kept and trained in (None: float32; "bfloat16" with no mixed precision is pure bf16: no fp32 master weights)
+               dtype:str=None, # the dtype the model is kept and trained in (None: float32)
                ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
                optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
                offload_activations:bool=False, # what autograd saves kept in host memory until backward (fsdp_kit.ac.activations_on_host)
@@ -371,9 +368,10 @@ def check_spec(spec:CompareSpec, world_size:int) -> list:
 
 # %% ../nbs/04_wrap.ipynb #0fdd9b76
 def runs_table(runs:list) -> str:
-    "A plain-text table of a comparison: units, peak memory, collectives and step time (median, min-max) per config; a note if the machine was busy."
+    "A plain-text table of a comparison: units, peak memory, collectives and step time (median, min-max) per config."
     from fsdp_kit.measure import busy_note
-    head = f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}{'reduce-scatters':>16}{'step ms (min-max)':>19}"
+    head = (f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}"
+            f"{'reduce-scatters':>16}{'step ms (min-max)':>19}")
     rows = [head]
     for r in runs:
         p, c = r.peak_bytes, r.collectives
@@ -395,7 +393,7 @@ def run_label(r:RunResult) -> str:
 
 # %% ../nbs/04_wrap.ipynb #d800d07d
 def plot_compare(runs:list):
-    "Three panels, one above the other: peak memory by category, collectives per step, step time; one bar per config, named as in `runs_table`."
+    "Three panels, one above the other: peak memory by category, collectives per step, step time; one bar per config."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import plot_categories, check_figure
     labels = [run_label(r) for r in runs]
@@ -420,7 +418,7 @@ def plot_compare(runs:list):
 LAYOUTS = {"accelerate": True, "layers": False}  # a layout's name -> apply_fsdp's edge_units
 
 def layouts_worker(spec:CompareSpec) -> dict:
-    "One measured training step of `spec.fsdp` (default `FSDPConfig()`) in each layout of `LAYOUTS` on this process group: {layout: RunResult}."
+    "One measured training step of `spec.fsdp` in each layout of `LAYOUTS` on this process group: {layout: RunResult}."
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     mesh, cfg = fsdp_mesh(build_mesh(spec.mesh)), spec.fsdp or FSDPConfig().check()
     return {name: run_config(cfg, spec, mesh, edge_units=edges) for name, edges in LAYOUTS.items()}
