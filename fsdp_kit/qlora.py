@@ -1,4 +1,4 @@
-"""bitsandbytes packs 4-bit codes into a storage dtype; FSDP2 shards and gathers that storage like any parameter. Choose the storage to be the dtype the other parameters are in (FSDP's `param_dtype`, or float32 under autocast) and a 4-bit base trains with LoRA on a real process group, equal to one process.
+"""bitsandbytes packs 4-bit codes into a storage dtype; FSDP2 shards and gathers that storage like any parameter.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 
@@ -157,11 +157,11 @@ def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "fl
 # %% ../nbs/05_qlora.ipynb #e0128c90
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
-    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), then the 4-bit storage, FSDP's compute dtype, autocast, the optimizer and LoRA."
+    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), the 4-bit storage, dtypes, optimizer and LoRA."
     _:KW_ONLY
     quant_storage:str="bfloat16" # bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32
-    mixed_precision:str=None # FSDP's compute dtype in accelerate's words, "no", "bf16" or "fp16"; None follows a floating quant_storage (no for uint8)
-    autocast:str="no" # the forward under torch.autocast in this dtype, accelerate's names "no", "bf16" or "fp16"; parameters keep their dtype
+    mixed_precision:str=None # FSDP's compute dtype, "no", "bf16" or "fp16"; None follows a floating quant_storage (no for uint8)
+    autocast:str="no" # the forward under torch.autocast in this dtype, "no", "bf16" or "fp16"; parameters keep theirs
     load_in_8bit:bool=False # 8-bit instead of 4-bit (refused under FSDP)
     lr:float=1e-2 # AdamW learning rate of the LoRA weights
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
@@ -227,7 +227,7 @@ def load_base(checkpoint:str, # a folder written by save_pretrained
 def with_autocast(model, # a model (or a LoRA model)
                   autocast:str="no" # accelerate's name of the autocast dtype: no, bf16 or fp16
                  ):
-    "`model` with its forward under `torch.autocast` in `autocast`, as accelerate's `prepare_model` wraps it for mixed precision; no: unchanged."
+    "`model` with its forward under `torch.autocast` in `autocast`, as accelerate's `prepare_model` wraps it."
     import torch
     if autocast == "no": return model
     model.forward = torch.autocast(next(model.parameters()).device.type, dtype=getattr(torch, PRECISION[autocast]))(model.forward)
@@ -239,7 +239,7 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
                    ):
-    "The checkpoint's model with LoRA on `spec.lora_targets` (every linear layer by default), in train mode, its forward under `spec.autocast`."
+    "The checkpoint's model with LoRA on `spec.lora_targets`, in train mode, its forward under `spec.autocast`."
     import torch
     from peft import get_peft_model
     model = load_base(checkpoint, spec, quantized)
@@ -280,7 +280,7 @@ class QLoRAResult:
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
     config:dict=None # the FSDPConfig the model was sharded with (lora_fsdp_config)
     autocast:str="no" # the dtype torch.autocast ran the forward in (accelerate's name), no for none
-    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before sharding (gathered_codes)
+    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before
     compute_dtype:str=None # the dtype the first 4-bit layer's matmul ran in during training (autocast's, else the layer's compute_dtype)
 
 # %% ../nbs/05_qlora.ipynb #cc7b741f
@@ -341,7 +341,7 @@ def _changed(model, before:dict) -> list:
 def gathered_codes(model, # sharded by shard_lora_model
                    before:dict # every parameter's bytes before sharding, by name
                   ) -> dict:
-    "Gather each FSDP unit as its forward does (in param_dtype) and compare each 4-bit weight's bytes with `before`: what bitsandbytes reads (a collective)."
+    "Gather each FSDP unit as its forward does (in param_dtype) and compare each 4-bit weight's bytes with `before`."
     import torch
     from torch.distributed.fsdp import FSDPModule
     out = dict(weights=0, intact=0, stored_dtypes=set(), gathered_dtypes=set(), bytes_before=0, bytes_gathered=0)
@@ -413,7 +413,7 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
 
 # %% ../nbs/05_qlora.ipynb #90725327
 def _matmul_dtype(module, x) -> str:
-    "The dtype a bitsandbytes 4-bit layer's matmul runs in on input `x`: autocast's where it is on, else the layer's compute_dtype (its input's without one)."
+    "The dtype a bitsandbytes 4-bit layer's matmul runs in on input `x`: autocast's where it is on, else compute_dtype."
     import torch
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else (module.compute_dtype or x.dtype)
@@ -519,9 +519,9 @@ def plot_qlora_losses(result:QLoRAResult, ax=None):
 
 # %% ../nbs/05_qlora.ipynb #247428a3
 def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16 or fp16
-                   mixed_precision_policy=None # the FSDP plugin's own policy (FullyShardedDataParallelPlugin(mixed_precision_policy=...)), e.g. "fp32"; None: accelerate's
+                   mixed_precision_policy=None # the FSDP plugin's own policy, e.g. "fp32"; None: accelerate's
                   ) -> dict:
-    "What accelerate does under FSDP2 for `mixed_precision`, asked of accelerate: its plugin's param_dtype and its autocast dtype (None: none). Runs on a process group."
+    "What accelerate does under FSDP2 for `mixed_precision`: its plugin's param_dtype and its autocast dtype (None: none)."
     import torch, warnings
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -548,7 +548,7 @@ def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16
 def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec says
                      param_dtype:str # the param_dtype to shard with, past the guard
                     ) -> dict:
-    "Load `spec`'s 4-bit model, shard it with `param_dtype` whatever `check_quantization` says, gather it and run one forward; with accelerate's two bf16 readings."
+    "Load `spec`'s 4-bit model, shard it with `param_dtype` whatever `check_quantization` says, gather it, run one forward."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     quiet_libraries()
@@ -574,6 +574,6 @@ def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec say
 # %% ../nbs/05_qlora.ipynb #24d1ff85
 def autocast_lab(spec:QLoRASpec # float32 storage under autocast, say
                 ) -> tuple:
-    "Both halves of the autocast lesson in one launch: `qlora_worker(spec)`, then `fsdp_cast_worker(spec, 'bfloat16')`, the same storage under FSDP's bf16 param_dtype."
+    "Both halves of the autocast lesson in one launch: `qlora_worker(spec)`, then `fsdp_cast_worker(spec, 'bfloat16')`."
     return qlora_worker(spec), fsdp_cast_worker(spec, "bfloat16")
 
