@@ -1,4 +1,4 @@
-"""Each setting run for real on this machine with FSDP2 and measured, beside the planner's prediction: a live subset on 2 ranks, the stored full matrix, predicted against measured per category.
+"""Each setting run for real on this machine with FSDP2 and measured, beside the planner's prediction.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan_validate.html.md"""
 
@@ -67,8 +67,7 @@ def cuda_statistics(spec:PlanSpec, step_seconds:float) -> dict:
                 tokens_per_second=spec.batch * spec.seq_len * spec.world_size / step_seconds)
 
 def validate_worker(specs:list, progress:tuple=None) -> list:
-    """Measure one training step of each spec on this process group (all of the same world size); rank 0's [(peak_bytes, collectives, cuda)].
-    `progress` (settings done before, settings in all, start time): rank 0 prints a line per setting, with an estimate of what is left."""
+    "Measure one training step of each spec on this process group; rank 0's [(peak_bytes, collectives, cuda)]."
     import torch, torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.ranks import shared_tempdir, quiet_libraries
@@ -143,8 +142,7 @@ def validation_matrix(max_world:int=2) -> list:
 LLAMA_1B = str(EXAMPLES / "configs" / "llama-3.2-1b" / "config.json")
 
 def cuda_validation_matrix(gpus:int=1) -> list:
-    """The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config (fp32 and bf16 full fine-tunes, checkpointing
-    none and full, LoRA, QLoRA with bf16 storage, CPU offload) and the small preset (fp32, bf16, bf16 with checkpointing)."""
+    "The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config and the small preset."
     big, small = dict(batch=2, seq_len=1024, steps=3), dict(batch=4, seq_len=512, steps=3)
     return [PlanSpec.of("small", gpus, mixed_precision="no", **small),
             PlanSpec.of("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", **small),
@@ -158,7 +156,7 @@ def cuda_validation_matrix(gpus:int=1) -> list:
 
 def validation_settings(max_world:int=2 # the most ranks to use (--nproc)
                        ) -> tuple:
-    "What `plan --validate` runs here: ('cuda', the CUDA matrix on min(max_world, GPUs)) where CUDA is available, else ('cpu', `validation_matrix`)."
+    "What `plan --validate` runs here: ('cuda', the CUDA matrix) where CUDA is available, else ('cpu', `validation_matrix`)."
     import torch
     if torch.cuda.is_available(): return "cuda", cuda_validation_matrix(min(max_world, torch.cuda.device_count()))
     return "cpu", validation_matrix(max_world) + held_out_matrix(max_world)
@@ -203,13 +201,13 @@ class ValidationRun:
     measured_by_category:dict # category -> bytes at the measured peak
     predicted_comm:dict # kind -> {count, bytes}
     measured_comm:dict # kind -> {count, bytes}
-    gpu:dict=None # on CUDA (`gpu_comparison`): plan_gpu's allocated bytes and reserved range beside the allocator's peaks, NVML, step time, tokens/s
+    gpu:dict=None # on CUDA (`gpu_comparison`): plan_gpu's bytes beside the allocator's peaks, NVML, step time, tokens/s
 
 def _comm_bytes(collectives:dict) -> int:
     return sum(collectives.get(k, {}).get("bytes", 0) for k in ("all_gather", "reduce_scatter"))
 
 def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
-    "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), the reserved range, the nvidia-smi peak."
+    "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), reserved, nvidia-smi."
     from fsdp_kit.plan_gpu import plan_gpu
     cfg, lora = spec.config, spec.lora
     base_dtype = "bf16" if spec.pure_bf16 else "fp32" if lora and lora.base_dtype == "fp32" else None
@@ -237,7 +235,7 @@ def compare(spec:PlanSpec, peak:dict, collectives:dict, cuda:dict=None) -> Valid
 
 # %% ../nbs/08a_plan_validate.ipynb #b3982fa8
 def as_tracked(moment:str, categories:dict) -> dict:
-    "A predicted moment's bytes in the tracker's categories: what AdamW makes during `optimizer.step()` is optimizer state to `FSDPMemTracker`, a temporary to the planner."
+    "A predicted moment's bytes in the tracker's categories."
     if moment != "optimizer step" or not categories.get("temporaries"): return categories
     out = dict(categories)
     out["optimizer_state"] = out.get("optimizer_state", 0) + out.pop("temporaries")
@@ -255,7 +253,7 @@ def closest_moment(run:dict) -> tuple:
     return min(candidates, key=lambda nc: sum(abs(m.get(k, 0) - nc[1].get(k, 0)) for k in {*m, *nc[1]} - {"total"}))
 
 def off_diagonal(result:dict, share:float=0.01) -> list:
-    "Every (setting, category) whose predicted bytes (at the predicted peak) and measured bytes (at the measured peak) differ by more than `share` of the measured peak, with its cause: the measured peak is another of the planner's moments, or the same moment with bytes missed or filed elsewhere."
+    "Each (setting, category) whose predicted and measured bytes differ by over `share` of the measured peak, with its cause."
     out = []
     for r in result["runs"]:
         gaps = _gaps(r["measured_by_category"], as_tracked(r["peak_moment"], r["predicted_by_category"]), r["measured_bytes"], share)
@@ -295,7 +293,8 @@ def validation_table(result:dict) -> str:
     rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak "
             "(predicted)"]
     for r in result["runs"]:
-        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
+        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}"
+                    f"{r['error'] * 100:>7.1f}%"
                     f"{r['measured_comm_bytes']:>21,}{r['predicted_comm_bytes']:>11,}  {r['peak_moment']}")
     rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: "
                 f"{result['comm_exact']}, {result['seconds']:.0f} s")
@@ -304,19 +303,22 @@ def validation_table(result:dict) -> str:
     return "\n".join(rows)
 
 def gpu_validation_table(result:dict) -> str:
-    "On CUDA: each setting's predicted and measured allocated peak (GB), the error, the reserved range and the measured reserved, NVML, tokens/s."
+    "On CUDA: each setting's predicted and measured allocated peak (GB), the error, reserved, NVML, tokens/s."
     GB = 1e9
-    rows = [f"{'setting':<64}{'alloc pred':>11}{'measured':>9}{'error':>8}{'reserved range':>16}{'measured':>9}{'inside':>7}{'nvidia-smi':>11}{'tokens/s':>10}"]
+    rows = [f"{'setting':<64}{'alloc pred':>11}{'measured':>9}{'error':>8}{'reserved range':>16}{'measured':>9}{'inside':>7}"
+            f"{'nvidia-smi':>11}{'tokens/s':>10}"]
     for r in result["runs"]:
         g = r["gpu"]
-        rows.append(f"{r['config']['label'][-64:]:<64}{g['predicted_allocated'] / GB:>11.2f}{g['max_memory_allocated'] / GB:>9.2f}{g['allocated_error'] * 100:>7.1f}%"
-                    f"{g['predicted_reserved'][0] / GB:>8.2f}-{g['predicted_reserved'][1] / GB:<7.2f}{g['max_memory_reserved'] / GB:>9.2f}{str(g['reserved_inside']):>7}"
+        rows.append(f"{r['config']['label'][-64:]:<64}{g['predicted_allocated'] / GB:>11.2f}{g['max_memory_allocated'] / GB:>9.2f}"
+                    f"{g['allocated_error'] * 100:>7.1f}%"
+                    f"{g['predicted_reserved'][0] / GB:>8.2f}-{g['predicted_reserved'][1] / GB:<7.2f}"
+                    f"{g['max_memory_reserved'] / GB:>9.2f}{str(g['reserved_inside']):>7}"
                     f"{(g['nvml_used'] or 0) / GB:>11.2f}{g['tokens_per_second']:>10,.0f}")
     return "\n".join(rows)
 
 # %% ../nbs/08a_plan_validate.ipynb #17169cc3
 def plot_validation(result:dict, share:float=0.01):
-    "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak, the off-diagonal points (`off_diagonal`) marked by cause."
+    "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure, category_colour
     runs, off = result["runs"], off_diagonal(result, share)
