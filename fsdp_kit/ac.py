@@ -52,11 +52,13 @@ def checkpoint_layers(model, # a transformers model, before fully_shard
     if model_checkpointing(model):
         raise bad_value("ac", policy, "'none' on a model whose own gradient checkpointing is on (both would recompute the same layers)",
                         "Turn one of them off.")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper, CheckpointWrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing, checkpoint_wrapper,
+                                                                             CheckpointWrapper)
     chosen = {id(m) for i, m in enumerate(decoder_layers(model)) if (i + 1) % k == 0}
     wrap = checkpoint_wrapper
     if kind == "op": wrap = partial(checkpoint_wrapper, context_fn=partial(_op_contexts, saved_ops()))
-    if getattr(model, "config", None) is not None: model.config.use_cache = False  # as transformers does under gradient checkpointing (below)
+    # as transformers does under gradient checkpointing (below)
+    if getattr(model, "config", None) is not None: model.config.use_cache = False
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: id(m) in chosen)
     return {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
 

@@ -1,4 +1,4 @@
-"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either as its upstream entry point does (`accelerate launch`, `TrainingArguments`), converts FSDP1 files as `accelerate to-fsdp2` does, notes every key it maps, ignores or runs differently, and refuses what it cannot read with a message naming the field, the value and what is allowed.
+"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 
@@ -42,17 +42,17 @@ def parse_ac(policy:str) -> tuple:
 @dataclass
 class FSDPConfig:
     "How FSDP2 wraps, shards and saves a model: the knobs of transformers' `fsdp_config` and accelerate's FSDP plugin."
-    reshard_after_forward:bool|int=True # free gathered parameters after forward (True), keep them (False), or reshard to groups of this size (int)
+    reshard_after_forward:bool|int=True # free gathered parameters after forward (True), keep them (False), or groups of this size (int)
     auto_wrap_policy:str="TRANSFORMER_BASED_WRAP" # which modules become FSDP units: one of POLICIES
     transformer_layer_cls_to_wrap:list=field(default_factory=list) # layer class names; empty reads the model's `_no_split_modules`
     min_num_params:int=0 # SIZE_BASED_WRAP: a module becomes a unit when it holds more parameters than this
     cpu_offload:bool=False # keep sharded parameters, gradients and optimizer state in host memory
     mixed_precision:str="no" # "no", "bf16" or "fp16": the dtype gathered parameters are computed in
-    reduce_dtype:str=None # dtype gradients are reduce-scattered in: None is accelerate's choice (the compute dtype); "fp32" keeps full precision
+    reduce_dtype:str=None # dtype of the gradient reduce-scatter: None is accelerate's (the compute dtype); "fp32" keeps full precision
     ac:str="none" # activation checkpointing policy (fsdp_kit.config.AC_POLICIES); a file's activation_checkpointing true reads as "full"
     state_dict_type:str="FULL_STATE_DICT" # checkpoint format: one gathered file or one shard per rank
     cpu_ram_efficient_loading:bool=False # only rank 0 reads weights; the others receive them by broadcast
-    parallelism_config:dict=None # accelerate's parallelism sizes (dp_replicate_size, dp_shard_size, tp_size, cp_size), shown; meshes come from the kit's own options
+    parallelism_config:dict=None # accelerate's parallelism sizes, shown only: meshes come from the kit's own options
     notes:list=field(default_factory=list) # what each upstream key was mapped to
     source:str="" # where this config came from
 
@@ -129,24 +129,35 @@ def to_class_list(name:str, value) -> list:
 # %% ../nbs/03_config.ipynb #b4d0f57d
 SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forward, and what else it means
     "FULL_SHARD": (True, "FULL_SHARD -> reshard_after_forward=True: parameters are freed after forward and gathered again in backward"),
-    "SHARD_GRAD_OP": (False, "SHARD_GRAD_OP -> reshard_after_forward=False: gathered parameters stay from forward to backward (ZeRO-2 style)"),
-    "HYBRID_SHARD": (True, "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard (fsdp-kit mesh --dp-replicate N)"),
+    "SHARD_GRAD_OP": (False,
+                      "SHARD_GRAD_OP -> reshard_after_forward=False: gathered parameters stay from forward to backward (ZeRO-2 style)"),
+    "HYBRID_SHARD": (True,
+                     "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard (fsdp-kit mesh --dp-replicate "
+                     "N)"),
     "HYBRID_SHARD_ZERO2": (False, "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: use dp_replicate x dp_shard"),
-    "NO_SHARD": (False, "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's NO_SHARD replicated whole parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use a mesh with dp_shard=1 and dp_replicate=N"),
+    "NO_SHARD": (False,
+                 "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's NO_SHARD replicated whole "
+                 "parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use a mesh with dp_shard=1 and "
+                 "dp_replicate=N"),
 }
 SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2"}
 NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
     "use_orig_params": "FSDP2 always keeps the original parameters (each one a DTensor sharded on dim 0); there are no flat parameters",
-    "backward_prefetch": "FSDP2 always prefetches the next unit's all-gather in backward (explicit control: set_modules_to_backward_prefetch)",
+    "backward_prefetch": "FSDP2 always prefetches the next unit's all-gather in backward (explicit control: "
+                         "set_modules_to_backward_prefetch)",
     "forward_prefetch": "FSDP2 issues the next unit's all-gather from its own schedule (explicit control: set_modules_to_forward_prefetch)",
-    "sync_module_states": "FSDP2 does not broadcast module states; the kit builds identical weights on every rank from one seed, and cpu_ram_efficient_loading broadcasts from rank 0",
+    "sync_module_states": "FSDP2 does not broadcast module states; the kit builds identical weights on every rank from one seed, and "
+                          "cpu_ram_efficient_loading broadcasts from rank 0",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by design; there is no rate limiter to set",
     "ignored_modules": "the kit shards every module; accelerate would leave the modules this names unsharded (null names none)",
-    "activation_checkpointing_offload": "the kit keeps checkpointed activations on the device; accelerate would offload them to host memory when true",
+    "activation_checkpointing_offload": "the kit keeps checkpointed activations on the device; accelerate would offload them to host "
+                                        "memory when true",
 }
-NO_OP = {"ignored_modules": (None, "", []), "activation_checkpointing_offload": (False, "false", "False")}  # values with which these keys change nothing
+# values with which these keys change nothing
+NO_OP = {"ignored_modules": (None, "", []), "activation_checkpointing_offload": (False, "false", "False")}
 WHY_UPSTREAM = {  # source key -> why upstream reads another value than the file's key says
-    "mixed_precision": "transformers never reads fsdp_config's mixed_precision: the precision comes from TrainingArguments(bf16=True) or fp16=True (fsdp-kit: --mixed-precision)",
+    "mixed_precision": "transformers never reads fsdp_config's mixed_precision: the precision comes from TrainingArguments(bf16=True) or "
+                       "fp16=True (fsdp-kit: --mixed-precision)",
     "offload_params": "transformers reads cpu_offload, not accelerate's offload_params",
     "transformer_layer_cls_to_wrap": "upstream reads layer classes only under TRANSFORMER_BASED_WRAP",
     "min_num_params": "upstream reads min_num_params only under SIZE_BASED_WRAP",
@@ -179,7 +190,7 @@ KNOWN_KEYS = sorted([*FIELD_KEYS, *NOT_APPLYING, "sharding_strategy", "version"]
 
 # %% ../nbs/03_config.ipynb #83217054
 def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
-    "Set `cfg`'s fields from FSDP2 `keys` (without the fsdp_ prefix), explaining the rest; returns {field: (key, value)} for the fields set."
+    "Set `cfg`'s fields from FSDP2 `keys` (no fsdp_ prefix), explaining the rest; returns {field: (key, value)} of those set."
     given, unknown = {}, []
     for key, value in keys.items():
         if key in FIELD_KEYS:
@@ -189,7 +200,8 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
             given[name] = (key, value)
             if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
         elif key == "sharding_strategy":
-            cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as {'accelerate' if accelerate else 'transformers'} ignores it: "
+            cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as {'accelerate' if accelerate else 'transformers'} "
+                             "ignores it: "
                              "reshard_after_forward alone decides (true frees gathered parameters after forward, false keeps them)")
         elif key in NO_OP and value in NO_OP[key]: cfg.notes.append(f"{key}={value!r} changes nothing (accelerate's no-op)")
         elif key in NO_OP: cfg.notes.append(f"{key}={value!r} is not applied by the kit: {NOT_APPLYING[key]}")
@@ -218,11 +230,13 @@ def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
     "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one, with a note for what each FSDP1 key became."
     from fsdp_kit.upstream import to_fsdp2
     entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
-    cfg.notes.append(f"version: {entry} runs this file with FSDP1 ({'version ' + str(keys['version']) if 'version' in keys else 'no fsdp_version'}); "
+    cfg.notes.append(f"version: {entry} runs this file with FSDP1 "
+                     f"({'version ' + str(keys['version']) if 'version' in keys else 'no fsdp_version'}); "
                      "the kit runs FSDP2 and reads the file as `accelerate to-fsdp2` converts it")
     if "sharding_strategy" in keys and accelerate: _sharding_strategy(keys["sharding_strategy"], cfg)
     elif "sharding_strategy" in keys:  # transformers reads reshard_after_forward only: never act on this key
-        cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it reads reshard_after_forward): ignored")
+        cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it reads reshard_after_forward): "
+                         "ignored")
         data = {k: v for k, v in data.items() if k not in ("sharding_strategy", "fsdp_sharding_strategy")}
     for key in keys:
         if key in NOT_APPLYING and key not in NO_OP: cfg.notes.append(f"{key}={keys[key]!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
@@ -247,7 +261,8 @@ def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
         setattr(cfg, name, upstream[name])
     if cfg.parallelism_config:
         cfg.notes.append("parallelism_config: " + ", ".join(f"{k}={v}" for k, v in cfg.parallelism_config.items())
-                         + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit mesh / cp-eval --dp-replicate --dp-shard --cp)")
+                         + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit mesh / cp-eval --dp-replicate "
+                           "--dp-shard --cp)")
 
 def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
     "A note for every field where the kit's reading differs from what upstream runs (FSDP1 files, translated)."
@@ -259,18 +274,21 @@ def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
                              "the kit runs the FSDP2 file accelerate to-fsdp2 writes")
 
 def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precision:str=None) -> FSDPConfig:
-    "The kit's reading: FSDP1 files converted as `accelerate to-fsdp2` does, every key checked, then each field as upstream reads it, differences noted."
+    "The kit's reading of an FSDP config, every key checked and each field read as upstream reads it."
     from fsdp_kit.upstream import reading_of
     entry = "accelerate launch" if accelerate else "TrainingArguments(fsdp=True)"
     keys = _strip_prefix(section)
-    version = _check_version(keys.get("version", 1 if accelerate else 2), cfg.source)  # accelerate's plugin defaults to FSDP1, transformers' to FSDP2
+    # accelerate's plugin defaults to FSDP1, transformers' to FSDP2
+    version = _check_version(keys.get("version", 1 if accelerate else 2), cfg.source)
     fsdp2 = _from_fsdp1(data, keys, accelerate, cfg) if version == 1 else data
     keys2 = _strip_prefix(fsdp2.get("fsdp_config") or {}) if accelerate else _strip_prefix(fsdp2)
     if accelerate and "mixed_precision" in data: keys2["mixed_precision"] = data["mixed_precision"]
-    if not accelerate and keys2.get("mixed_precision", mixed_precision) != mixed_precision:  # transformers never reads it: neither checked nor applied
+    # transformers never reads it: neither checked nor applied
+    if not accelerate and keys2.get("mixed_precision", mixed_precision) != mixed_precision:
         cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: {WHY_UPSTREAM['mixed_precision']}")
     if not accelerate: keys2.pop("mixed_precision", None)
-    if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision  # TrainingArguments' bf16=True / fp16=True
+    # TrainingArguments' bf16=True / fp16=True
+    if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision
     given = _apply_keys(cfg, {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
     _follow_upstream(cfg, given, reading_of(fsdp2, accelerate, mixed_precision or "no"), entry)
     if version == 1: _note_differences(cfg, reading_of(data, accelerate, mixed_precision or "no"), entry)
@@ -280,7 +298,7 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
 # %% ../nbs/03_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
                       source:str="transformers fsdp_config", # where it came from, for messages
-                      mixed_precision:str=None # TrainingArguments' own precision ("bf16" for bf16=True, "fp16" for fp16=True); the dict cannot say it
+                      mixed_precision:str=None # TrainingArguments' precision ("bf16": bf16=True, "fp16": fp16=True); the dict cannot say it
                      ) -> FSDPConfig:
     "An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True, fsdp_config=...)` reads it."
     if not isinstance(fsdp_config, dict): raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
@@ -289,7 +307,8 @@ def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with o
 
 # %% ../nbs/03_config.ipynb #2a75d81c
 LAUNCH_NOTES = {  # top-level keys of an accelerate config that say something about the run, and what
-    "use_cpu": "under distributed_type FSDP accelerate launch uses it only to pick threads per process; the kit runs on CPU (gloo) where there is no GPU",
+    "use_cpu": "under distributed_type FSDP accelerate launch uses it only to pick threads per process; the kit runs on CPU (gloo) where "
+               "there is no GPU",
     "downcast_bf16": "accelerate applies it on TPUs only",
 }
 ACCELERATE_OWN = ("distributed_type", "fsdp_config", "mixed_precision", "num_processes", "parallelism_config", *LAUNCH_NOTES)
@@ -301,9 +320,10 @@ def accelerate_top_level() -> set:
 
 # %% ../nbs/03_config.ipynb #c9927bb2
 def _launch_notes(config:dict, cfg:FSDPConfig):
-    "Notes on the accelerate config's top-level keys: the process count, the keys that say something, the launch settings the kit leaves to its own launcher."
+    "Notes on the accelerate config's top-level keys, one per kind."
     if "num_processes" in config:
-        cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit uses its own process count (--nproc)")
+        cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit uses its own process count "
+                         "(--nproc)")
     said = [k for k in LAUNCH_NOTES if config.get(k) not in (None, False, "no", "false")]
     cfg.notes += [f"{k}={config[k]!r}: {LAUNCH_NOTES[k]}" for k in said]
     rest = [f"{k}={v!r}" for k, v in config.items() if k not in ACCELERATE_OWN or (k in LAUNCH_NOTES and k not in said)]
@@ -349,7 +369,8 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     _check_top_level_types(config, source)
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
-        raise bad_value("distributed_type", kind, f"FSDP in {source}", "with any other value accelerate runs without sharding (DDP or one process)")
+        raise bad_value("distributed_type", kind, f"FSDP in {source}",
+                        "with any other value accelerate runs without sharding (DDP or one process)")
     cfg = FSDPConfig(source=source)
     _launch_notes(config, cfg)
     return _read(config, section, True, cfg)
@@ -378,7 +399,9 @@ def _loaded(path:str, mtime_ns:int, size:int) -> FSDPConfig:
 
 # %% ../nbs/03_config.ipynb #d7ee5dcb
 import importlib.resources
-EXAMPLES = Path(str(importlib.resources.files("fsdp_kit"))) / "examples"  # shipped with the package: configs, the SFT script, stored measurements
+# shipped with the package: configs, the SFT script, stored measurements
+EXAMPLES = Path(str(importlib.resources.files("fsdp_kit"))) / "examples"
+
 
 # %% ../nbs/03_config.ipynb #0e1891cb
 def override(cfg:FSDPConfig, # a config, read from a file or the defaults
@@ -406,11 +429,17 @@ def check_for_model(cfg:FSDPConfig, model, gradient_checkpointing:bool=False) ->
     "Refuse settings that do not fit `model`, naming the field and what the model offers."
     if cfg.activation_checkpointing and (gradient_checkpointing or model_checkpointing(model)):
         raise KitError("activation_checkpointing=True together with gradient checkpointing is refused (as transformers does): "
-                       "both recompute the same layers. Keep activation_checkpointing in the FSDP config and turn gradient checkpointing off.")
+                       "both recompute the same layers. Keep activation_checkpointing in the FSDP config and turn gradient checkpointing "
+                       "off.")
     if cfg.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         names = {type(m).__name__ for m in model.modules()}
         wanted = cfg.transformer_layer_cls_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
         missing = [c for c in wanted if c not in names]
-        if missing: raise bad_value("transformer_layer_cls_to_wrap", missing[0], f"a layer class of {type(model).__name__}: {', '.join(layer_class_names(model))}")
-        if not wanted: raise bad_value("transformer_layer_cls_to_wrap", [], f"layer classes to wrap: {type(model).__name__} has no _no_split_modules, so name them ({', '.join(layer_class_names(model))})")
+        if missing:
+            raise bad_value("transformer_layer_cls_to_wrap", missing[0],
+                            f"a layer class of {type(model).__name__}: {', '.join(layer_class_names(model))}")
+        if not wanted:
+            raise bad_value("transformer_layer_cls_to_wrap", [],
+                            f"layer classes to wrap: {type(model).__name__} has no _no_split_modules, so name them "
+                            f"({', '.join(layer_class_names(model))})")
     return cfg

@@ -1,4 +1,4 @@
-"""Context parallelism (CP) splits each sequence across ranks. The kit's CP attention runs on CPU as a transformers attention function (`allgather` or `alltoall` rotation, exact causal masking across shards, grouped-query attention), and CP evaluation reduces the loss over every valid token of the whole sequence, so `eval_loss` does not change with `cp_size`.
+"""Context parallelism (CP) splits each sequence across ranks; CP evaluation's `eval_loss` does not change with `cp_size`.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/cp.html.md"""
 
@@ -38,7 +38,8 @@ def check_mask(mask_type # "causal", or None for no mask (full attention)
     "Refuse an attention mask other than causal or none."
     if mask_type not in MASK_TYPES:
         raise bad_value("attention_mask", mask_type, "'causal' or None (no mask)",
-                        "CP computes those exactly across shards; a padding or custom mask would be split with the sequence and is not supported")
+                        "CP computes those exactly across shards; a padding or custom mask would be split with the sequence and is not "
+                        "supported")
     return mask_type
 
 def nearest_lengths(seq_len:int, # the sequence length asked for
@@ -56,7 +57,8 @@ def check_seq_len(seq_len:int, # tokens per sequence
     if not isinstance(seq_len, int) or seq_len < 1: raise bad_value("seq_len", seq_len, "a whole number >= 1")
     if cp > 1 and seq_len % (2 * cp):  # one rank holds the whole sequence at cp=1
         raise bad_value("seq_len", seq_len, f"a multiple of 2 x cp_size = {2 * cp} (each rank holds an early and a late chunk)",
-                        f"The nearest lengths that work are {' and '.join(map(str, nearest_lengths(seq_len, cp)))}; the kit does not pad silently")
+                        f"The nearest lengths that work are {' and '.join(map(str, nearest_lengths(seq_len, cp)))}; the kit does not pad "
+                        "silently")
     return seq_len
 
 def check_sizes(world_size:int, # processes
@@ -208,7 +210,8 @@ def cp_attention_forward(module, # the attention module (gives num_key_value_gro
     "Context-parallel attention for transformers models: exact causal masking across shards, GQA, allgather or alltoall rotation."
     import torch.nn.functional as F
     if dropout: raise bad_value("dropout", dropout, "0 (CP attention is for evaluation: call model.eval())")
-    if attention_mask is not None: raise bad_value("attention_mask", f"a {tuple(attention_mask.shape)} tensor", "None: CP attention supports causal or no mask")
+    if attention_mask is not None:
+        raise bad_value("attention_mask", f"a {tuple(attention_mask.shape)} tensor", "None: CP attention supports causal or no mask")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     groups = getattr(module, "num_key_value_groups", 1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -224,8 +227,10 @@ def cp_attention_mask(attention_mask=None, # the 2-D mask given to model(...), a
                       **kwargs):
     "The mask builder registered beside the attention: refuses a padding mask (which CP would split with the sequence), builds nothing."
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise bad_value("attention_mask", f"a padding mask with {int((~attention_mask.bool()).sum())} masked positions", "None or all ones (causal or no mask)",
-                        "Under CP mark padding with labels of -100 instead: a causal model never looks ahead, so trailing padding changes no earlier token")
+        raise bad_value("attention_mask", f"a padding mask with {int((~attention_mask.bool()).sum())} masked positions",
+                        "None or all ones (causal or no mask)",
+                        "Under CP mark padding with labels of -100 instead: a causal model never looks ahead, so trailing padding changes "
+                        "no earlier token")
     return None
 
 def use_cp_attention(model):
@@ -240,7 +245,7 @@ def use_cp_attention(model):
 # %% ../nbs/06_cp.ipynb #ada13ab1
 @dataclass(frozen=True)
 class CPSpec(RunSpec):
-    "Settings of a CP evaluation: the shared ones (`RunSpec`; `batch` is sequences per data-parallel rank, split over its cp ranks), then sp, rotation, mask and gathering."
+    "Settings of a CP evaluation: the shared ones (`RunSpec`), then sp, rotation, mask and gathering."
     _:KW_ONLY
     cp:int=2 # context-parallel ranks per sequence (cp_size)
     seq_len:int=128 # tokens per sequence: a multiple of 2 x cp
@@ -357,7 +362,8 @@ def _forward(model, input_ids, position_ids, cp_group, rotate:str):
     import torch
     from fsdp_kit.measure import peak_by_category, quiet_hook_warnings, unit_tracker
     device = next(model.parameters()).device
-    kwargs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False, cp_group=cp_group, cp_rotate=rotate)
+    kwargs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False, cp_group=cp_group,
+                  cp_rotate=rotate)
     with torch.no_grad(), quiet_hook_warnings():
         model(**kwargs)  # warm-up
         tracker = unit_tracker()(model)  # torch's tracker, aware of the tail unit of two modules
@@ -386,7 +392,8 @@ def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
         logits = model(input_ids=buffers[0], position_ids=buffers[1], use_cache=False).logits
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    assert all(torch.equal(b.cpu(), e) for b, e in zip(buffers, expected)), "torch's load balancer placed tokens differently from shard_sequence"
+    assert all(torch.equal(b.cpu(), e) for b,
+               e in zip(buffers, expected)), "torch's load balancer placed tokens differently from shard_sequence"
     return logits.float().cpu(), {"total": torch.cuda.max_memory_allocated()}, seconds, expected
 
 # %% ../nbs/06_cp.ipynb #4c8708d9
@@ -483,7 +490,8 @@ def attention_sweep_worker(seq_lens:list, # full sequence lengths
             pos = pos[:, 0].contiguous()
             costs = {rotate: _attention_cost(q, k, v, pos, group, rotate, repeats) for rotate in ROTATE_METHODS}
             diff = (costs["alltoall"][2] - costs["allgather"][2]).abs().max().item()
-            out += [dict(cp=cp, seq_len=seq_len, rotate=r, peak_bytes=c[0], seconds=c[1], max_diff_to_allgather=diff) for r, c in costs.items()]
+            out += [dict(cp=cp, seq_len=seq_len, rotate=r, peak_bytes=c[0], seconds=c[1], max_diff_to_allgather=diff) for r,
+                    c in costs.items()]
     return out if dist.get_rank() == 0 else None
 
 # %% ../nbs/06_cp.ipynb #6ff53f90
@@ -499,11 +507,13 @@ def plot_attention_sweep(points:list):
             kw = dict(color=f"C{i}", label=f"cp={cp} {rotate}")
             axes[0].plot([p["seq_len"] for p in pts], [p["peak_bytes"] / 2**20 for p in pts], style, **kw)
             axes[1].plot([p["seq_len"] for p in pts], [p["seconds"] * 1e3 for p in pts], style, **kw)
-    axes[0].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB on rank 0", title="peak memory of one attention call (measured)")
+    axes[0].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB on rank 0",
+                title="peak memory of one attention call (measured)")
     axes[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms", title="time of one attention call (median)")
     lengths = sorted({p["seq_len"] for p in points})
     for ax in axes:
         ax.set_xticks(lengths, [str(n) for n in lengths]); ax.xaxis.set_minor_formatter(NullFormatter())
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside lower center", ncol=len(names) // 2 if len(names) > 4 else len(names), fontsize=9)  # the same lines in both panels
+    # the same lines in both panels
+    fig.legend(handles, names, loc="outside lower center", ncol=len(names) // 2 if len(names) > 4 else len(names), fontsize=9)
     return check_figure(fig)

@@ -33,7 +33,7 @@ class DoctorSpec:
     quant_storage:str=None # qlora: bnb_4bit_quant_storage; None is bitsandbytes' default, uint8
     mixed_precision:str=None # a transformers JSON: TrainingArguments' bf16=True / fp16=True ("bf16", "fp16"); a YAML says its own
     dtype:str=None # the dtype from_pretrained loads in (float32, bfloat16, float16); None: bfloat16 for lora/qlora under bf16, else float32
-    gradient_checkpointing:bool=False # the user's script turns on the Trainer's own checkpointing (TrainingArguments activation_checkpointing, formerly gradient_checkpointing)
+    gradient_checkpointing:bool=False # the Trainer's own checkpointing is on (activation_checkpointing, formerly gradient_checkpointing)
     kbit_prepare:bool=False # the user's script calls peft's prepare_model_for_kbit_training on the 4-bit model
     nproc:int=2 # ranks the twin runs on
     steps:int=2 # optimizer steps of the twin
@@ -52,14 +52,18 @@ class DoctorSpec:
         if self.method not in METHODS: raise bad_value("method", self.method, f"one of {', '.join(METHODS)}")
         if self.quant_storage is not None and self.quant_storage not in STORAGE_DTYPES:
             raise bad_value("quant_storage", self.quant_storage, f"one of {', '.join(STORAGE_DTYPES)}")
-        if self.quant_storage is not None and self.method != "qlora": raise bad_value("quant_storage", self.quant_storage, "given only with method qlora")
+        if self.quant_storage is not None and self.method != "qlora":
+            raise bad_value("quant_storage", self.quant_storage, "given only with method qlora")
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             raise bad_value("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
-        if self.dtype is not None and self.dtype not in STORAGE_DTYPES[1:]: raise bad_value("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES[1:])}")
-        require_whole("nproc", self.nproc, 2), require_whole("steps", self.steps, 1), require_seed("seed", self.seed), require_positive("timeout", self.timeout)
+        if self.dtype is not None and self.dtype not in STORAGE_DTYPES[1:]:
+            raise bad_value("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES[1:])}")
+        require_whole("nproc", self.nproc, 2), require_whole("steps", self.steps, 1), require_seed(
+            "seed", self.seed), require_positive("timeout", self.timeout)
         if self.gpus is not None: require_whole("gpus", self.gpus, 1)
         if self.gpu_mem_gb is not None: require_positive("gpu_mem_gb", self.gpu_mem_gb)
-        if (self.gpus is None) != (self.gpu_mem_gb is None): raise bad_value("gpus", self.gpus, "given together with gpu_mem_gb (the planner needs both)")
+        if (self.gpus is None) != (self.gpu_mem_gb is None):
+            raise bad_value("gpus", self.gpus, "given together with gpu_mem_gb (the planner needs both)")
         path = Path(self.fsdp_config)
         if path.suffix not in (".json", ".yaml", ".yml"):
             raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate .yaml or a transformers fsdp_config .json file")
@@ -73,9 +77,12 @@ class DoctorSpec:
         user = read_config_json(Path(self.model))
         from transformers import CONFIG_MAPPING, __version__
         if user["model_type"] not in CONFIG_MAPPING:
-            raise bad_value("model", self.model, "a config.json whose model_type transformers knows", f"transformers {__version__} has no architecture {user['model_type']!r}")
+            raise bad_value("model", self.model, "a config.json whose model_type transformers knows",
+                            f"transformers {__version__} has no architecture {user['model_type']!r}")
         missing = [k for k in REQUIRED if k not in user]
-        if missing: raise bad_value("model", self.model, f"a config.json with {', '.join(REQUIRED)}", f"it lacks {', '.join(missing)}: the twin keeps the architecture and needs its sizes")
+        if missing:
+            raise bad_value("model", self.model, f"a config.json with {', '.join(REQUIRED)}",
+                            f"it lacks {', '.join(missing)}: the twin keeps the architecture and needs its sizes")
         model_config(self.model)  # transformers must accept the keys and build the model
         return self
 

@@ -55,7 +55,8 @@ class HFRunSpec:
             raise bad_value("fsdp_config_file", self.fsdp_config, "an existing transformers .json or accelerate .yaml file")
         want = (".json",) if self.workflow in ("trainer", "native") else (".yaml", ".yml")
         if path.suffix not in want: raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
-                                                    "trainer and native read a transformers fsdp_config JSON; sft and qlora an accelerate YAML")
+                                                    "trainer and native read a transformers fsdp_config JSON; sft and qlora an accelerate "
+                                                    "YAML")
         return self
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c003

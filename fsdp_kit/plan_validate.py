@@ -1,4 +1,4 @@
-"""Each setting run for real on this machine with FSDP2 and measured, beside the planner's prediction: a live subset on 2 ranks, the stored full matrix, predicted against measured per category.
+"""Each setting run for real on this machine with FSDP2 and measured, beside the planner's prediction.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan_validate.html.md"""
 
@@ -63,11 +63,11 @@ def cuda_statistics(spec:PlanSpec, step_seconds:float) -> dict:
     (the caching allocator still holds its peak reserve, plus the CUDA context), the step time and tokens/s of all ranks."""
     import torch
     return dict(max_memory_allocated=torch.cuda.max_memory_allocated(), max_memory_reserved=torch.cuda.max_memory_reserved(),
-                nvml_used=nvml_used(), step_seconds=step_seconds, tokens_per_second=spec.batch * spec.seq_len * spec.world_size / step_seconds)
+                nvml_used=nvml_used(), step_seconds=step_seconds,
+                tokens_per_second=spec.batch * spec.seq_len * spec.world_size / step_seconds)
 
 def validate_worker(specs:list, progress:tuple=None) -> list:
-    """Measure one training step of each spec on this process group (all of the same world size); rank 0's [(peak_bytes, collectives, cuda)].
-    `progress` (settings done before, settings in all, start time): rank 0 prints a line per setting, with an estimate of what is left."""
+    "Measure one training step of each spec on this process group; rank 0's [(peak_bytes, collectives, cuda)]."
     import torch, torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.ranks import shared_tempdir, quiet_libraries
@@ -110,40 +110,53 @@ def validation_matrix(max_world:int=2) -> list:
     specs = [PlanSpec.of("tiny", 1), PlanSpec.of("tiny", 1, method="lora"), PlanSpec.of("small", 1), PlanSpec.of("small", 1, "NO_WRAP"),
              PlanSpec.of("small", 1, mixed_precision="bf16", reduce_dtype="fp32"), PlanSpec.of("small", 1, optimizer_in_backward=True)]
     if max_world >= 2:
-        specs += [PlanSpec.of(m, 2, p, r) for m in ("tiny", "small") for p, r in (("TRANSFORMER_BASED_WRAP", T), ("TRANSFORMER_BASED_WRAP", F), ("NO_WRAP", T))]
+        specs += [PlanSpec.of(m, 2, p, r) for m in ("tiny", "small") for p,
+                  r in (("TRANSFORMER_BASED_WRAP", T), ("TRANSFORMER_BASED_WRAP", F), ("NO_WRAP", T))]
         specs += [PlanSpec.of("small", 2, "PER_LINEAR"), PlanSpec.of("small", 2, reshard_after_forward=2)]
         specs += [PlanSpec.of(m, 2, mixed_precision="bf16", reduce_dtype="fp32") for m in ("tiny", "small")]
         specs += [PlanSpec.of(m, 2, activation_checkpointing=True) for m in ("tiny", "small")]
-        specs += [PlanSpec.of("small", 2, ac=a) for a in ("selective-layer:2", "selective-op")] + [PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="selective-op")]
+        specs += [PlanSpec.of("small", 2, ac=a)
+                  for a in ("selective-layer:2", "selective-op")] + [PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32",
+                                                                                 ac="selective-op")]
         specs += [PlanSpec.of(m, 2, method=k) for m in ("tiny", "small") for k in ("lora", "qlora")]
-        specs += [PlanSpec.of("small", 2, method="lora", lora_targets="q_proj,v_proj"), PlanSpec.of("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
-        specs += [PlanSpec.of("small", 2, base_dtype="bf16"), PlanSpec.of("small", 2, optimizer_in_backward=True), PlanSpec.of("small", 2, ac="full", optimizer_in_backward=True)]
-        specs += [PlanSpec.of("small", 2, edge_units=False), PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", edge_units=False)]  # FSDP1's layout: edges in the root
+        specs += [PlanSpec.of("small", 2, method="lora", lora_targets="q_proj,v_proj"),
+                  PlanSpec.of("small", 2, method="qlora", lora_targets="gate_proj,up_proj,down_proj")]
+        specs += [PlanSpec.of("small", 2, base_dtype="bf16"), PlanSpec.of("small", 2, optimizer_in_backward=True),
+                  PlanSpec.of("small", 2, ac="full", optimizer_in_backward=True)]
+        # FSDP1's layout: edges in the root
+        specs += [PlanSpec.of("small", 2, edge_units=False),
+                  PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", edge_units=False)]
         long = dict(seq_len=256)  # 2 x 256 tokens per rank: the loss and the activations, not the weights, set the peak
-        specs += [PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ce_chunks=8, **long), PlanSpec.of("small", 2, method="lora", ce_chunks=8, **long),
-                  PlanSpec.of("small", 2, offload_activations=True, **long), PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", offload_activations=True, **long),
+        specs += [PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ce_chunks=8, **long),
+                  PlanSpec.of("small", 2, method="lora", ce_chunks=8, **long),
+                  PlanSpec.of("small", 2, offload_activations=True, **long),
+                  PlanSpec.of("small", 2, mixed_precision="bf16", reduce_dtype="fp32", ac="full", offload_activations=True, **long),
                   PlanSpec.of("small", 2, base_dtype="bf16", ce_chunks=8, optimizer_in_backward=True, offload_activations=True, **long)]
     if max_world >= 4:
-        specs += [PlanSpec.of("small", 4), PlanSpec.of("small", 4, reshard_after_forward=2), PlanSpec.of("small", 4, mixed_precision="bf16", reduce_dtype="fp32"),
+        specs += [PlanSpec.of("small", 4), PlanSpec.of("small", 4, reshard_after_forward=2),
+                  PlanSpec.of("small", 4, mixed_precision="bf16", reduce_dtype="fp32"),
                   PlanSpec.of("small", 4, activation_checkpointing=True), PlanSpec.of("tiny", 4, method="qlora")]
     return specs
 
-LLAMA_1B = str(EXAMPLES / "configs" / "llama-3.2-1b" / "config.json")  # Llama-3.2-1B's shape (1.24B parameters, tied embeddings), no weights
+# Llama-3.2-1B's shape (1.24B parameters, tied embeddings), no weights
+LLAMA_1B = str(EXAMPLES / "configs" / "llama-3.2-1b" / "config.json")
 
 def cuda_validation_matrix(gpus:int=1) -> list:
-    """The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config (fp32 and bf16 full fine-tunes, checkpointing
-    none and full, LoRA, QLoRA with bf16 storage, CPU offload) and the small preset (fp32, bf16, bf16 with checkpointing)."""
+    "The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config and the small preset."
     big, small = dict(batch=2, seq_len=1024, steps=3), dict(batch=4, seq_len=512, steps=3)
-    return [PlanSpec.of("small", gpus, mixed_precision="no", **small), PlanSpec.of("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", **small),
+    return [PlanSpec.of("small", gpus, mixed_precision="no", **small),
+            PlanSpec.of("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", **small),
             PlanSpec.of("small", gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **small),
-            PlanSpec.of(LLAMA_1B, gpus, mixed_precision="no", **big), PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec.of(LLAMA_1B, gpus, mixed_precision="no", **big),
+            PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", **big),
             PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", **big),
-            PlanSpec.of(LLAMA_1B, gpus, method="lora", mixed_precision="bf16", reduce_dtype="fp32", **big), PlanSpec.of(LLAMA_1B, gpus, method="qlora", mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec.of(LLAMA_1B, gpus, method="lora", mixed_precision="bf16", reduce_dtype="fp32", **big),
+            PlanSpec.of(LLAMA_1B, gpus, method="qlora", mixed_precision="bf16", reduce_dtype="fp32", **big),
             PlanSpec.of(LLAMA_1B, gpus, mixed_precision="bf16", reduce_dtype="fp32", ac="full", cpu_offload=True, **big)]
 
 def validation_settings(max_world:int=2 # the most ranks to use (--nproc)
                        ) -> tuple:
-    "What `plan --validate` runs here: ('cuda', the CUDA matrix on min(max_world, GPUs)) where CUDA is available, else ('cpu', `validation_matrix`)."
+    "What `plan --validate` runs here: ('cuda', the CUDA matrix) where CUDA is available, else ('cpu', `validation_matrix`)."
     import torch
     if torch.cuda.is_available(): return "cuda", cuda_validation_matrix(min(max_world, torch.cuda.device_count()))
     return "cpu", validation_matrix(max_world) + held_out_matrix(max_world)
@@ -163,9 +176,11 @@ def fitted_and_held_out(result:dict) -> str:
     "Two lines: the largest |error| on the settings the planner was written on (fitted) and on those it never saw (`held_out_matrix`)."
     held = {s.label() for s in held_out_matrix(4)}
     lines = []
-    for name, runs, what in (("fitted", [r for r in result["runs"] if r["config"]["label"] not in held], "the tiny and small Llama settings its terms "
+    for name, runs, what in (("fitted", [r for r in result["runs"] if r["config"]["label"] not in held],
+                              "the tiny and small Llama settings its terms "
                               "were checked on and its timeline constants read from"),
-                             ("held out", [r for r in result["runs"] if r["config"]["label"] in held], "Qwen2 and Mistral shapes, other batch sizes "
+                             ("held out", [r for r in result["runs"] if r["config"]["label"] in held],
+                              "Qwen2 and Mistral shapes, other batch sizes "
                               "and lengths, never used to write it")):
         if runs: lines.append(f"{name}: {len(runs)} settings ({what}), largest |error| {max(abs(r['error']) for r in runs) * 100:.1f}%, "
                               f"within 0.05%: {sum(abs(r['error']) <= 5e-4 for r in runs)}")
@@ -186,13 +201,13 @@ class ValidationRun:
     measured_by_category:dict # category -> bytes at the measured peak
     predicted_comm:dict # kind -> {count, bytes}
     measured_comm:dict # kind -> {count, bytes}
-    gpu:dict=None # on CUDA (`gpu_comparison`): plan_gpu's allocated bytes and reserved range beside the allocator's peaks, NVML, step time, tokens/s
+    gpu:dict=None # on CUDA (`gpu_comparison`): plan_gpu's bytes beside the allocator's peaks, NVML, step time, tokens/s
 
 def _comm_bytes(collectives:dict) -> int:
     return sum(collectives.get(k, {}).get("bytes", 0) for k in ("all_gather", "reduce_scatter"))
 
 def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
-    "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), the reserved range, the nvidia-smi peak."
+    "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), reserved, nvidia-smi."
     from fsdp_kit.plan_gpu import plan_gpu
     cfg, lora = spec.config, spec.lora
     base_dtype = "bf16" if spec.pure_bf16 else "fp32" if lora and lora.base_dtype == "fp32" else None
@@ -200,7 +215,8 @@ def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
                  mixed_precision=cfg.mixed_precision, reshard=cfg.reshard_after_forward, base_dtype=base_dtype, ac=spec.policy_ac,
                  lora_targets=lora.targets if lora else "all-linear", edge_units=spec.edge_units, _terms=False)
     allocated, (low, high), nvml = measured["max_memory_allocated"], p.per_gpu_reserved_bytes, measured["nvml_used"]
-    return measured | dict(predicted_allocated=p.per_gpu_allocated_bytes, allocated_error=(p.per_gpu_allocated_bytes - allocated) / allocated,
+    return measured | dict(predicted_allocated=p.per_gpu_allocated_bytes,
+                           allocated_error=(p.per_gpu_allocated_bytes - allocated) / allocated,
                            predicted_reserved=[low, high], reserved_inside=low <= measured["max_memory_reserved"] <= high,
                            predicted_nvml=p.per_gpu_peak_bytes, nvml_error=(p.per_gpu_peak_bytes - nvml) / nvml if nvml else None)
 
@@ -212,13 +228,14 @@ def compare(spec:PlanSpec, peak:dict, collectives:dict, cuda:dict=None) -> Valid
     measured_comm = {k: v for k, v in collectives.items() if k in ("all_gather", "reduce_scatter")}
     return ValidationRun(spec.flat() | dict(label=spec.label()), predicted["total"], peak["total"], _comm_bytes(comm),
                          _comm_bytes(measured_comm),
-                         (predicted["total"] - peak["total"]) / peak["total"], moment, {k: v for k, v in as_tracked(moment, predicted).items() if v and k != "total"},
+                         (predicted["total"] - peak["total"]) / peak["total"], moment,
+                         {k: v for k, v in as_tracked(moment, predicted).items() if v and k != "total"},
                          {k: v for k, v in peak.items() if v and k != "total"}, comm, measured_comm,
                          gpu_comparison(spec, cuda) if cuda else None)
 
 # %% ../nbs/08a_plan_validate.ipynb #b3982fa8
 def as_tracked(moment:str, categories:dict) -> dict:
-    "A predicted moment's bytes in the tracker's categories: what AdamW makes during `optimizer.step()` is optimizer state to `FSDPMemTracker`, a temporary to the planner."
+    "A predicted moment's bytes in the tracker's categories."
     if moment != "optimizer step" or not categories.get("temporaries"): return categories
     out = dict(categories)
     out["optimizer_state"] = out.get("optimizer_state", 0) + out.pop("temporaries")
@@ -236,14 +253,15 @@ def closest_moment(run:dict) -> tuple:
     return min(candidates, key=lambda nc: sum(abs(m.get(k, 0) - nc[1].get(k, 0)) for k in {*m, *nc[1]} - {"total"}))
 
 def off_diagonal(result:dict, share:float=0.01) -> list:
-    "Every (setting, category) whose predicted bytes (at the predicted peak) and measured bytes (at the measured peak) differ by more than `share` of the measured peak, with its cause: the measured peak is another of the planner's moments, or the same moment with bytes missed or filed elsewhere."
+    "Each (setting, category) whose predicted and measured bytes differ by over `share` of the measured peak, with its cause."
     out = []
     for r in result["runs"]:
         gaps = _gaps(r["measured_by_category"], as_tracked(r["peak_moment"], r["predicted_by_category"]), r["measured_bytes"], share)
         if not gaps: continue
         closest, there = closest_moment(r)
         cause = "same moment" if closest == r["peak_moment"] else "another moment"
-        out += [dict(label=r["config"]["label"], category=c, measured=m, predicted=p, cause=cause, moment=closest, moment_bytes=there["total"], measured_bytes=r["measured_bytes"], predicted_bytes=r["predicted_bytes"])
+        out += [dict(label=r["config"]["label"], category=c, measured=m, predicted=p, cause=cause, moment=closest,
+                     moment_bytes=there["total"], measured_bytes=r["measured_bytes"], predicted_bytes=r["predicted_bytes"])
                 for c, m, p in gaps]
     return out
 
@@ -265,34 +283,42 @@ def validate(specs:list=None, # the settings to run; None: validation_matrix(max
                           nprocs=world, launcher=launcher, timeout=timeout)
         runs += [compare(s, *m) for s, m in zip(group, measured)]
     env = environment()
-    return dict(runs=[asdict(r) for r in runs], seconds=time.perf_counter() - start, device="cuda" if runs[0].gpu else "cpu", gpu_name=env["gpu_name"],
+    return dict(runs=[asdict(r) for r in runs], seconds=time.perf_counter() - start, device="cuda" if runs[0].gpu else "cpu",
+                gpu_name=env["gpu_name"],
                 versions=env["versions"], max_abs_error=max(abs(r.error) for r in runs),
                 comm_exact=all(r.predicted_comm_bytes == r.measured_comm_bytes for r in runs))
 
 def validation_table(result:dict) -> str:
     "A plain-text table: each setting's measured and predicted peak (MiB), the error, and communication bytes."
-    rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak (predicted)"]
+    rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak "
+            "(predicted)"]
     for r in result["runs"]:
-        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
+        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}"
+                    f"{r['error'] * 100:>7.1f}%"
                     f"{r['measured_comm_bytes']:>21,}{r['predicted_comm_bytes']:>11,}  {r['peak_moment']}")
-    rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
-    if any(r["config"]["label"] in {s.label() for s in held_out_matrix(4)} for r in result["runs"]): rows.append(fitted_and_held_out(result))
+    rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: "
+                f"{result['comm_exact']}, {result['seconds']:.0f} s")
+    if any(r["config"]["label"] in {s.label() for s in held_out_matrix(4)} for r in result["runs"]):
+        rows.append(fitted_and_held_out(result))
     return "\n".join(rows)
 
 def gpu_validation_table(result:dict) -> str:
-    "On CUDA: each setting's predicted and measured allocated peak (GB), the error, the reserved range and the measured reserved, NVML, tokens/s."
+    "On CUDA: each setting's predicted and measured allocated peak (GB), the error, reserved, NVML, tokens/s."
     GB = 1e9
-    rows = [f"{'setting':<64}{'alloc pred':>11}{'measured':>9}{'error':>8}{'reserved range':>16}{'measured':>9}{'inside':>7}{'nvidia-smi':>11}{'tokens/s':>10}"]
+    rows = [f"{'setting':<64}{'alloc pred':>11}{'measured':>9}{'error':>8}{'reserved range':>16}{'measured':>9}{'inside':>7}"
+            f"{'nvidia-smi':>11}{'tokens/s':>10}"]
     for r in result["runs"]:
         g = r["gpu"]
-        rows.append(f"{r['config']['label'][-64:]:<64}{g['predicted_allocated'] / GB:>11.2f}{g['max_memory_allocated'] / GB:>9.2f}{g['allocated_error'] * 100:>7.1f}%"
-                    f"{g['predicted_reserved'][0] / GB:>8.2f}-{g['predicted_reserved'][1] / GB:<7.2f}{g['max_memory_reserved'] / GB:>9.2f}{str(g['reserved_inside']):>7}"
+        rows.append(f"{r['config']['label'][-64:]:<64}{g['predicted_allocated'] / GB:>11.2f}{g['max_memory_allocated'] / GB:>9.2f}"
+                    f"{g['allocated_error'] * 100:>7.1f}%"
+                    f"{g['predicted_reserved'][0] / GB:>8.2f}-{g['predicted_reserved'][1] / GB:<7.2f}"
+                    f"{g['max_memory_reserved'] / GB:>9.2f}{str(g['reserved_inside']):>7}"
                     f"{(g['nvml_used'] or 0) / GB:>11.2f}{g['tokens_per_second']:>10,.0f}")
     return "\n".join(rows)
 
 # %% ../nbs/08a_plan_validate.ipynb #17169cc3
 def plot_validation(result:dict, share:float=0.01):
-    "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak, the off-diagonal points (`off_diagonal`) marked by cause."
+    "Predicted vs measured per-rank peak: totals (with the 5% band), and each category at the peak."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure, category_colour
     runs, off = result["runs"], off_diagonal(result, share)
@@ -304,17 +330,21 @@ def plot_validation(result:dict, share:float=0.01):
     top = max(m + p) * 1.05
     axes[0].plot([0, top], [0, top], "k-", lw=0.8)
     axes[0].fill_between([0, top], [0, top * 0.95], [0, top * 1.05], color="gray", alpha=0.2, label="within 5%")
-    axes[0].set(xlabel="measured peak per rank (MiB)", ylabel="predicted (MiB)", title=f"{len(runs)} settings, largest error {result['max_abs_error'] * 100:.1f}%")
+    axes[0].set(xlabel="measured peak per rank (MiB)", ylabel="predicted (MiB)",
+                title=f"{len(runs)} settings, largest error {result['max_abs_error'] * 100:.1f}%")
     axes[0].legend(loc="upper left", fontsize=9)
     cats = sorted({c for r in runs for c in (*r["measured_by_category"], *r["predicted_by_category"])})
     marks = {(o["label"], o["category"]): o["cause"] for o in off}
     for cat in cats:
-        pts = [(r["measured_by_category"].get(cat, 0) / 2**20, as_tracked(r["peak_moment"], r["predicted_by_category"]).get(cat, 0) / 2**20, marks.get((r["config"]["label"], cat))) for r in runs]
-        for cause, style in ((None, dict(marker="o", s=14)), ("another moment", dict(marker="X", s=60)), ("same moment", dict(marker="D", s=40, facecolors="none", linewidths=1.4))):
+        pts = [(r["measured_by_category"].get(cat, 0) / 2**20, as_tracked(r["peak_moment"], r["predicted_by_category"]).get(cat, 0) / 2**20,
+                marks.get((r["config"]["label"], cat))) for r in runs]
+        for cause, style in ((None, dict(marker="o", s=14)), ("another moment", dict(marker="X", s=60)),
+                             ("same moment", dict(marker="D", s=40, facecolors="none", linewidths=1.4))):
             xy = [(x, y) for x, y, c in pts if c == cause]
             if xy: axes[1].scatter(*zip(*xy), color=category_colour(cat), label=cat if cause is None else None, **style)
     for cause, marker in (("another moment", "X"), ("same moment", "D")):
-        axes[1].scatter([], [], marker=marker, color="k", facecolors="none" if marker == "D" else "k", label=f"off the diagonal: {cause} ({sum(o['cause'] == cause for o in off)})")
+        axes[1].scatter([], [], marker=marker, color="k", facecolors="none" if marker == "D" else "k",
+                        label=f"off the diagonal: {cause} ({sum(o['cause'] == cause for o in off)})")
     top = max(max(r["measured_by_category"].values()) for r in runs) / 2**20 * 1.05
     axes[1].plot([0, top], [0, top], "k-", lw=0.8)
     axes[1].set(xlabel="measured at the measured peak (MiB)", ylabel="predicted at the predicted peak (MiB)", title="by category")

@@ -1,4 +1,4 @@
-"""bitsandbytes packs 4-bit codes into a storage dtype; FSDP2 shards and gathers that storage like any parameter. Choose the storage to be the dtype the other parameters are in (FSDP's `param_dtype`, or float32 under autocast) and a 4-bit base trains with LoRA on a real process group, equal to one process.
+"""bitsandbytes packs 4-bit codes into a storage dtype; FSDP2 shards and gathers that storage like any parameter.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 
@@ -34,7 +34,8 @@ def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.b
     name = PRECISION.get(name) or name  # accelerate's short names (bf16, fp32) through the one precision table
     if name not in STORAGE_BYTES:
         raise bad_value(field, value, f"one of {', '.join(STORAGE_BYTES)}",
-                        "Under FSDP set quant_storage to the param_dtype of the MixedPrecisionPolicy, e.g. quant_storage='bfloat16' with param_dtype='bfloat16'")
+                        "Under FSDP set quant_storage to the param_dtype of the MixedPrecisionPolicy, e.g. quant_storage='bfloat16' with "
+                        "param_dtype='bfloat16'")
     return name
 
 # %% ../nbs/05_qlora.ipynb #a8105a83
@@ -97,8 +98,10 @@ def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e
     n = math.prod(weight_shape)
     nbytes, size = (n + 1) // 2, STORAGE_BYTES[name]  # two codes per byte; an odd count rounds up
     if nbytes % size:
-        raise bad_value("weight_shape", tuple(weight_shape), f"a weight whose {nbytes} packed bytes fill whole {size}-byte elements of quant_storage={name!r}",
-                        f"{n} codes need {nbytes} bytes; bitsandbytes cannot store them as {name}. Use quant_storage='uint8' or pad the weight")
+        raise bad_value("weight_shape", tuple(weight_shape),
+                        f"a weight whose {nbytes} packed bytes fill whole {size}-byte elements of quant_storage={name!r}",
+                        f"{n} codes need {nbytes} bytes; bitsandbytes cannot store them as {name}. Use quant_storage='uint8' or pad the "
+                        "weight")
     return (nbytes // size, 1)
 
 # %% ../nbs/05_qlora.ipynb #cfbb23de
@@ -129,11 +132,16 @@ def check_quantization(quant_storage, # bnb_4bit_quant_storage
                         f"Set quant_storage={param!r} (bnb_4bit_quant_storage=torch.{param}), or no mixed precision (param_dtype=None)")
     if param and storage != param:
         short = lambda dtype: "no" if dtype == "float32" else {v: k for k, v in PRECISION.items() if v}[dtype]  # accelerate's name
-        instead = (f"or keep float32 storage, let FSDP cast nothing and compute in {param} under autocast: quant_storage=float32 mixed_precision=no autocast={short(param)}"
+        instead = (f"or keep float32 storage, let FSDP cast nothing and compute in {param} under autocast: quant_storage=float32 "
+                   f"mixed_precision=no autocast={short(param)}"
                    if storage == "float32" else f"or mixed_precision={short(storage)}")
-        raise bad_value("quant_storage", storage, f"only param_dtype={param!r} (FSDP casts every floating parameter to param_dtype as a number when it gathers a unit, which scrambles packed codes)",
-                        f"The rule, as PEFT's FSDP-QLoRA guide states it: the storage dtype is the dtype the other parameters are in: {param} under FSDP's "
-                        f"param_dtype={param} (mixed_precision={short(param)}), float32 under autocast, where parameters stay float32 and only compute is in {param}. "
+        raise bad_value("quant_storage", storage,
+                        f"only param_dtype={param!r} (FSDP casts every floating parameter to param_dtype as a number when it gathers a "
+                        "unit, which scrambles packed codes)",
+                        "The rule, as PEFT's FSDP-QLoRA guide states it: the storage dtype is the dtype the other parameters are in: "
+                        f"{param} under FSDP's "
+                        f"param_dtype={param} (mixed_precision={short(param)}), float32 under autocast, where parameters stay float32 and "
+                        f"only compute is in {param}. "
                         f"Type quant_storage={param} mixed_precision={short(param)}, {instead}")
     return storage, param
 
@@ -149,11 +157,11 @@ def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "fl
 # %% ../nbs/05_qlora.ipynb #e0128c90
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
-    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), then the 4-bit storage, FSDP's compute dtype, autocast, the optimizer and LoRA."
+    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), the 4-bit storage, dtypes, optimizer and LoRA."
     _:KW_ONLY
     quant_storage:str="bfloat16" # bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32
-    mixed_precision:str=None # FSDP's compute dtype in accelerate's words, "no", "bf16" or "fp16"; None follows a floating quant_storage (no for uint8)
-    autocast:str="no" # the forward under torch.autocast in this dtype, accelerate's names "no", "bf16" or "fp16"; parameters keep their dtype
+    mixed_precision:str=None # FSDP's compute dtype, "no", "bf16" or "fp16"; None follows a floating quant_storage (no for uint8)
+    autocast:str="no" # the forward under torch.autocast in this dtype, "no", "bf16" or "fp16"; parameters keep theirs
     load_in_8bit:bool=False # 8-bit instead of 4-bit (refused under FSDP)
     lr:float=1e-2 # AdamW learning rate of the LoRA weights
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
@@ -180,14 +188,17 @@ class QLoRASpec(RunSpec):
         if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
             try: hint = f"Did you mean {accelerate_precision(self.mixed_precision)!r}? (fsdp-kit qlora still reads the old spelling)"
             except Exception: hint = "quant_storage must match the param_dtype it gives"
-            raise bad_value("mixed_precision", self.mixed_precision, "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)", hint)
+            raise bad_value("mixed_precision", self.mixed_precision, "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)",
+                            hint)
         if self.autocast not in MIXED_PRECISION:
             try: hint = f"Did you mean {accelerate_precision(self.autocast)!r}?"
             except Exception: hint = "autocast=bf16 computes the forward in bfloat16 while the parameters keep their dtype"
-            raise bad_value("autocast", self.autocast, "no, bf16 or fp16 (accelerate's names for the dtype torch.autocast computes in)", hint)
+            raise bad_value("autocast", self.autocast, "no, bf16 or fp16 (accelerate's names for the dtype torch.autocast computes in)",
+                            hint)
         check_quantization(self.quant_storage, self.param_dtype, self.load_in_8bit)
         super().check(world_size)
-        self.refuse_unless("cp", 1, "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        self.refuse_unless("cp", 1,
+                           "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
         for name in ("lora_r",): require_whole(name, getattr(self, name), 1)
         lora_targets(self.lora_targets)
         require_whole("warmup", self.warmup, 0), require_positive("lr", self.lr)
@@ -216,7 +227,7 @@ def load_base(checkpoint:str, # a folder written by save_pretrained
 def with_autocast(model, # a model (or a LoRA model)
                   autocast:str="no" # accelerate's name of the autocast dtype: no, bf16 or fp16
                  ):
-    "`model` with its forward under `torch.autocast` in `autocast`, as accelerate's `prepare_model` wraps it for mixed precision; no: unchanged."
+    "`model` with its forward under `torch.autocast` in `autocast`, as accelerate's `prepare_model` wraps it."
     import torch
     if autocast == "no": return model
     model.forward = torch.autocast(next(model.parameters()).device.type, dtype=getattr(torch, PRECISION[autocast]))(model.forward)
@@ -228,7 +239,7 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
                    ):
-    "The checkpoint's model with LoRA on `spec.lora_targets` (every linear layer by default), in train mode, its forward under `spec.autocast`."
+    "The checkpoint's model with LoRA on `spec.lora_targets`, in train mode, its forward under `spec.autocast`."
     import torch
     from peft import get_peft_model
     model = load_base(checkpoint, spec, quantized)
@@ -269,7 +280,7 @@ class QLoRAResult:
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
     config:dict=None # the FSDPConfig the model was sharded with (lora_fsdp_config)
     autocast:str="no" # the dtype torch.autocast ran the forward in (accelerate's name), no for none
-    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before sharding (gathered_codes)
+    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before
     compute_dtype:str=None # the dtype the first 4-bit layer's matmul ran in during training (autocast's, else the layer's compute_dtype)
 
 # %% ../nbs/05_qlora.ipynb #cc7b741f
@@ -330,7 +341,7 @@ def _changed(model, before:dict) -> list:
 def gathered_codes(model, # sharded by shard_lora_model
                    before:dict # every parameter's bytes before sharding, by name
                   ) -> dict:
-    "Gather each FSDP unit as its forward does (in param_dtype) and compare each 4-bit weight's bytes with `before`: what bitsandbytes reads (a collective)."
+    "Gather each FSDP unit as its forward does (in param_dtype) and compare each 4-bit weight's bytes with `before`."
     import torch
     from torch.distributed.fsdp import FSDPModule
     out = dict(weights=0, intact=0, stored_dtypes=set(), gathered_dtypes=set(), bytes_before=0, bytes_gathered=0)
@@ -338,12 +349,15 @@ def gathered_codes(model, # sharded by shard_lora_model
         if not isinstance(unit, FSDPModule): continue
         unit.unshard()
         for name, p in unit.named_parameters(prefix=unit_name):
-            if not name.endswith("base_layer.weight") or hasattr(p, "full_tensor"): continue  # a 4-bit weight this unit gathered, not a nested unit's shard
+            # a 4-bit weight this unit gathered, not a nested unit's shard
+            if not name.endswith("base_layer.weight") or hasattr(p, "full_tensor"): continue
             got, was = p.detach().reshape(-1).view(torch.uint8), before[name]
             out["weights"] += 1; out["intact"] += torch.equal(got, was)
-            out["bytes_before"] += was.numel(); out["bytes_gathered"] += got.numel(); out["gathered_dtypes"].add(str(p.dtype).removeprefix("torch."))
+            out["bytes_before"] += was.numel(); out["bytes_gathered"] += got.numel()
+            out["gathered_dtypes"].add(str(p.dtype).removeprefix("torch."))
         unit.reshard()
-    out["stored_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters() if n.endswith("base_layer.weight")})
+    out["stored_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()
+                                   if n.endswith("base_layer.weight")})
     out["gathered_dtypes"] = sorted(out["gathered_dtypes"])
     return out
 
@@ -399,7 +413,7 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
 
 # %% ../nbs/05_qlora.ipynb #90725327
 def _matmul_dtype(module, x) -> str:
-    "The dtype a bitsandbytes 4-bit layer's matmul runs in on input `x`: autocast's where it is on, else the layer's compute_dtype (its input's without one)."
+    "The dtype a bitsandbytes 4-bit layer's matmul runs in on input `x`: autocast's where it is on, else compute_dtype."
     import torch
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else (module.compute_dtype or x.dtype)
@@ -432,7 +446,8 @@ def qlora_worker(spec:QLoRASpec,
         shard_lora_model(model, mesh, spec.param_dtype, spec.fsdp)  # as spec.config says
         gathered = gathered_codes(model, before)
         seen = []  # the dtype the first 4-bit layer's matmul runs in, each training forward
-        hook = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)).register_forward_pre_hook(lambda m, args: seen.append(_matmul_dtype(m, args[0])))
+        hook = next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)).register_forward_pre_hook(
+            lambda m, args: seen.append(_matmul_dtype(m, args[0])))
         local = {n.removeprefix("base_model.model.").replace(".base_layer.weight", ""): list(p.to_local().shape)
                  for n, p in model.named_parameters() if "base_layer.weight" in n}
         losses = _train(model, spec, rank, world_size)
@@ -444,7 +459,8 @@ def qlora_worker(spec:QLoRASpec,
         peaks = dict(qlora=gather_objects(_measure(model, spec)))
         done("memory with the 4-bit base")
         del model; gc.collect()
-        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh, spec.param_dtype, spec.fsdp), spec))
+        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh,
+                                                                      spec.param_dtype, spec.fsdp), spec))
         done("memory with a bf16 base")
         shard_shapes = {name: [s[name] for s in gather_objects(local)] for name in local}
         state_per_rank = gather_objects(state_bytes)
@@ -454,7 +470,8 @@ def qlora_worker(spec:QLoRASpec,
     return QLoRAResult(spec.model, world_size, dtype_name(spec.quant_storage), spec.param_dtype,
                        {s: params_per_element(s) for s in ("uint8", "bfloat16", "float32")}, shapes, shard_shapes,
                        dict(held=[s["held"] for s in state_per_rank], predicted=[s["predicted"] for s in state_per_rank]),
-                       losses, unsharded, max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable, changed,
+                       losses, unsharded, max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable,
+                       changed,
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
                        environment()["versions"], asdict(spec.config), spec.autocast, gathered, seen[0])
 
@@ -472,7 +489,8 @@ def plot_memory(result:QLoRAResult):
     peaks = {f"{label}\nrank {r}": p for key, label in (("bf16_lora", "bf16 base"), ("qlora", f"4-bit ({result.quant_storage})"))
              for r, p in enumerate(result.peak_by_category[key])}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.8), gridspec_kw=dict(width_ratios=[1.3, 1]))
-    plot_categories(peaks, ax=axes[0], title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)", legend_below=True)
+    plot_categories(peaks, ax=axes[0], title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)",
+                    legend_below=True)
     bottom = [0.0] * len(peaks)
     for cat in PARAMETER_CATEGORIES:
         vals = [p.get(cat, 0) / 2**20 for p in peaks.values()]
@@ -491,7 +509,8 @@ def plot_qlora_losses(result:QLoRAResult, ax=None):
     from fsdp_kit.measure import check_figure
     own = ax is None
     if own: _, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(result.losses) + 1), result.losses, "o-", label=f"FSDP2, {result.world_size} ranks, 4-bit base ({result.quant_storage})")
+    ax.plot(range(1, len(result.losses) + 1), result.losses, "o-",
+            label=f"FSDP2, {result.world_size} ranks, 4-bit base ({result.quant_storage})")
     ax.plot(range(1, len(result.unsharded_losses) + 1), result.unsharded_losses, "x", markersize=10, label="one process, whole batch")
     ax.xaxis.get_major_locator().set_params(integer=True)  # whole steps
     ax.set(xlabel="step", ylabel="loss", title=f"LoRA on a 4-bit {model_label(result.model)} model")
@@ -500,9 +519,9 @@ def plot_qlora_losses(result:QLoRAResult, ax=None):
 
 # %% ../nbs/05_qlora.ipynb #247428a3
 def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16 or fp16
-                   mixed_precision_policy=None # the FSDP plugin's own policy (FullyShardedDataParallelPlugin(mixed_precision_policy=...)), e.g. "fp32"; None: accelerate's
+                   mixed_precision_policy=None # the FSDP plugin's own policy, e.g. "fp32"; None: accelerate's
                   ) -> dict:
-    "What accelerate does under FSDP2 for `mixed_precision`, asked of accelerate: its plugin's param_dtype and its autocast dtype (None: none). Runs on a process group."
+    "What accelerate does under FSDP2 for `mixed_precision`: its plugin's param_dtype and its autocast dtype (None: none)."
     import torch, warnings
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -514,10 +533,12 @@ def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16
         with enable_cpu_fsdp(say=False), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # on CPU accelerate says it sets OMP_NUM_THREADS
             accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
-                                      fsdp_plugin=fsdp_plugin(clean_environ(), fsdp_version=2, mixed_precision_policy=mixed_precision_policy))
+                                      fsdp_plugin=fsdp_plugin(clean_environ(), fsdp_version=2,
+                                                              mixed_precision_policy=mixed_precision_policy))
         policy = accelerator.state.fsdp_plugin.mixed_precision_policy
         amp = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
-        return dict(mixed_precision=mixed_precision, mixed_precision_policy=mixed_precision_policy, distributed_type=str(accelerator.distributed_type),
+        return dict(mixed_precision=mixed_precision, mixed_precision_policy=mixed_precision_policy,
+                    distributed_type=str(accelerator.distributed_type),
                     param_dtype=short_name(policy.param_dtype) if policy is not None and policy.param_dtype is not None else None,
                     autocast=short_name(amp.fast_dtype) if isinstance(amp, torch.autocast) else None)
     finally: AcceleratorState._reset_state(True)
@@ -527,7 +548,7 @@ def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16
 def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec says
                      param_dtype:str # the param_dtype to shard with, past the guard
                     ) -> dict:
-    "Load `spec`'s 4-bit model, shard it with `param_dtype` whatever `check_quantization` says, gather it and run one forward; with accelerate's two bf16 readings."
+    "Load `spec`'s 4-bit model, shard it with `param_dtype` whatever `check_quantization` says, gather it, run one forward."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     quiet_libraries()
@@ -538,7 +559,8 @@ def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec say
         model = load_lora_model(checkpoint, spec)
         before = _snapshot(model)
         shard_lora_model(model, fsdp_mesh(build_mesh(spec.mesh)), param_dtype, spec.fsdp)
-        out = dict(quant_storage=dtype_name(spec.quant_storage), param_dtype=param_dtype, gathered=gathered_codes(model, before), loss=None, error=None)
+        out = dict(quant_storage=dtype_name(spec.quant_storage), param_dtype=param_dtype, gathered=gathered_codes(model, before), loss=None,
+                   error=None)
         try: out["loss"] = model_loss(model, batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())).item()
         except Exception as e: out["error"] = f"{type(e).__name__}: {e}"
         del model; gc.collect()
@@ -552,6 +574,6 @@ def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec say
 # %% ../nbs/05_qlora.ipynb #24d1ff85
 def autocast_lab(spec:QLoRASpec # float32 storage under autocast, say
                 ) -> tuple:
-    "Both halves of the autocast lesson in one launch: `qlora_worker(spec)`, then `fsdp_cast_worker(spec, 'bfloat16')`, the same storage under FSDP's bf16 param_dtype."
+    "Both halves of the autocast lesson in one launch: `qlora_worker(spec)`, then `fsdp_cast_worker(spec, 'bfloat16')`."
     return qlora_worker(spec), fsdp_cast_worker(spec, "bfloat16")
 

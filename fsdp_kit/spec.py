@@ -1,4 +1,4 @@
-"""The settings every lab shares (model, seed, batch per rank, sequence length, steps, mesh sizes and the FSDP config) in one dataclass that each lab's spec extends; checked once, never changed afterwards; precision in accelerate's words.
+"""The settings every lab shares, in one dataclass that each lab's spec extends, checked once and never changed afterwards.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/spec.html.md"""
 
@@ -94,7 +94,8 @@ class RunSpec:
         require_model("model", self.model), require_seed("seed", self.seed)
         for name in ("steps", "batch", "seq_len", "dp_replicate", "cp"): require_whole(name, getattr(self, name), 1)
         if isinstance(self.dp_shard, bool) or self.dp_shard != -1: require_whole("dp_shard", self.dp_shard, 1)
-        if self.fsdp is not None and not isinstance(self.fsdp, FSDPConfig): raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
+        if self.fsdp is not None and not isinstance(self.fsdp, FSDPConfig):
+            raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
         self.config.check()
         if not isinstance(self.step, StepSpec): raise bad_value("step", self.step, "a spec.StepSpec")
         if self.lora is not None and not isinstance(self.lora, LoraSpec): raise bad_value("lora", self.lora, "None or a spec.LoraSpec")

@@ -1,4 +1,4 @@
-"""Shard a model as an FSDP config says (by default `fully_shard` each decoder layer, then the embeddings, the [norm, `lm_head`] tail and the root, as accelerate does); train on synthetic data on a real process group; check the result against one process trained on the same data.
+"""Shard a model as an FSDP config says, train it on synthetic data on a real process group, check it against one process.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 
@@ -31,14 +31,16 @@ class TrainSpec(RunSpec):
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
-        self.refuse_unless("cp", 1, "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        self.refuse_unless("cp", 1,
+                           "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
         if self.lora is not None: lora_targets(self.lora.targets)
         if self.lora is not None and self.lora.base_dtype not in (None, "fp32"):
             raise bad_value("base_dtype", self.lora.base_dtype, "None or fp32 for training (a bf16 or 4-bit base is the QLoRA lab's)")
         if self.layout not in LAYOUTS: raise bad_value("layout", self.layout, f"one of {', '.join(LAYOUTS)}")
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
-            raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec", "e.g. TrainSpec(ckpt=CheckpointSpec('ckpt', save_every=5))")
+            raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec",
+                            "e.g. TrainSpec(ckpt=CheckpointSpec('ckpt', save_every=5))")
         if self.check_parity and (self.config.mixed_precision != "no" or self.config.reduce_dtype not in (None, "fp32")):
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32",
                             f"Drop --check-parity or mixed_precision={self.config.mixed_precision!r}")
@@ -152,7 +154,8 @@ def train_worker(spec:TrainSpec,
         start = saver.resume()
     times, after_step = [], saver if watch is None else watch.start(model, start, saver)
     tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])  # per-parameter optimizers: none to hook
-    losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step, first_step=tracker)
+    losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step,
+                        first_step=tracker)
     if watch is not None: watch.stop()
     losses = mean_over_ranks(losses)
     timed = times[1:] or times  # the first step warms up (allocations, first collectives)
@@ -195,7 +198,7 @@ def plot_ddp_fsdp(held:dict, # label -> peak bytes by the kit's memory category 
 
 # %% ../nbs/01_train.ipynb #92c7139c
 def plot_losses(result:TrainResult, ax=None):
-    "Loss per step of the sharded run, with the one-process reference when there is one; the legend beside the axes, whole steps on the x axis."
+    "Loss per step of the sharded run, with the one-process reference when there is one."
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
     from fsdp_kit.measure import check_figure

@@ -1,4 +1,4 @@
-"""Which modules become FSDP units under each policy, how many parameters each holds, and what that does to memory and communication, measured per rank on a real process group.
+"""Which modules become FSDP units under each policy, the parameters each holds, and what that does to memory and collectives.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/wrap.html.md"""
 
@@ -37,12 +37,13 @@ def _ties_outside(model):
     return ties_outside
 
 def size_policy(min_num_params:int):
-    "accelerate's own FSDP2 size policy (`fsdp2_prepare_auto_wrap_policy`) for `min_num_params`: module -> whether its prepare calls fully_shard on it."
+    "accelerate's own FSDP2 size policy for `min_num_params`: module -> whether its prepare calls fully_shard on it."
     from functools import partial
     from types import SimpleNamespace
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    plugin = SimpleNamespace(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=min_num_params), min_num_params=min_num_params,
+    plugin = SimpleNamespace(auto_wrap_policy=partial(size_based_auto_wrap_policy, min_num_params=min_num_params),
+                             min_num_params=min_num_params,
                              transformer_cls_names_to_wrap=None)  # the two fields its size branch reads
     return fsdp2_prepare_auto_wrap_policy(plugin, None)
 
@@ -54,37 +55,41 @@ def _no_forward(module) -> bool:
     return False
 
 def _carved(model) -> list:
-    "Qualified names of the modules accelerate's FSDP2 path shards after its policy (the input embeddings, the final norm, the output head)."
+    "Qualified names of the modules accelerate's FSDP2 path shards after its policy."
     get = lambda attr: getattr(model, attr, lambda: None)()
     names = {id(m): n for n, m in model.named_modules()}
-    return [names[id(m)] for m in (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings")) if m is not None and id(m) in names]
+    return [names[id(m)] for m in (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings")) if m is not None
+            and id(m) in names]
 
 def _size_blocker(model, name:str, module) -> str:
-    "Why accelerate's FSDP2 path cannot build a unit of `module` (None: it can): a container without forward, or a module holding the carved ones."
+    "Why accelerate's FSDP2 path cannot build a unit of `module` (None: it can)."
     if _no_forward(module): return "a container without forward, which fully_shard refuses"
     held = [c for c in _carved(model) if c.startswith(name + ".")]
-    if held: return f"which holds {', '.join(held)}: accelerate then calls fully_shard on them inside a unit, and prepare stops (09a_hf_run)"
+    if held:
+        return f"which holds {', '.join(held)}: accelerate then calls fully_shard on them inside a unit, and prepare stops (09a_hf_run)"
     return None
 
 def size_floor(model) -> int:
     "The smallest min_num_params under which accelerate's FSDP2 size rule selects no module it cannot build a unit of (`_size_blocker`)."
-    return max((sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if m is not model and _size_blocker(model, n, m)), default=0)
+    return max((sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if m is not model and _size_blocker(model, n, m)),
+               default=0)
 
 def _size_targets(model, min_num_params:int) -> list:
-    """SIZE_BASED_WRAP as accelerate's FSDP2 path applies it: bottom-up (`get_module_children_bottom_up`), every module below the root that
-    `size_policy` selects (all its parameters, nested units' included, above `min_num_params`); one tied to a module outside it stays out."""
+    "SIZE_BASED_WRAP as accelerate's FSDP2 path applies it, bottom-up, to every module below the root."
     from accelerate.utils.fsdp_utils import get_module_children_bottom_up
     policy, tied = size_policy(min_num_params), _ties_outside(model)
     chosen = [(n, m) for n, m in get_module_children_bottom_up(model, return_fqns=True)[:-1] if policy(m)]
     blocked = next(((n, m, why) for n, m in chosen for why in [_size_blocker(model, n, m)] if why), None)
     if blocked:
         n, m, why = blocked
-        raise bad_value("min_num_params", min_num_params, f"{size_floor(model):,} or more for this model, or TRANSFORMER_BASED_WRAP for one unit per layer",
-                        f"accelerate's FSDP2 size rule selects {n} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} parameters), {why}")
+        raise bad_value("min_num_params", min_num_params,
+                        f"{size_floor(model):,} or more for this model, or TRANSFORMER_BASED_WRAP for one unit per layer",
+                        f"accelerate's FSDP2 size rule selects {n} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} "
+                        f"parameters), {why}")
     return [(n, m) for n, m in chosen if not tied(n, m)]
 
 def fsdp1_size_targets(model, min_num_params:int) -> list:
-    "FSDP1's size rule, kept to compare: bottom-up, a module whose parameters not yet in a unit exceed `min_num_params` (containers skipped)."
+    "FSDP1's size rule, kept to compare: bottom-up, a module whose parameters not yet in a unit exceed `min_num_params`."
     import torch.nn as nn
     claimed, targets, tied = set(), [], _ties_outside(model)
     for name, module in reversed(list(model.named_modules())):
@@ -106,7 +111,7 @@ def register_policy(name:str, # the auto_wrap_policy value that selects it
     ADDED_POLICIES[name] = rule
 
 def wrap_targets(model, cfg:FSDPConfig) -> list:
-    "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded, and so is a module tied to one outside it."
+    "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded."
     import torch.nn as nn
     check_for_model(cfg, model)
     policy = cfg.auto_wrap_policy
@@ -121,23 +126,21 @@ def wrap_targets(model, cfg:FSDPConfig) -> list:
 # %% ../nbs/04_wrap.ipynb #176c4dd5
 @dataclass
 class Unit:
-    "One FSDP unit (one `fully_shard` call, one all-gather): its modules (qualified names joined by '+', '' for the root) and the parameters it holds."
+    "One FSDP unit (one `fully_shard` call, one all-gather): its modules and the parameters it holds."
     module:str # qualified name(s); "" is the root
     cls:str # the module's class (the first module's, for a group)
     parameters:int # parameters held by this unit (not by nested units)
-    reshard_after_forward:bool|int=True # after forward: the policy's units and the embeddings as configured; the tail and the root keep their weights (False)
+    reshard_after_forward:bool|int=True # after forward: the policy's units and the embeddings as configured; tail and root keep theirs
 
 # %% ../nbs/04_wrap.ipynb #5dc319ce
 def _final_norm(model):
-    "The norm before the output head: the last direct child of the base model whose class is a norm (Llama's `model.norm`), looked up through a PEFT wrapper."
+    "The norm before the output head: the base model's last direct child whose class is a norm, found through PEFT."
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     base = getattr(inner, getattr(inner, "base_model_prefix", "") or "", None) or inner
     return next((m for _, m in reversed(list(base.named_children())) if "Norm" in type(m).__name__), None)
 
 def edge_groups(model, targets:list) -> list:
-    """The units carved out around the policy's, as accelerate's FSDP2 path and transformers' own `fsdp_plan` do: the input embeddings alone
-    (resharded as configured), then a tail of the final norm and the output head, with the embeddings when they are tied, that keeps its weights
-    after forward (backward needs them at once). Each is ([(name, module)], keeps_weights); a module the policy wrapped, or holds inside a unit, is left out."""
+    "The units carved out around the policy's, as accelerate's FSDP2 path and transformers' own `fsdp_plan` do."
     inside = lambda name: any(name == t or name.startswith(t + ".") for t, _ in targets)
     names = {id(m): n for n, m in model.named_modules()}
     get = lambda attr: getattr(model, attr, lambda: None)()
@@ -173,9 +176,9 @@ def _owners(model, groups:list) -> dict:
     return owner
 
 def plan_units(model, cfg:FSDPConfig,
-               edge_units:bool=True # the embeddings and the tail in units of their own (`edge_groups`, as accelerate); False: in the root, resharded as configured
+               edge_units:bool=True # the embeddings and the tail in units of their own (`edge_groups`); False: in the root
               ) -> list:
-    "The FSDP units `cfg` makes of `model` (the policy's, then the embeddings and the tail of `edge_groups`, the root last), each with the parameters it holds."
+    "The FSDP units `cfg` makes of `model`: the policy's, then the embeddings and the tail, the root last."
     groups = _unit_groups(model, cfg, edge_units)
     owner, held = _owners(model, groups), [0] * len(groups)
     for p in model.parameters(): held[owner[id(p)]] += p.numel()
@@ -203,15 +206,18 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
     "An int reshard_after_forward must divide the shard group size."
     r = cfg.reshard_after_forward
     if not isinstance(r, bool) and shard_size % r:
-        raise bad_value("reshard_after_forward", r, f"true, false, or a divisor of the shard group size {shard_size} (e.g. {shard_size // 2 if shard_size > 2 else 'use 4 or more ranks'})")
+        raise bad_value("reshard_after_forward", r,
+                        f"true, false, or a divisor of the shard group size {shard_size} (e.g. "
+                        f"{shard_size // 2 if shard_size > 2 else 'use 4 or more ranks'})")
+
 
 # %% ../nbs/04_wrap.ipynb #31809596
 def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
                mesh, # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
-               edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own, as accelerate; False: left in the root (FSDP1's layout, to compare)
+               edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own; False: left in the root
               ):
-    "Shard `model` with `fully_shard` as `cfg` says, in the units accelerate's FSDP2 path makes (`plan_units`); the kit's only call of `fully_shard`. Return the model and its units."
+    "Shard `model` with `fully_shard` as `cfg` says, in accelerate's FSDP2 units (`plan_units`); returns model and units."
     from torch.distributed.fsdp import fully_shard
     units, groups = plan_units(model, cfg, edge_units), _unit_groups(model, cfg, edge_units)
     _check_reshard(cfg, mesh.size(-1))
@@ -219,7 +225,8 @@ def apply_fsdp(model, # a model on the device it will train on
     mp, offload = _policies(cfg)
     for group, reshard in groups:  # the policy's units, the embeddings, the tail, the root last
         modules = [wrappers.get(id(m), m) for _, m in group]
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload)
     return model, units
 
 # %% ../nbs/04_wrap.ipynb #4e4f720f
@@ -227,16 +234,18 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
     "What a measured training step does with the fields of `cfg` it does not act on."
     notes = []
     if cfg.cpu_offload and not cuda:
-        notes.append("cpu_offload=True: on a CPU-only machine parameters already live in host memory; CPUOffloadPolicy(pin_memory=False) runs but moves nothing")
+        notes.append("cpu_offload=True: on a CPU-only machine parameters already live in host memory; CPUOffloadPolicy(pin_memory=False) "
+                     "runs but moves nothing")
     if cfg.cpu_ram_efficient_loading:
-        notes.append("cpu_ram_efficient_loading=True concerns loading pretrained weights; this lab builds the weights from a seed on every rank")
+        notes.append("cpu_ram_efficient_loading=True concerns loading pretrained weights; this lab builds the weights from a seed on every "
+                     "rank")
     notes.append(f"state_dict_type={cfg.state_dict_type} concerns checkpoints; this lab saves none")
     return notes
 
 # %% ../nbs/04_wrap.ipynb #0e04b547
 @dataclass(frozen=True)
 class CompareSpec(RunSpec):
-    "Which configs to run, on which model and data: the shared settings (`RunSpec`; `fsdp` runs that one config), then the policies and reshard values to compare."
+    "Which configs to run, on which model and data: the shared settings, then the policies and reshard values to compare."
     model:str="small" # preset name or config.json path
     _:KW_ONLY
     batch:int=2 # sequences per rank
@@ -249,14 +258,17 @@ class CompareSpec(RunSpec):
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
-        self.refuse_unless("cp", 1, "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        self.refuse_unless("cp", 1,
+                           "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit "
+                           "cp-eval)")
         self.refuse_unless("step", StepSpec(), "the wrap lab's memory savers are run_config's arguments")
         self.refuse_unless("lora", None, "the wrap lab trains every parameter")
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
         for r in self.reshard: to_reshard("reshard_after_forward", r)
         if self.min_num_params is not None: require_whole("min_num_params", self.min_num_params, 0)
-        if not isinstance(self.gradient_checkpointing, bool): raise bad_value("gradient_checkpointing", self.gradient_checkpointing, "True or False")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise bad_value("gradient_checkpointing", self.gradient_checkpointing, "True or False")
         return self
 
     def configs(self) -> list:
@@ -296,7 +308,7 @@ def _thin(timeline:list, points:int=400) -> list:
 
 # %% ../nbs/04_wrap.ipynb #8184f581
 def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
-               dtype:str=None, # the dtype the model is kept and trained in (None: float32; "bfloat16" with no mixed precision is pure bf16: no fp32 master weights)
+               dtype:str=None, # the dtype the model is kept and trained in (None: float32)
                ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
                optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
                offload_activations:bool=False, # what autograd saves kept in host memory until backward (fsdp_kit.ac.activations_on_host)
@@ -320,7 +332,8 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
     last = {}
     def step(): last["loss"] = train_step(model, optim, tokens, saver).item()  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
     m = measure_step(model, optim, step, spec.steps)
-    result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world, [dict(module=u.module, parameters=u.parameters) for u in units],
+    result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world,
+                       [dict(module=u.module, parameters=u.parameters) for u in units],
                        m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, last["loss"])
     model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
@@ -355,9 +368,10 @@ def check_spec(spec:CompareSpec, world_size:int) -> list:
 
 # %% ../nbs/04_wrap.ipynb #0fdd9b76
 def runs_table(runs:list) -> str:
-    "A plain-text table of a comparison: units, peak memory, collectives and step time (median, min-max) per config; a note if the machine was busy."
+    "A plain-text table of a comparison: units, peak memory, collectives and step time (median, min-max) per config."
     from fsdp_kit.measure import busy_note
-    head = f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}{'reduce-scatters':>16}{'step ms (min-max)':>19}"
+    head = (f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}"
+            f"{'reduce-scatters':>16}{'step ms (min-max)':>19}")
     rows = [head]
     for r in runs:
         p, c = r.peak_bytes, r.collectives
@@ -379,7 +393,7 @@ def run_label(r:RunResult) -> str:
 
 # %% ../nbs/04_wrap.ipynb #d800d07d
 def plot_compare(runs:list):
-    "Three panels, one above the other: peak memory by category, collectives per step, step time; one bar per config, named as in `runs_table`."
+    "Three panels, one above the other: peak memory by category, collectives per step, step time; one bar per config."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import plot_categories, check_figure
     labels = [run_label(r) for r in runs]
@@ -388,10 +402,13 @@ def plot_compare(runs:list):
     plot_categories(dict(zip(labels, [r.peak_bytes for r in runs])), ax=top, title=f"peak memory per rank ({runs[0].world_size} ranks)")
     x = range(len(runs))
     for i, kind in enumerate(("all_gather", "reduce_scatter")):
-        calls.bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs], width=0.4, label=kind.replace("_", "-"))
-    calls.set(ylabel="collectives per step", title="communication: calls per step"); calls.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+        calls.bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs], width=0.4,
+                  label=kind.replace("_", "-"))
+    calls.set(ylabel="collectives per step", title="communication: calls per step")
+    calls.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
     ms = [r.step_seconds * 1e3 for r in runs]
-    spread = [[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)], [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]] if all(r.timing for r in runs) else None
+    spread = ([[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)], [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]]
+              if all(r.timing for r in runs) else None)
     times.bar(list(x), ms, yerr=spread, capsize=3, color="gray")
     times.set(ylabel="ms", title="step time (median, min-max)")
     times.set_xticks(list(x), labels, fontsize=9, rotation=30, ha="right")
@@ -401,7 +418,7 @@ def plot_compare(runs:list):
 LAYOUTS = {"accelerate": True, "layers": False}  # a layout's name -> apply_fsdp's edge_units
 
 def layouts_worker(spec:CompareSpec) -> dict:
-    "One measured training step of `spec.fsdp` (default `FSDPConfig()`) in each layout of `LAYOUTS` on this process group: {layout: RunResult}."
+    "One measured training step of `spec.fsdp` in each layout of `LAYOUTS` on this process group: {layout: RunResult}."
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     mesh, cfg = fsdp_mesh(build_mesh(spec.mesh)), spec.fsdp or FSDPConfig().check()
     return {name: run_config(cfg, spec, mesh, edge_units=edges) for name, edges in LAYOUTS.items()}
