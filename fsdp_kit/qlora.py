@@ -390,12 +390,16 @@ def _measure(model, spec:QLoRASpec) -> dict:
 def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     "Train the LoRA weights for `spec.steps` steps with the kit's training loop; the mean loss over ranks of each step."
     from fsdp_kit.train import train_loop
-    return mean_over_ranks(train_loop(model, spec, rank, world_size))
+    return mean_over_ranks(train_loop(model, _stepped(spec), rank, world_size))
 
 def _train_one_process(checkpoint:str, spec:QLoRASpec, world_size:int) -> list:
     "The reference: the same 4-bit model with LoRA, unsharded, trained in this process on each step's whole global batch; its losses."
     from fsdp_kit.train import train_loop
-    return [l.item() for l in train_loop(load_lora_model(checkpoint, spec), spec, rows=spec.batch * world_size)]
+    return [l.item() for l in train_loop(load_lora_model(checkpoint, spec), _stepped(spec), rows=spec.batch * world_size)]
+
+def _stepped(spec:QLoRASpec) -> QLoRASpec:
+    "`spec` with its own lr and warm-up in the step section `train_loop` reads (`spec.StepSpec`)."
+    return replace(spec, step=StepSpec(lr=spec.lr, warmup=spec.warmup))
 
 # %% ../nbs/05_qlora.ipynb #944daa2d
 def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:

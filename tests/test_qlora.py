@@ -221,3 +221,12 @@ def test_float32_storage_under_autocast(runs):
     assert sorted(r["changed_parameters"]) == sorted(r["trainable_parameters"]) and all("lora_" in n for n in r["changed_parameters"])
     assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < 3e-3 and r["adapter"]["reload_loss_diff"] < 1e-4
     assert r["peak_bytes"]["qlora"][0] > results[0]["peak_bytes"]["qlora"][0]  # float32 storage costs more memory than bfloat16
+
+
+def test_the_qlora_lr_and_warmup_reach_the_optimizer():
+    "QLoRASpec keeps its own lr and warm-up: the training loop's optimizer (train.make_optimizer) is built with them."
+    from fsdp_kit.qlora import QLoRASpec, _stepped
+    from fsdp_kit.train import make_optimizer
+    from fsdp_kit.models import build_model, model_config
+    optim, schedule = make_optimizer(build_model(model_config("tiny")), _stepped(QLoRASpec(lr=0.05, warmup=4)))
+    assert schedule.base_lrs == [0.05] and optim.param_groups[0]["lr"] == 0.05 / 4
