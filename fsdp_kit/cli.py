@@ -475,17 +475,17 @@ def _cmd_plan(a):
     _refuse_unused(a)
     a.lora_r = 8 if a.lora_r is None else a.lora_r
     a.lora_targets, a.reshard = a.lora_targets or "all-linear", a.reshard or "true"
-    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, cp=a.cp) | _plan_precision(a)
-    if a.recommend:
-        r = plan_gpu.recommend(a.model, **kwargs, lora_targets=a.lora_targets)
-        emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
-        return
     if a.grad_ckpt and a.ac not in (None, "full"):
         raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
-    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), ac=a.ac,
-                          lora_targets=a.lora_targets, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
-                          offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
-                          edge_units=not a.edges_in_root)
+    spec = plan_gpu.gpu_spec(a.model, a.gpus, a.method, a.lora_r, a.batch, a.seq_len, a.grad_ckpt, a.offload, cp=a.cp, ac=a.ac,
+                             reshard=to_reshard("reshard", a.reshard), lora_targets=a.lora_targets, ce_chunks=a.chunked_ce,
+                             optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations,
+                             fp8_all_gather=a.fp8_all_gather, edge_units=not a.edges_in_root, **_plan_precision(a))  # the setting, built once
+    if a.recommend:
+        r = plan_gpu.recommend(spec, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb)
+        emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
+        return
+    p = plan_gpu.plan_gpu(spec, gpu_mem_gb=a.gpu_mem_gb, compile=a.compile)
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
 
 

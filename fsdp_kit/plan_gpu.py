@@ -7,7 +7,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 # %% auto #0
 __all__ = ['ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PRECISIONS', 'RESERVED_RANGE', 'PLAN_OPTIONS', 'LOAD_PATHS',
            'RECOMPUTE', 'EXTRAS', 'RECOMMEND_LINES', 'SAVERS', 'PUBLISHED', 'PLANNER_GRID', 'GPUPlan',
-           'load_high_water', 'plan_gpu', 'plan_text', 'recommend', 'published_table', 'planner_table', 'plan_line']
+           'load_high_water', 'gpu_spec', 'plan_gpu', 'plan_text', 'recommend', 'published_table', 'planner_table',
+           'plan_line']
 
 # %% ../nbs/08b_plan_gpu.ipynb #7fdf3993
 import math
@@ -99,42 +100,52 @@ def _cp_comm(config, spec:PlanSpec) -> int:
     d = dims(config, spec)
     return d["L"] * 2 * 2 * d["T"] * spec.cp * d["kv"] * d["b"]
 
-def plan_gpu(model:str, # preset or config.json path
-             gpus:int=8, # GPUs (FSDP shards over all of them)
-             gpu_mem_gb:float=80, # memory per GPU, GB
+def gpu_spec(model:str, # preset or config.json path
+             gpus:int=8, # GPUs (FSDP shards over all of them): the spec's world_size
              method:str="full", # full, lora (bf16 base) or qlora (NF4 base, bf16 storage)
              lora_r:int=8, # LoRA rank, all linear layers of the decoder
              batch:int=1, # sequences per GPU per step
              seq_len:int=2048, # tokens per sequence
-             grad_ckpt:bool=False, # activation checkpointing per decoder layer
+             grad_ckpt:bool=False, # activation checkpointing per decoder layer (the policy full)
              offload:bool=False, # CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
-             mixed_precision:str="bf16", # bf16 (accelerate's: param_dtype bf16, reduce in bf16, fp32 master weights) or no (fp32; "fp32" read as no)
+             mixed_precision:str="bf16", # bf16 (accelerate's: bf16 compute and reduce, fp32 master weights) or no ("fp32" read as no)
              reshard:bool=True, # reshard_after_forward
              cp:int=1, # context-parallel ranks (sequence split), inside `gpus`
-             base_dtype:str=None, # the dtype the weights are kept in: None (fp32 for full, bf16 for LoRA/QLoRA's base), bf16 (pure bf16 for full) or fp32
-             ac:str=None, # activation checkpointing policy: none, full, selective-layer:K or selective-op (fsdp_kit.ac); None: full if grad_ckpt
+             base_dtype:str=None, # weights kept in: None (fp32 full, bf16 LoRA base), bf16 (pure bf16 for full) or fp32
+             ac:str=None, # activation checkpointing policy: none, full, selective-layer:K or selective-op; None: full if grad_ckpt
              lora_targets:str="all-linear", # the Linears LoRA adapts: all-linear, or names joined by commas (q_proj,v_proj)
-             optimizer_in_backward:bool=False, # AdamW stepped per parameter in backward, each sharded gradient freed once used
-             offload_activations:bool=False, # what autograd saves for backward kept in host memory, copied back layer by layer in backward
-             fp8_all_gather:bool=False, # decoder Linear weights all-gathered in float8 (torchao Float8 with enable_fsdp_float8_all_gather); needs bf16
-             ce_chunks:int=0, # chunked cross-entropy: the loss in this many chunks of tokens, logits never whole (torchtune's CEWithChunkedOutputLoss uses 8); 0: whole logits
+             **flat # PlanSpec.of's other names: ce_chunks, optimizer_in_backward, offload_activations, fp8_all_gather, edge_units, ...
+            ) -> PlanSpec:
+    "The PlanSpec of one GPU setting under the GPU planner's names and defaults (one 2048-token sequence per GPU, bf16)."
+    _check_plan_args(gpus, 1, method, batch, seq_len, cp, mixed_precision, lora_r)
+    if base_dtype not in (None, "bf16", "fp32"):
+        raise bad_value("base_dtype", base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
+    return PlanSpec.of(model, gpus, reshard_after_forward=reshard, mixed_precision=accelerate_precision(mixed_precision),
+                       activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r, cpu_offload=offload, base_dtype=base_dtype, ac=ac,
+                       lora_targets=lora_targets, batch=batch, seq_len=seq_len, cp=cp, **flat)
+
+def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, cp, fsdp, step, lora (gpu_spec builds one from the planner's names)
+             gpus:int=None, # GPUs (FSDP shards over all of them); None: the spec's world_size
+             gpu_mem_gb:float=80, # memory per GPU, GB
              compile:bool=False, # torch.compile: accepted, not modelled (the plan is the eager step's, and says so)
-             edge_units:bool=True, # embeddings and [norm, lm_head] in units of their own (apply_fsdp, accelerate's FSDP2 path); False: in the root (FSDP1, layer-only FSDP2 code)
              cpu_ram_efficient_loading:str=None, # with qlora and offload, how the 4-bit model was loaded (LOAD_PATHS); None: not modelled
-             reduce_dtype:str=None, # "fp32": under bf16, gradients reduce-scattered in float32 (torchtitan's default); None: in bf16
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
+    if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a PlanSpec (plan_gpu.gpu_spec builds one from a model name)")
+    spec = spec if gpus is None else replace(spec, world_size=gpus)
+    cfg, step, lora = spec.config, spec.step, spec.lora
+    model, gpus, method, batch, seq_len, cp = spec.model, spec.world_size, spec.method, spec.batch, spec.seq_len, spec.cp
+    lora_r, lora_targets = (lora.r, lora.targets) if lora else (8, "all-linear")
+    mixed_precision = accelerate_precision(cfg.mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
+    offload, reshard, reduce_dtype, edge_units = cfg.cpu_offload, cfg.reshard_after_forward, cfg.reduce_dtype, spec.edge_units
+    ce_chunks, optimizer_in_backward, offload_activations = step.ce_chunks, step.optimizer_in_backward, step.offload_activations
+    fp8_all_gather, base_dtype = spec.fp8_all_gather, spec.flat()["base_dtype"]
     config = plan_config(model)
-    if base_dtype not in (None, "bf16", "fp32"): raise bad_value("base_dtype", base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
-    mixed_precision = accelerate_precision(mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     if cpu_ram_efficient_loading not in (None, *LOAD_PATHS):
         raise bad_value("cpu_ram_efficient_loading", cpu_ram_efficient_loading, f"None, {' or '.join(LOAD_PATHS)}")
-    spec = PlanSpec.of(model, gpus, reshard_after_forward=reshard, mixed_precision=mixed_precision, activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r,
-                    cpu_offload=offload, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward,
-                    offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units, reduce_dtype=reduce_dtype, batch=batch, seq_len=seq_len,
-                    cp=cp).check()
+    spec = replace(spec, fsdp=replace(cfg, mixed_precision=mixed_precision)).check()
     tensors = model_tensors(config, spec)
     ms = moments(config, spec)
     states = {k: ms[-1][1].get(k, 0) for k in ("sharded_params", "sharded_grads", "optimizer_state")}
@@ -178,26 +189,25 @@ def plan_gpu(model:str, # preset or config.json path
     if high_water: notes.append(f"loading ({cpu_ram_efficient_loading}) holds {high_water / GB:.2f} GB at its top; "
                                 "the caching allocator keeps it reserved and the step reuses it")
     reserved = [max(int(allocated * (1 + f)), high_water) for f in RESERVED_RANGE]
-    args = dict(model=model, gpus=gpus, gpu_mem_gb=gpu_mem_gb, method=method, lora_r=lora_r, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks,
-                optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units,
-                cpu_ram_efficient_loading=cpu_ram_efficient_loading)
-    off = dict(ac=dict(ac="none", grad_ckpt=False) if spec.policy_ac != "none" else None, offload=dict(offload=False) if offload else None,
-               ce_chunks=dict(ce_chunks=0) if ce_chunks else None, optimizer_in_backward=dict(optimizer_in_backward=False) if optimizer_in_backward else None,
-               offload_activations=dict(offload_activations=False) if offload_activations else None, fp8_all_gather=dict(fp8_all_gather=False) if fp8_all_gather else None,
-               precision=dict(mixed_precision="bf16", base_dtype=None) if spec.pure_bf16 else None)
-    terms = {k: _allocated(args | v) - allocated for k, v in off.items() if v is not None} if _terms else {}
+    fsdp_off, step_off = lambda **kw: replace(spec, fsdp=replace(spec.config, **kw)), lambda **kw: replace(spec, step=replace(step, **kw))
+    off = dict(ac=fsdp_off(ac="none") if spec.policy_ac != "none" else None, offload=fsdp_off(cpu_offload=False) if offload else None,
+               ce_chunks=step_off(ce_chunks=0) if ce_chunks else None,
+               optimizer_in_backward=step_off(optimizer_in_backward=False) if optimizer_in_backward else None,
+               offload_activations=step_off(offload_activations=False) if offload_activations else None,
+               fp8_all_gather=replace(spec, fp8_all_gather=False) if fp8_all_gather else None,
+               precision=replace(fsdp_off(mixed_precision="bf16"), step=replace(step, precision="fp32")) if spec.pure_bf16 else None)
+    terms = {k: _allocated(v, cpu_ram_efficient_loading) - allocated for k, v in off.items() if v is not None} if _terms else {}
     return GPUPlan(model, sum(math.prod(s) for _, s in meta_shapes(config)[0]), gpus, gpu_mem_gb,
                    dict(method=method, lora_r=lora_r, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
-                        fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
+                        fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, grad_ckpt=spec.policy_ac == "full", offload=offload,
                         mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, precision=spec.precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=compile,
                         edge_units=edge_units, cpu_ram_efficient_loading=cpu_ram_efficient_loading),
                    per_gpu, allocated, reserved, breakdown, name, host, dict(cpu_ram_efficient_loading=load, every_process_loads=procs * load),
                    per_gpu <= gpu_mem_gb * GB, comm, notes, terms)
 
-def _allocated(kwargs:dict) -> int:
-    "per_gpu_allocated_bytes of the plan `kwargs` describes (its terms left out)."
-    return plan_gpu(**kwargs, _terms=False).per_gpu_allocated_bytes
+def _allocated(spec:PlanSpec, loading:str) -> int:
+    "per_gpu_allocated_bytes of the plan of `spec` (its terms left out)."
+    return plan_gpu(spec, cpu_ram_efficient_loading=loading, _terms=False).per_gpu_allocated_bytes
 
 def _describe(p:GPUPlan) -> str:
     "The settings of a plan in a few words."
@@ -271,24 +281,30 @@ def _setting_line(best:GPUPlan, cost:float, fitting:list, field_:str, name:str, 
     o, c = other[0]
     return f"{name}={value}: the best setting with {name}={o.gpus if field_ == 'gpus' else o.settings[field_]} ({_describe(o)}) {_why_not(best, cost, o, c, method)}"
 
-def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lora_r:int=8, batch:int=1, seq_len:int=2048,
-              mixed_precision:str="bf16", cp:int=1, base_dtype:str=None, lora_targets:str="all-linear") -> dict:
+def recommend(spec:PlanSpec, # the setting asked about: model, method, LoRA rank and targets, batch, seq_len, cp, precision
+              gpus:int=8, # at most this many GPUs
+              gpu_mem_gb:float=80 # memory per GPU, GB
+             ) -> dict:
     """Search reshard, activation checkpointing (none, selective-op, full), CPU offload, QLoRA (for LoRA), batch and GPU count, and for each
     the memory savers in `EXTRAS` until one fits; pick what fits and moves the fewest bytes per token, then the least recomputation."""
-    _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
+    if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a PlanSpec (plan_gpu.gpu_spec builds one from a model name)")
+    method, batch, seq_len, cp, lora = spec.method, spec.batch, spec.seq_len, spec.cp, spec.lora
+    _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, spec.config.mixed_precision, lora.r if lora else 8)
     counts = sorted({g for g in (1, 2, 4, 8, 16, 32, 64, 128, gpus) if g <= gpus and g % cp == 0})
     batches = sorted({max(1, batch // 2**k) for k in range(8)})
-    methods = [method, "qlora"] if method == "lora" else [method]
+    loras = [lora, replace(lora, base_dtype="nf4")] if method == "lora" else [lora]  # LoRA also tries QLoRA
     tried = []
     for g in counts:
-        for m in methods:
+        for lo in loras:
+            m = replace(spec, lora=lo).method
             for b in batches:
                 for reshard in (False, True):
                     for ac in (RECOMPUTE if m == "full" else ("none", "full")):
                         for offload in (False, True):
-                            for extra in (EXTRAS if m == "full" else EXTRAS[:2]):  # the first that fits (or the last): a saver is used only when needed
-                                p = plan_gpu(model, g, gpu_mem_gb, m, lora_r, b, seq_len, False, offload, mixed_precision, reshard, cp,
-                                             base_dtype, ac, lora_targets, _terms=False, **extra)
+                            fsdp = replace(spec.config, reshard_after_forward=reshard, ac=ac, cpu_offload=offload)
+                            for extra in (EXTRAS if m == "full" else EXTRAS[:2]):  # the first that fits (or the last): a saver only when needed
+                                s = replace(spec, world_size=g, lora=lo, batch=b, fsdp=fsdp, step=replace(spec.step, **extra))
+                                p = plan_gpu(s, gpu_mem_gb=gpu_mem_gb, _terms=False)
                                 if p.fits: break
                             tried.append((p, p.communication["total_bytes"] / (b * seq_len // cp)))
     fitting = [(p, c) for p, c in tried if p.fits]
@@ -400,7 +416,9 @@ def published_table() -> list:
     (allocated plus the allocator overhead, within `per_gpu_reserved_bytes`), or, for nvidia-smi and unstated figures, `per_gpu_peak_bytes`; GB (10^9 bytes) and relative error."""
     rows = []
     for entry in PUBLISHED:
-        p = plan_gpu(entry["model"], **entry["kwargs"], edge_units=False, _terms=False)  # the peaks only; each source kept its embeddings and head in the root
+        kw = dict(entry["kwargs"])
+        machine = {k: kw.pop(k) for k in ("gpu_mem_gb", "cpu_ram_efficient_loading", "compile") if k in kw}
+        p = plan_gpu(gpu_spec(entry["model"], **kw, edge_units=False), **machine, _terms=False)  # the peaks only; each source kept its embeddings and head in the root
         reports = entry.get("reports", "nvidia-smi")
         reserved = int(p.per_gpu_allocated_bytes * (1 + ALLOCATOR_OVERHEAD)) + p.breakdown.get("load_reserved", 0)  # loading's excess
         predicted = {"allocated": p.per_gpu_allocated_bytes, "reserved": reserved}.get(reports, p.per_gpu_peak_bytes) / GB
@@ -423,7 +441,7 @@ def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combinat
     grid, moments_, plans = grid or PLANNER_GRID, [], []
     for values in itertools.product(*grid.values()):
         s = dict(zip(grid, values))
-        try: p = plan_gpu(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"], _terms=False)
+        try: p = plan_gpu(gpu_spec(s["model"], s["gpus"], s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"]), gpu_mem_gb=80, _terms=False)
         except KitError as e: plans.append(str(e)); continue
         if p.peak_moment not in moments_: moments_.append(p.peak_moment)
         plans.append([p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, moments_.index(p.peak_moment)])
