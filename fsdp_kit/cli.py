@@ -150,7 +150,7 @@ def _cmd_train(a):
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     mixed, reduce, precision = _train_precision(a)
-    cfg = fsdp_config(a, mixed_precision=mixed, reduce_dtype=reduce, ac=a.ac)
+    cfg = fsdp_config(a, **fsdp_given(a, "train") | dict(mixed_precision=mixed, reduce_dtype=reduce))
     ckpt = None
     if a.ckpt:
         state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
@@ -347,10 +347,11 @@ def _cmd_compare(a):
     from fsdp_kit.config import load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
     from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
+    given = fsdp_given(a, "compare")  # --reshard-after-forward (a comma list here) and --min-num-params
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
     spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
-                       reshard=[to_reshard("reshard", r.strip()) for r in a.reshard.split(",")],
-                       min_num_params=a.min_num_params, fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
+                       reshard=[to_reshard("reshard", r.strip()) for r in given.get("reshard_after_forward", "true,false").split(",")],
+                       min_num_params=given.get("min_num_params"), fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
                        gradient_checkpointing=a.gradient_checkpointing)
     check_spec(spec, a.nproc)  # refuse bad configs before launching
     notes = []
@@ -383,6 +384,7 @@ def _cmd_docs(a):
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share
+    fsdp_given(a, "qlora")  # only --mixed-precision: the rest of the group is refused, naming the flag
     cfg = fsdp_config(a) if a.fsdp_config else None
     spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast, load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
@@ -420,7 +422,8 @@ def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
-                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
+                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed,
+                  fsdp=fsdp_config(a, **fsdp_given(a, "cp-eval")))
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
     r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
@@ -445,7 +448,6 @@ def _cp_batch(a) -> int:
 
 def _cmd_plan(a):
     from fsdp_kit import plan, plan_gpu, plan_validate
-    from fsdp_kit.config import to_reshard
     if a.list_models:
         models = plan.list_models()
         emit(dict(models=models), a.json, "\n".join(f"{m['name']:<12}{m['parameters']:>16,}  {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}" for m in models))
@@ -474,11 +476,12 @@ def _cmd_plan(a):
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
     _refuse_unused(a)
     a.lora_r = 8 if a.lora_r is None else a.lora_r
-    a.lora_targets, a.reshard = a.lora_targets or "all-linear", a.reshard or "true"
+    given = fsdp_given(a, "plan")
+    a.lora_targets, offload = a.lora_targets or "all-linear", given.get("cpu_offload", False)
     if a.grad_ckpt and a.ac not in (None, "full"):
         raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
-    spec = plan_gpu.gpu_spec(a.model, a.gpus, a.method, a.lora_r, a.batch, a.seq_len, a.grad_ckpt, a.offload, cp=a.cp, ac=a.ac,
-                             reshard=to_reshard("reshard", a.reshard), lora_targets=a.lora_targets, ce_chunks=a.chunked_ce,
+    spec = plan_gpu.gpu_spec(a.model, a.gpus, a.method, a.lora_r, a.batch, a.seq_len, a.grad_ckpt, offload, cp=a.cp, ac=a.ac,
+                             reshard=given.get("reshard_after_forward", True), lora_targets=a.lora_targets, ce_chunks=a.chunked_ce,
                              optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations,
                              fp8_all_gather=a.fp8_all_gather, edge_units=not a.edges_in_root, **_plan_precision(a))  # the setting, built once
     if a.recommend:
@@ -490,7 +493,8 @@ def _cmd_plan(a):
 
 
 PLAN_LORA_FLAGS = (("lora_r", "--lora-r"), ("lora_targets", "--lora-targets"))
-RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"), ("offload", "--offload"), ("reshard", "--reshard"), ("chunked_ce", "--chunked-ce"),
+RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"),
+                      ("cpu_offload", "--cpu-offload"), ("reshard_after_forward", "--reshard-after-forward"), ("chunked_ce", "--chunked-ce"),
                       ("optimizer_in_backward", "--optimizer-in-backward"), ("offload_activations", "--offload-activations"))
 RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("edges_in_root", "--edges-in-root"))
 
@@ -592,6 +596,64 @@ def _step_flags(s, precision:bool=True):
                    "back when backward needs it")
 
 
+# old spellings, kept for this release: one name per setting, the other an alias
+FSDP_ALIASES = {"reshard_after_forward": ("--reshard",), "auto_wrap_policy": ("--policy",), "cpu_offload": ("--offload",)}
+FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source")  # FSDPConfig fields that are not settings: the mesh has its own flags
+FSDP_COMMANDS = ("train", "compare", "qlora", "cp-eval", "plan")  # the commands that run or plan the kit's recipe: one FSDP group each
+FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag is shown, and refused when given)
+    "train": dict(state_dict_type="train writes checkpoints as --state-dict says"),
+    "compare": dict(auto_wrap_policy="compare measures the policies of --policies", **{k: "compare measures wrapping and resharding only; "
+                    "put it in --fsdp-config" for k in ("cpu_offload", "mixed_precision", "reduce_dtype", "ac", "state_dict_type",
+                                                        "cpu_ram_efficient_loading", "transformer_layer_cls_to_wrap")}),
+    "qlora": {k: "the QLoRA lab sets it from the 4-bit storage; put it in --fsdp-config" for k in (
+        "reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "reduce_dtype", "ac",
+        "state_dict_type", "cpu_ram_efficient_loading")},
+    "cp-eval": dict(state_dict_type="cp-eval saves no checkpoint"),
+    "plan": {k: "the GPU planner models a unit per decoder layer, without it" for k in (
+        "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "state_dict_type", "cpu_ram_efficient_loading")}
+            | dict(reduce_dtype="plan says the reduce dtype with --precision bf16-fp32-reduce")}
+
+
+def _fsdp_fields() -> dict:
+    "FSDPConfig's settings -> (default, docments comment), in declaration order."
+    from dataclasses import fields, MISSING
+    from fastcore.docments import docments
+    from fsdp_kit.config import FSDPConfig
+    docs = docments(FSDPConfig)
+    return {f.name: (f.default if f.default is not MISSING else f.default_factory(), docs[f.name])
+            for f in fields(FSDPConfig) if f.name not in FSDP_NOT_FLAGS}
+
+
+def fsdp_flags(s):
+    "One argument group 'FSDP' made from FSDPConfig's fields: --field-name (old spellings from FSDP_ALIASES), help its comment."
+    g = s.add_argument_group("FSDP", "FSDPConfig's fields; unset: --fsdp-config's value, else the command's own default")
+    for name, (default, doc) in _fsdp_fields().items():
+        shown = (",".join(default) or "empty") if isinstance(default, list) else default
+        flags = [f"--{name.replace('_', '-')}", *FSDP_ALIASES.get(name, ())]
+        kw = dict(nargs="?", const="true") if isinstance(default, bool) and name != "reshard_after_forward" else {}
+        g.add_argument(*flags, dest=name, default=None, metavar=name.upper(), help=f"{doc} (FSDPConfig's default: {shown})", **kw)
+
+
+def fsdp_given(a, command:str) -> dict:
+    "The FSDP group's values given, as FSDPConfig's types; a field `command` cannot run is refused, naming the flag and command."
+    from fsdp_kit.config import to_bool, to_reshard
+    out = {}
+    for name, (default, _) in _fsdp_fields().items():
+        value = getattr(a, name, None)
+        if value is None: continue
+        flag = f"--{name.replace('_', '-')}"
+        if name in FSDP_REFUSED.get(command, {}):
+            raise KitError(f"{flag}={value!r} is not allowed with fsdp-kit {command}: {FSDP_REFUSED[command][name]}")
+        if name == "reshard_after_forward": value = value if command == "compare" else to_reshard(name, value)
+        elif isinstance(default, bool): value = to_bool(name, value)
+        elif isinstance(default, int):
+            if not str(value).lstrip("-").isdigit(): raise bad_value(flag, value, "a whole number")
+            value = int(value)
+        elif isinstance(default, list): value = [v.strip() for v in value.split(",") if v.strip()]
+        out[name] = value
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     "The `fsdp-kit` argument parser."
     p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.", epilog=EXIT_CODES,
@@ -622,16 +684,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     _mesh_flags(s)
     s.add_argument("--fsdp-config", metavar="FILE", help="the FSDP config to run: a transformers fsdp_config .json or an accelerate .yaml (default: a unit per decoder layer, fp32)")
-    s.add_argument("--mixed-precision", default=None, help="no, bf16 or fp16: the dtype FSDP computes in (overrides the config's mixed_precision)")
-    s.add_argument("--reduce-dtype", default=None, help="fp32, bf16 or fp16: the dtype gradients are reduced in (default: accelerate's, the compute dtype)")
     s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
-    s.add_argument("--ac", default=None, help="activation checkpointing policy: none, full, selective-layer:K or selective-op (default: the config's, full if it sets activation_checkpointing)")
     s.add_argument("--layout", default="accelerate", help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
                    "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     _step_flags(s)
+    fsdp_flags(s)
     s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for this release)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
     s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
@@ -690,18 +750,15 @@ def parser() -> argparse.ArgumentParser:
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
-    s.add_argument("--reshard", default="true,false", help="comma-separated reshard_after_forward values (true, false, or an int)")
-    s.add_argument("--min-num-params", type=int, default=None,
-                   help="SIZE_BASED_WRAP threshold (default: the model's size_floor, the smallest that runs)")
     s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
     s.add_argument("--batch", type=int, default=2, help="sequences per rank")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     s.add_argument("--gradient-checkpointing", action="store_true", help="turn on the model's own (transformers) gradient checkpointing")
     s.add_argument("--plot", metavar="PNG", help="write the comparison plot here")
+    fsdp_flags(s)
     s = add("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32")
-    s.add_argument("--mixed-precision", default=None, help="FSDP's compute dtype in accelerate's names: no, bf16 or fp16 (default: the --quant-storage dtype; fp32, bfloat16, float16: old spellings, read for this release)")
     s.add_argument("--autocast", default="no", help="run the forward under torch.autocast in this dtype, accelerate's names: no, bf16 or fp16; parameters keep their dtype "
                    "(--quant-storage float32 --autocast bf16: float32 parameters and storage, bf16 compute)")
     s.add_argument("--load-in-8bit", action="store_true", help="8-bit instead of 4-bit (refused under FSDP, to show why)")
@@ -714,6 +771,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
     s.add_argument("--fsdp-config", metavar="FILE", help="shard with this transformers fsdp_config .json or accelerate .yaml (its mixed_precision gives way to the storage's param_dtype)")
+    fsdp_flags(s)
     s = add("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
     s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence")
     s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills the rest")
@@ -727,6 +785,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
     s.add_argument("--fsdp-config", metavar="FILE", help="shard the model with this transformers fsdp_config .json or accelerate .yaml (default: a unit per decoder layer)")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
+    fsdp_flags(s)
     s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
     s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
@@ -742,17 +801,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
     s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
-    s.add_argument("--ac", help="activation checkpointing policy: none, full, selective-layer:K (every K-th layer) or selective-op (keep every other matmul's output and attention's, torchtitan's op policy)")
-    s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
     s.add_argument("--precision", help="fp32; accelerate-bf16 (fp32 weights, bf16 compute and reduce-scatter: accelerate's bf16, "
                    "the default); "
                    "bf16-fp32-reduce (the same, gradients reduced in fp32); pure-bf16 (weights, gradients and optimizer state in bf16)")
-    s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
-    s.add_argument("--reshard", default=None, help="reshard_after_forward: true or false (default: true)")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
     s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
     s.add_argument("--lora-targets", default=None, help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
     _step_flags(s, precision=False)  # plan's --precision also names the compute dtype (above)
+    fsdp_flags(s)
     s.add_argument("--fp8-all-gather", action="store_true", help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a bf16 full fine-tune")
     s.add_argument("--compile", action="store_true", help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
     s.add_argument("--edges-in-root", action="store_true", help="plan the older unit layout: embeddings, final norm and lm_head left in the root (FSDP1; FSDP2 code that wraps only the layers) instead of units of their own as accelerate's FSDP2 path makes them")
@@ -786,6 +842,7 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
     options |= {a.dest: a.metavar for a in sub._actions if not a.option_strings and a.metavar}  # a positional, as its usage shows it (DIR)
     if "dir" in options and "ckpt" not in options: options["ckpt"] = options["dir"]  # fsdp-kit ckpt DIR: the library calls it ckpt
     options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
+    options = {k: v for k, v in options.items() if k not in _fsdp_fields() or k in typed}  # an FSDP field not typed: the file's key
     text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
     for a in shown:  # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it
         for opt in a.option_strings:
