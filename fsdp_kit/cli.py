@@ -107,9 +107,9 @@ def check_before_launch(fits: dict) -> dict:
 
 
 def fits_then(fits: dict, fn, *args):
-    """What each worker of a training command runs: refuse a step that would not fit this machine's memory (`plan.check_fits(**fits)`, unless
-    `fits` is None: checked before launching), then run `fn(*args)`. The check needs torch and transformers: the workers have imported them
-    anyway, the launching process need not (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing."""
+    "A training worker: refuse a step that would not fit this machine's memory (`plan.check_fits`), then run `fn(*args)`."
+    # `fits` None: checked before launching. The check needs torch and transformers: the workers have imported them anyway, the
+    # launching process need not (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing.
     if fits is not None:
         from fsdp_kit.plan import check_fits
         check_fits(**fits)
@@ -191,7 +191,8 @@ def _cmd_train(a):
     if mesh.dp_replicate > 1:
         text += (f"HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards (parameters sharded over {mesh.dp_shard} ranks, gradients "
                  "all-reduced across replicas)\n")
-    text += f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
+    text += (f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses "
+             + " ".join(f"{l:.3f}" for l in result.losses))
     if result.losses:
         from fsdp_kit.measure import busy_note
         t = result.timing
@@ -203,7 +204,8 @@ def _cmd_train(a):
     c = result.config
     text += (f"\n{len(result.units)} FSDP units (the root included) by {c['auto_wrap_policy']}, "
              f"reshard_after_forward={c['reshard_after_forward']}, "
-             f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none") + ", CPU offload" * c["cpu_offload"])
+             f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none")
+             + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
     st = result.step
     savers = [st["precision"] * (st["precision"] != "fp32"), f"loss in {st['ce_chunks']} chunks" * bool(st["ce_chunks"]),
@@ -425,7 +427,8 @@ def _cmd_qlora(a):
                timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     share = {key: weight_share(r.peak_by_category[key][0]) for key in ("bf16_lora", "qlora")}  # rank 0's
-    text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}" + f", forward under autocast {r.autocast}" * (r.autocast != "no")
+    text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}"
+            + f", forward under autocast {r.autocast}" * (r.autocast != "no")
             + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
             + f"\nsharded vs one process over {len(r.losses)} steps: max |loss diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
             + f"trained {len(r.changed_parameters)} parameters, all LoRA: {all('lora_' in n for n in r.changed_parameters)}"
@@ -568,7 +571,7 @@ def _settings(text: str, count: int) -> list:
 
 
 def _plan_precision(a) -> dict:
-    "plan_gpu's mixed_precision and base_dtype: from --precision (one word for both), else from --mixed-precision and --base-dtype; contradictions are refused."
+    "plan_gpu's mixed_precision and base_dtype: from --precision, else --mixed-precision and --base-dtype; contradictions refused."
     from fsdp_kit.plan_gpu import PRECISIONS
     mixed = _precision(a.mixed_precision)
     if a.precision is None: return dict(mixed_precision=mixed or "bf16", base_dtype=a.base_dtype)
