@@ -46,10 +46,10 @@ class GPUPlan:
     parameters:int # counted on the meta device
     gpus:int # GPUs sharing the parameters (FSDP over all of them; CP ranks included)
     gpu_mem_gb:float # memory of one GPU, GB (10^9 bytes)
-    settings:dict # method, lora_r, lora_targets, batch, seq_len, grad_ckpt, offload, mixed_precision, precision, reshard, cp, base_dtype, ac (the checkpointing policy run), compile, edge_units, cpu_ram_efficient_loading
+    settings:dict # the setting planned: method, LoRA, batch, seq_len, precision, reshard, cp, ac (the policy run), offload, savers, layout
     per_gpu_peak_bytes:int # tensors at the peak + allocator overhead + CUDA context (what nvidia-smi shows)
     per_gpu_allocated_bytes:int # tensors at the peak (torch.cuda.max_memory_allocated)
-    per_gpu_reserved_bytes:list # [low, high]: what the caching allocator holds at the peak (torch.cuda.max_memory_reserved), without the CUDA context
+    per_gpu_reserved_bytes:list # [low, high] the caching allocator holds at the peak (max_memory_reserved), without the CUDA context
     breakdown:dict # category -> bytes at the peak
     peak_moment:str # where in the step the peak falls
     host_bytes:int # host memory per GPU process during training (offloaded states), bytes
@@ -57,7 +57,7 @@ class GPUPlan:
     fits:bool # per_gpu_peak_bytes <= gpu_mem_gb
     communication:dict # per GPU per step: all_gather / reduce_scatter {count, bytes}, per_unit, context_parallel, host_device, total_bytes
     notes:list=field(default_factory=list) # what the model assumes
-    terms:dict=field(default_factory=dict) # each memory-saving setting that is on -> bytes it takes off per_gpu_allocated_bytes (the same plan with it off, minus this one)
+    terms:dict=field(default_factory=dict) # each memory saver that is on -> the bytes it takes off per_gpu_allocated_bytes
 
 PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # argument -> option of fsdp-kit plan
 
@@ -480,8 +480,9 @@ PUBLISHED = [
 ]
 
 def published_table() -> list:
-    """Each published figure beside the planner's prediction of the same statistic: peak allocated (`per_gpu_allocated_bytes`), peak reserved
-    (allocated plus the allocator overhead, within `per_gpu_reserved_bytes`), or, for nvidia-smi and unstated figures, `per_gpu_peak_bytes`; GB (10^9 bytes) and relative error."""
+    "Each published figure beside the planner's prediction of the statistic it reports, in GB (10^9 bytes), and the relative error."
+    # peak allocated (per_gpu_allocated_bytes), peak reserved (allocated plus the allocator overhead, within per_gpu_reserved_bytes),
+    # or, for nvidia-smi and unstated figures, per_gpu_peak_bytes
     rows = []
     for entry in PUBLISHED:
         kw = dict(entry["kwargs"])
@@ -504,9 +505,9 @@ PLANNER_GRID = dict(model=list(MODEL_PRESETS), method=["full", "lora", "qlora"],
 
 def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combination is planned
                  ) -> dict:
-    """Every plan of a grid of settings, for a page that shows plans without Python: per plan its per-GPU peak and allocated bytes and the moment
-    of the peak (or the one-line reason the planner refuses it), row-major over the grid's axes. Whether a plan fits is the page's comparison of
-    the peak with the memory it is asked about (`per_gpu_peak_bytes <= gpu_mem_gb * GB`, as `plan_gpu`)."""
+    "Every plan of a grid of settings, for a page that shows plans without Python (row-major over the grid's axes)."
+    # per plan its per-GPU peak and allocated bytes and the moment of the peak, or the one-line reason the planner refuses it. Whether
+    # a plan fits is the page's comparison of the peak with the memory it is asked about (per_gpu_peak_bytes <= gpu_mem_gb * GB).
     import itertools
     from fsdp_kit.errors import KitError
     grid, moments_, plans = grid or PLANNER_GRID, [], []
@@ -524,4 +525,3 @@ def plan_line(peak:int, allocated:int, moment:str, gpu_mem_gb:float) -> str:
     "The planner page's one line for a plan: the peak, its moment, whether it fits, allocated memory (GB, 10^9 bytes)."
     return (f"per-GPU peak {peak / GB:.2f} GB at '{moment}': {'fits' if peak <= gpu_mem_gb * GB else 'does NOT fit'} in {gpu_mem_gb:g} GB "
             f"(allocated {allocated / GB:.2f} GB)")
-
