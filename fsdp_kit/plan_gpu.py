@@ -1,4 +1,4 @@
-"""The step model on real GPUs: allocator overhead, CUDA context, quantization state and CPU offload added to the per-GPU peak; the settings that fit ranked by bytes moved per token; published figures beside the predictions; a planner to play with.
+"""The step model on real GPUs (allocator, CUDA context, quantization state, offload); what fits, ranked; published figures
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 
