@@ -169,7 +169,7 @@ def _cmd_train(a):
                      step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
                                    optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
                      fsdp=cfg, ckpt=ckpt,
-                     layout=a.layout).checked(a.nnodes * a.nproc)  # once: launch does not check it again
+                     layout=_layout(a)).checked(a.nnodes * a.nproc)  # once: launch does not check it again
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
@@ -527,7 +527,7 @@ def _cmd_plan(a):
     spec = plan_gpu.gpu_spec(a.model, a.gpus, a.method, a.lora_r, a.batch, a.seq_len, a.grad_ckpt, offload, cp=a.cp, ac=a.ac,
                              reshard=given.get("reshard_after_forward", True), lora_targets=a.lora_targets, ce_chunks=a.chunked_ce,
                              optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations,
-                             fp8_all_gather=a.fp8_all_gather, edge_units=not a.edges_in_root, **_plan_precision(a))
+                             fp8_all_gather=a.fp8_all_gather, edge_units=_layout(a) == "accelerate", **_plan_precision(a))
     if a.recommend:
         r = plan_gpu.recommend(spec, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
@@ -541,7 +541,7 @@ RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"),
                       ("cpu_offload", "--cpu-offload"), ("reshard_after_forward", "--reshard-after-forward"),
                       ("chunked_ce", "--chunked-ce"),
                       ("optimizer_in_backward", "--optimizer-in-backward"), ("offload_activations", "--offload-activations"))
-RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("edges_in_root", "--edges-in-root"))
+RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("layout", "--layout"))
 
 
 def _refuse_unused(a):
@@ -648,8 +648,18 @@ def _step_flags(s, precision:bool=True):
                    "back when backward needs it")
 
 
-# old spellings, kept for this release: one name per setting, the other an alias
-FSDP_ALIASES = {"reshard_after_forward": ("--reshard",), "auto_wrap_policy": ("--policy",), "cpu_offload": ("--offload",)}
+# old spellings, kept for this release: one name per setting, the other an alias (-> dest, and the value a switch stands for)
+ALIASES = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", None),
+           "--edges-in-root": ("layout", "layers")}
+LAYOUTS = ("accelerate", "layers")  # --layout: the units train builds, and plan models (edge_units)
+
+
+def _layout_flag(s):
+    "--layout, spelled alike on train and plan; plan's old --edges-in-root (ALIASES) is --layout layers."
+    s.add_argument("--layout", default=None, help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
+                   "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
+    for old, (dest, const) in ALIASES.items():
+        if dest == "layout": s.add_argument(old, dest=dest, action="store_const", const=const, help=f"old spelling of --layout {const}")
 FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source")  # FSDPConfig fields that are not settings: the mesh has its own flags
 FSDP_COMMANDS = ("train", "compare", "qlora", "cp-eval", "plan")  # the commands that run or plan the kit's recipe: one FSDP group each
 FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag is shown, and refused when given)
@@ -664,6 +674,12 @@ FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag
     "plan": {k: "the GPU planner models a unit per decoder layer, without it" for k in (
         "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "state_dict_type", "cpu_ram_efficient_loading")}
             | dict(reduce_dtype="plan says the reduce dtype with --precision bf16-fp32-reduce")}
+
+
+def _layout(a) -> str:
+    "--layout as given (accelerate unless given), refused unless one of LAYOUTS."
+    if a.layout is not None and a.layout not in LAYOUTS: raise bad_value("--layout", a.layout, f"one of {', '.join(LAYOUTS)}")
+    return a.layout or "accelerate"
 
 
 def _fsdp_fields() -> dict:
@@ -681,7 +697,7 @@ def fsdp_flags(s):
     g = s.add_argument_group("FSDP", "FSDPConfig's fields; unset: --fsdp-config's value, else the command's own default")
     for name, (default, doc) in _fsdp_fields().items():
         shown = (",".join(default) or "empty") if isinstance(default, list) else default
-        flags = [f"--{name.replace('_', '-')}", *FSDP_ALIASES.get(name, ())]
+        flags = [f"--{name.replace('_', '-')}", *(old for old, (dest, _) in ALIASES.items() if dest == name)]
         kw = dict(nargs="?", const="true") if isinstance(default, bool) and name != "reshard_after_forward" else {}
         g.add_argument(*flags, dest=name, default=None, metavar=name.upper(), help=f"{doc} (FSDPConfig's default: {shown})", **kw)
 
@@ -744,8 +760,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
-    s.add_argument("--layout", default="accelerate", help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
-                   "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
+    _layout_flag(s)
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     _step_flags(s)
     fsdp_flags(s)
@@ -908,9 +923,7 @@ def parser() -> argparse.ArgumentParser:
                         "bf16 full fine-tune")
     s.add_argument("--compile", action="store_true",
                    help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
-    s.add_argument("--edges-in-root", action="store_true",
-                   help="plan the older unit layout: embeddings, final norm and lm_head left in the root (FSDP1; FSDP2 code that wraps "
-                        "only the layers) instead of units of their own as accelerate's FSDP2 path makes them")
+    _layout_flag(s)
     s.add_argument("--recommend", action="store_true",
                    help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")

@@ -2,7 +2,7 @@
 through one alias table, and a field a command cannot run refused by name."""
 import json
 from dataclasses import fields
-from fsdp_kit.cli import FSDP_ALIASES, FSDP_COMMANDS, FSDP_NOT_FLAGS, fsdp_given, parser
+from fsdp_kit.cli import ALIASES, FSDP_COMMANDS, FSDP_NOT_FLAGS, fsdp_given, parser
 from fsdp_kit.config import FSDPConfig
 from tests.badinput import Case, run_case
 
@@ -32,7 +32,9 @@ def test_an_old_spelling_gives_the_same_spec(tmp_path):
     new = p.parse_args(["train", "--reshard-after-forward", "false", "--cpu-offload", "--auto-wrap-policy", "SIZE_BASED_WRAP"])
     assert fsdp_given(old, "train") == fsdp_given(new, "train") == dict(reshard_after_forward=False, cpu_offload=True,
                                                                          auto_wrap_policy="SIZE_BASED_WRAP")
-    assert set(FSDP_ALIASES) == {"reshard_after_forward", "cpu_offload", "auto_wrap_policy"}
+    assert {dest for dest, _ in ALIASES.values()} == {"reshard_after_forward", "cpu_offload", "auto_wrap_policy", "layout"}
+    for command in ("train", "plan"):  # one name for the unit layout on both; plan's old switch kept
+        assert p.parse_args([command, "--edges-in-root"]).layout == p.parse_args([command, "--layout", "layers"]).layout == "layers"
     plans = []
     for flags in (["--reshard", "false", "--offload"], ["--reshard-after-forward", "false", "--cpu-offload", "true"]):
         out = tmp_path / f"plan{len(plans)}.json"
@@ -41,6 +43,9 @@ def test_an_old_spelling_gives_the_same_spec(tmp_path):
         assert code == 0, err
         plans.append(json.loads(out.read_text()))
     assert plans[0] == plans[1] and plans[0]["settings"]["reshard"] is False and plans[0]["settings"]["offload"] is True
+    layouts = [run_case(Case("plan-layout", ["plan", "--model", "llama-3-8b", *flags], 0, ""), tmp_path)[1]
+               for flags in (["--edges-in-root"], ["--layout", "layers"])]
+    assert layouts[0] == layouts[1] and "embeddings and head in the root" in layouts[0]
 
 
 def test_a_field_the_command_cannot_run_is_refused(tmp_path):
