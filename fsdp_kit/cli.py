@@ -659,7 +659,8 @@ def _layout_flag(s):
     s.add_argument("--layout", default=None, help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
                    "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
     for old, (dest, const) in ALIASES.items():
-        if dest == "layout": s.add_argument(old, dest=dest, action="store_const", const=const, help=f"old spelling of --layout {const} (default: off)")
+        if dest == "layout":
+            s.add_argument(old, dest=dest, action="store_const", const=const, help=f"old spelling of --layout {const} (default: off)")
 FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source")  # FSDPConfig fields that are not settings: the mesh has its own flags
 FSDP_COMMANDS = ("train", "compare", "qlora", "cp-eval", "plan")  # the commands that run or plan the kit's recipe: one FSDP group each
 FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag is shown, and refused when given)
