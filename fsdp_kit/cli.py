@@ -107,9 +107,9 @@ def check_before_launch(fits: dict) -> dict:
 
 
 def fits_then(fits: dict, fn, *args):
-    """What each worker of a training command runs: refuse a step that would not fit this machine's memory (`plan.check_fits(**fits)`, unless
-    `fits` is None: checked before launching), then run `fn(*args)`. The check needs torch and transformers: the workers have imported them
-    anyway, the launching process need not (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing."""
+    "A training worker: refuse a step that would not fit this machine's memory (`plan.check_fits`), then run `fn(*args)`."
+    # `fits` None: checked before launching. The check needs torch and transformers: the workers have imported them anyway, the
+    # launching process need not (6-7 s on 2 cores). It runs before the worker builds anything, so a refused step allocates nothing.
     if fits is not None:
         from fsdp_kit.plan import check_fits
         check_fits(**fits)
@@ -119,14 +119,17 @@ def fits_then(fits: dict, fn, *args):
 def example_path(field: str, value):
     """`value` as typed where it exists here; an `examples/...` path that does not, the packaged example of that name (`config.EXAMPLES`).
     A path found in neither is refused, saying where the packaged examples are."""
-    if value is None or Path(value).exists() or ("/" not in str(value) and not str(value).endswith((".json", ".yaml", ".yml"))): return value
+    if value is None or Path(value).exists() or ("/" not in str(value) and not str(value).endswith((".json", ".yaml", ".yml"))):
+        return value
     from fsdp_kit.config import EXAMPLES
     parts = Path(value).parts
     if parts[:1] == ("examples",) and EXAMPLES.joinpath(*parts[1:]).exists():
         print(f"note: {value} is not in this folder: reading the packaged example {EXAMPLES.joinpath(*parts[1:])}", file=sys.stderr)
         return str(EXAMPLES.joinpath(*parts[1:]))
-    raise bad_value(f"--{field.replace('_', '-')}", value, "an existing file", f"It is not in {os.getcwd()}; the packaged examples are in {EXAMPLES} "
-                    "(examples/configs/..., examples/fsdp_configs/..., examples/doctor/...: an examples/... path finds them from any folder)")
+    raise bad_value(f"--{field.replace('_', '-')}", value, "an existing file",
+                    f"It is not in {os.getcwd()}; the packaged examples are in {EXAMPLES} "
+                    "(examples/configs/..., examples/fsdp_configs/..., examples/doctor/...: an examples/... path finds them from any "
+                    "folder)")
 
 
 def _cmd_env(a):
@@ -150,14 +153,15 @@ def _cmd_train(a):
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     mixed, reduce, precision = _train_precision(a)
-    cfg = fsdp_config(a, mixed_precision=mixed, reduce_dtype=reduce, ac=a.ac)
+    cfg = fsdp_config(a, **fsdp_given(a, "train") | dict(mixed_precision=mixed, reduce_dtype=reduce))
     ckpt = None
     if a.ckpt:
         state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
         if a.state_dict and a.fsdp_config and not cfg.state_dict_type.lower().startswith(a.state_dict.lower()):
             _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
         ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
-    elif a.resume or a.save_every: raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
+    elif a.resume or a.save_every:
+        raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed, dp_replicate=a.dp_replicate,
                      dp_shard=a.dp_shard,
@@ -165,7 +169,7 @@ def _cmd_train(a):
                      step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
                                    optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
                      fsdp=cfg, ckpt=ckpt,
-                     layout=a.layout).checked(a.nnodes * a.nproc)  # once: launch does not check it again
+                     layout=_layout(a)).checked(a.nnodes * a.nproc)  # once: launch does not check it again
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
@@ -173,16 +177,22 @@ def _cmd_train(a):
         if a.resume:
             folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
             for note in notes: print(f"  {note}", file=sys.stderr)
-        result = launch(fits_then, fits, scale_train_worker, spec, fault, a.timeout, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout, nnodes=a.nnodes,
+        result = launch(fits_then, fits, scale_train_worker, spec, fault, a.timeout, not a.quiet, nprocs=a.nproc, launcher="torchrun",
+                        timeout=a.timeout, nnodes=a.nnodes,
                         node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id, max_restarts=a.max_restarts,
                         rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
     s = result.scale
     text = f"{s['nodes']} node(s) x {s['ranks_per_node']} = " if s["nodes"] > 1 else ""
-    for r in s["restarts"]: text += f"restart {r['attempt'] + 1}: attempt {r['attempt']} ended after step {s['attempts'][r['attempt']]['last_step']} (rank {r['rank']} {r['kind']})\n"
+    for r in s["restarts"]:
+        text += (f"restart {r['attempt'] + 1}: attempt {r['attempt']} ended after step {s['attempts'][r['attempt']]['last_step']} (rank "
+                 f"{r['rank']} {r['kind']})\n")
     if s["attempt"]: text += f"the last attempt resumed from step {result.first_step}\n"
     mesh = spec.mesh.resolve(result.world_size)
-    if mesh.dp_replicate > 1: text += f"HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards (parameters sharded over {mesh.dp_shard} ranks, gradients all-reduced across replicas)\n"
-    text += f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses " + " ".join(f"{l:.3f}" for l in result.losses)
+    if mesh.dp_replicate > 1:
+        text += (f"HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards (parameters sharded over {mesh.dp_shard} ranks, gradients "
+                 "all-reduced across replicas)\n")
+    text += (f"{result.world_size} ranks, steps {result.first_step + 1}-{result.first_step + len(result.losses)}, losses "
+             + " ".join(f"{l:.3f}" for l in result.losses))
     if result.losses:
         from fsdp_kit.measure import busy_note
         t = result.timing
@@ -192,8 +202,10 @@ def _cmd_train(a):
         if note: text += "\n" + note
     if result.max_param_diff is not None: text += f"\nmax |sharded - one process| parameter difference: {result.max_param_diff:.2e}"
     c = result.config
-    text += (f"\n{len(result.units)} FSDP units (the root included) by {c['auto_wrap_policy']}, reshard_after_forward={c['reshard_after_forward']}, "
-             f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none") + ", CPU offload" * c["cpu_offload"])
+    text += (f"\n{len(result.units)} FSDP units (the root included) by {c['auto_wrap_policy']}, "
+             f"reshard_after_forward={c['reshard_after_forward']}, "
+             f"mixed_precision={c['mixed_precision']}" + f", activation checkpointing {result.ac}" * (result.ac != "none")
+             + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
     st = result.step
     savers = [st["precision"] * (st["precision"] != "fp32"), f"loss in {st['ce_chunks']} chunks" * bool(st["ce_chunks"]),
@@ -202,7 +214,8 @@ def _cmd_train(a):
     if result.checkpoint:
         c = result.checkpoint
         if c["resumed_from"]: text += f"\nresumed from {c['resumed_from']['path']} (saved by {c['resumed_from']['world_size']} ranks)"
-        text += f"\n{c['state_dict']} checkpoints saved at steps {c['saved_steps']}; latest: {c['latest']}" + "".join(f"\n  {n}" for n in c["notes"])
+        text += f"\n{c['state_dict']} checkpoints saved at steps {c['saved_steps']}; latest: {c['latest']}" + "".join(
+            f"\n  {n}" for n in c["notes"])
     if result.adapter:
         d = result.adapter
         text += (f"\nLoRA adapter: {d['tensors']} tensors, every rank's rows saved: {d['every_rank_share_saved']}, "
@@ -249,15 +262,19 @@ def _cmd_hf(a):
     from fsdp_kit.upstream import upstream_reading, FIELDS
     cfg = load_fsdp_config(a.fsdp_config)
     out = dict(source=a.fsdp_config, notes=cfg.notes, training_arguments=training_arguments(cfg),
-               accelerate_config=accelerate_config(cfg, a.nproc), config={k: getattr(cfg, k) for k in FIELDS}, upstream=upstream_reading(a.fsdp_config))
+               accelerate_config=accelerate_config(cfg, a.nproc), config={k: getattr(cfg, k) for k in FIELDS},
+               upstream=upstream_reading(a.fsdp_config))
     up = out["upstream"]  # what the file's own entry point builds, beside what the kit runs
     from fsdp_kit.versions import versions_verdict
     v = out["versions_verdict"] = versions_verdict()  # which releases built it, and what the versions matrix knows of them
-    upstream_text = (f"{up['entry_point']} builds " + (f"FSDP{up['fsdp_version']}: " + ", ".join(f"{k}={up[k]!r}" for k in FIELDS) if "refused" not in up else f"nothing: {up['refused']}")
+    upstream_text = (f"{up['entry_point']} builds " + (f"FSDP{up['fsdp_version']}: " + ", ".join(f"{k}={up[k]!r}" for k in FIELDS)
+                                                       if "refused" not in up else f"nothing: {up['refused']}")
                      + f"\n  (upstream {v['status']}: {v['reason']})"
                      + "\nthe kit runs FSDP2: " + ", ".join(f"{k}={v!r}" for k, v in out["config"].items()) + "\n")
-    text = (f"{a.fsdp_config} as TrainingArguments:\n  TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in out["training_arguments"].items())
-            + ", ...)\nas an accelerate config (accelerate launch --config_file):\n" + "".join(f"  {l}\n" for l in accelerate_yaml(cfg, a.nproc).splitlines())
+    text = (f"{a.fsdp_config} as TrainingArguments:\n  TrainingArguments(" + ", ".join(
+        f"{k}={v!r}" for k, v in out["training_arguments"].items())
+            + ", ...)\nas an accelerate config (accelerate launch --config_file):\n" + "".join(
+                f"  {l}\n" for l in accelerate_yaml(cfg, a.nproc).splitlines())
             + upstream_text + "".join(f"note: {n}\n" for n in cfg.notes))
     if a.check:
         from fsdp_kit.launch import launch
@@ -286,7 +303,8 @@ def check_upstream_can_run(path: str, workflow: str):
 def _cmd_hf_run(a, start: float):
     "fsdp-kit hf --run WORKFLOW: one Hugging Face workflow on --nproc ranks (trainer, native: torchrun; sft, qlora: accelerate launch)."
     from fsdp_kit.hf_run import HFRunSpec, run_workflow
-    if a.check: raise KitError("--check and --run: pick one (--check compares accelerate, the Trainer and the kit; --run runs one workflow)")
+    if a.check:
+        raise KitError("--check and --run: pick one (--check compares accelerate, the Trainer and the kit; --run runs one workflow)")
     check_out_dir("--out", a.out)
     spec = HFRunSpec(a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
                      seed=a.seed, check_parity=a.run == "trainer").check()
@@ -295,10 +313,13 @@ def _cmd_hf_run(a, start: float):
     text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
             f"{r.world_size} ranks, {r.distributed_type}); MixedPrecisionPolicy {r.mixed_precision_policy}\n"
             f"losses {' '.join(f'{l:.4f}' for l in r.losses)}\nsaved {r.saved} -> loaded with {r.loaded_with}: {r.load_check}")
-    if r.parity: text += f"\nthe kit's recipe on the same config and data: max loss difference {r.parity['max_loss_diff']:.1e}, {len(r.parity['units'])} units"
+    if r.parity:
+        text += (f"\nthe kit's recipe on the same config and data: max loss difference {r.parity['max_loss_diff']:.1e}, "
+                 f"{len(r.parity['units'])} units")
     if r.resume: text += f"\nresumed from {r.resume['checkpoint']}: max loss difference {r.resume['max_diff']:.1e}"
     text += "".join(f"\nnote: {n}" for n in r.notes) + f"\n{r.seconds} s"
-    text += f"\nthe run's files are in {a.out}" if a.out else "\nthe run's files were in a temporary folder, removed at exit (--out DIR keeps them)"
+    text += (f"\nthe run's files are in {a.out}" if a.out
+             else "\nthe run's files were in a temporary folder, removed at exit (--out DIR keeps them)")
     emit(asdict(r), a.json, text)
 
 
@@ -306,14 +327,18 @@ def _cmd_doctor(a):
     "fsdp-kit doctor: the twin of --model run with --fsdp-config through the file's entry point, and the twelve checks."
     from fsdp_kit.doctor import DoctorSpec, doctor, report_text, exit_status
     check_out_dir("--out", a.out)
-    spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision, dtype=a.dtype,
-                      gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps, gpus=a.gpus,
+    spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision,
+                      dtype=a.dtype,
+                      gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps,
+                      gpus=a.gpus,
                       gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
     import time
-    r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True), progress_from=time.time())
+    r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True),
+               progress_from=time.time())
     emit(r, a.json, report_text(r) + (f"\nthe twin, its run and its log are in {a.out}" if a.out else ""))
     status = exit_status(r, a.strict)
-    if status: raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
+    if status:
+        raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
 
 
 def _cmd_slurm(a):
@@ -335,10 +360,12 @@ def _cmd_ckpt(a):
              f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())) + " (AutoModelForCausalLM.from_pretrained reads it)")
         return
     step = Path(a.dir)
-    if step.name.startswith("step-") and step.name[5:].isdigit():  # one step folder: that checkpoint alone, checked as in its parent's listing
+    # one step folder: that checkpoint alone, checked as in its parent's listing
+    if step.name.startswith("step-") and step.name[5:].isdigit():
         found = [c for c in list_checkpoints(step.resolve().parent) if c["name"] == step.name]
     else: found = list_checkpoints(a.dir)
-    rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} bytes" if c["ok"]
+    rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} "
+                                                                    "bytes" if c["ok"]
             else "DAMAGED: " + "; ".join(c["problems"])) for c in found]
     emit(dict(dir=a.dir, checkpoints=found), a.json, "\n".join(rows) or f"no checkpoints in {a.dir}")
 
@@ -347,20 +374,23 @@ def _cmd_compare(a):
     from fsdp_kit.config import load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
     from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
+    given = fsdp_given(a, "compare")  # --reshard-after-forward (a comma list here) and --min-num-params
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
     spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
-                       reshard=[to_reshard("reshard", r.strip()) for r in a.reshard.split(",")],
-                       min_num_params=a.min_num_params, fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
+                       reshard=[to_reshard("reshard", r.strip()) for r in given.get("reshard_after_forward", "true,false").split(",")],
+                       min_num_params=given.get("min_num_params"), fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
                        gradient_checkpointing=a.gradient_checkpointing)
     check_spec(spec, a.nproc)  # refuse bad configs before launching
     notes = []
     if fsdp_config:
-        print(f"{a.fsdp_config}: " + "; ".join(f"{k}={v!r}" for k, v in vars(fsdp_config).items() if k not in ("notes", "source")), file=sys.stderr)
+        print(f"{a.fsdp_config}: " + "; ".join(f"{k}={v!r}" for k, v in vars(fsdp_config).items() if k not in ("notes", "source")),
+              file=sys.stderr)
         import torch
         from fsdp_kit.wrap import lab_notes
         notes = fsdp_config.notes + lab_notes(fsdp_config, torch.cuda.is_available())  # the config's own notes stay as read
         for note in notes: print(f"  {note}", file=sys.stderr)
-    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), compare_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    runs = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)),
+                  compare_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     if a.plot:
         import matplotlib
         matplotlib.use("Agg")
@@ -383,25 +413,30 @@ def _cmd_docs(a):
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share
+    fsdp_given(a, "qlora")  # only --mixed-precision: the rest of the group is refused, naming the flag
     cfg = fsdp_config(a) if a.fsdp_config else None
-    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast, load_in_8bit=a.load_in_8bit,
+    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast,
+                     load_in_8bit=a.load_in_8bit,
                      steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
                      adapter_dir=a.adapter_dir, fsdp=cfg).check(a.nproc)
     if cfg is not None:
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
               f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
     fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
-    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun",
+               timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])
     share = {key: weight_share(r.peak_by_category[key][0]) for key in ("bf16_lora", "qlora")}  # rank 0's
-    text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}" + f", forward under autocast {r.autocast}" * (r.autocast != "no")
+    text = (f"{r.world_size} ranks, 4-bit base in {r.quant_storage}, param_dtype {r.param_dtype}"
+            + f", forward under autocast {r.autocast}" * (r.autocast != "no")
             + f", 4-bit matmuls in {r.compute_dtype}: losses " + " ".join(f"{l:.3f}" for l in r.losses)
             + f"\nsharded vs one process over {len(r.losses)} steps: max |loss diff| {r.sharded_vs_unsharded_loss_diff:.1e}; "
             + f"trained {len(r.changed_parameters)} parameters, all LoRA: {all('lora_' in n for n in r.changed_parameters)}"
             + f"\npeak MiB per rank: 4-bit base {mib('qlora')}, bf16 base {mib('bf16_lora')}; the base's weights (sharded, gathered, "
             + f"all-gather buffer) are {share['bf16_lora']:.0%} of the bf16 peak and {share['qlora']:.0%} of the 4-bit one"
             + (": activations, LoRA state and the rest dominate, so 4-bit saves little here (a wider model, e.g. --model "
-               "examples/configs/llama-wide/config.json --batch 1 --seq-len 16, shows the base dominating)" if share["bf16_lora"] < 0.5 else "")
+               "examples/configs/llama-wide/config.json --batch 1 --seq-len 16, shows the base dominating)" if share["bf16_lora"] < 0.5
+               else "")
             + f"\nadapter: {r.adapter['tensors']} tensors, every rank's share saved: {r.adapter['every_rank_share_saved']}, "
             + f"reloaded loss diff {r.adapter['reload_loss_diff']:.1e}" + (f", saved in {r.adapter['path']}" if r.adapter["path"] else ""))
     emit(r, a.json, text)
@@ -412,7 +447,8 @@ def _precision(value, option="--mixed-precision"):
     from fsdp_kit.spec import accelerate_precision
     if value is None: return None
     name = accelerate_precision(value)
-    if name != value: print(f"note: {option} {value} is the old spelling of {option} {name}; it is read as {name} in this release", file=sys.stderr)
+    if name != value:
+        print(f"note: {option} {value} is the old spelling of {option} {name}; it is read as {name} in this release", file=sys.stderr)
     return name
 
 
@@ -420,14 +456,18 @@ def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.cp import CPSpec, cp_eval_worker
     spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
-                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed, fsdp=fsdp_config(a))
+                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed,
+                  fsdp=fsdp_config(a, **fsdp_given(a, "cp-eval")))
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
-    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)), cp_eval_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+    r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)),
+               cp_eval_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
-            f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP {r.eval_loss_reference:.7f}, "
+            f"{r.tokens} valid (per rank {r.tokens_per_rank})\neval_loss {r.eval_loss:.7f}, one process without CP "
+            f"{r.eval_loss_reference:.7f}, "
             f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")
     if r.predictions_match_reference is not None:
-        text += f"\ngathered predictions equal the reference argmax: {r.predictions_match_reference} (max |logit diff| {r.max_logit_diff:.1e})"
+        text += (f"\ngathered predictions equal the reference argmax: {r.predictions_match_reference} (max |logit diff| "
+                 f"{r.max_logit_diff:.1e})")
     text += "\npeak MiB per rank: " + " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes)
     emit(r, a.json, text)
 
@@ -438,22 +478,26 @@ def _cp_batch(a) -> int:
     from fsdp_kit.cp import check_sizes
     dp_shard = check_sizes(a.nproc, a.cp, a.dp_shard, a.sp).dp_shard
     if isinstance(a.rows, bool) or a.rows < 1 or a.rows % dp_shard:
-        raise bad_value("rows", a.rows, f"a whole number >= 1, a multiple of the data-parallel size dp_shard={dp_shard}", "Or give --batch, sequences per data-parallel rank")
-    print(f"note: --rows {a.rows} is the old spelling of --batch {a.rows // dp_shard} (sequences per data-parallel rank, {dp_shard} of them)", file=sys.stderr)
+        raise bad_value("rows", a.rows, f"a whole number >= 1, a multiple of the data-parallel size dp_shard={dp_shard}",
+                        "Or give --batch, sequences per data-parallel rank")
+    print(f"note: --rows {a.rows} is the old spelling of --batch {a.rows // dp_shard} (sequences per data-parallel rank, {dp_shard} of "
+          "them)", file=sys.stderr)
     return a.rows // dp_shard
 
 
 def _cmd_plan(a):
     from fsdp_kit import plan, plan_gpu, plan_validate
-    from fsdp_kit.config import to_reshard
     if a.list_models:
         models = plan.list_models()
-        emit(dict(models=models), a.json, "\n".join(f"{m['name']:<12}{m['parameters']:>16,}  {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}" for m in models))
+        emit(dict(models=models), a.json,
+             "\n".join(f"{m['name']:<12}{m['parameters']:>16,}  {m['model_type']}, {m['layers']} layers, hidden {m['hidden_size']}"
+                       for m in models))
         return
     if a.export_table:
         out = Path(a.export_table)
         check_output_file("export_table", a.export_table)  # before the planning, which takes minutes
-        print(f"planning every setting of the docs planner's grid ({math.prod(len(v) for v in plan_gpu.PLANNER_GRID.values())} plans) ...", file=sys.stderr)
+        print(f"planning every setting of the docs planner's grid ({math.prod(len(v) for v in plan_gpu.PLANNER_GRID.values())} plans) ...",
+              file=sys.stderr)
         table = plan_gpu.planner_table()
         out.write_text(json.dumps(table, separators=(",", ":")))
         print(f"wrote {out}: {len(table['plans'])} plans, {len(table['moments'])} peak moments", file=sys.stderr)
@@ -461,7 +505,8 @@ def _cmd_plan(a):
     if a.validate:
         device, specs = plan_validate.validation_settings(a.nproc)  # the CUDA matrix where CUDA is available
         specs = [specs[i] for i in _settings(a.settings, len(specs))] if a.settings else specs
-        if not a.quiet: print(f"running {len(specs)} settings on {device}, world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
+        if not a.quiet:
+            print(f"running {len(specs)} settings on {device}, world sizes {sorted({s.world_size for s in specs})} ...", file=sys.stderr)
         result = plan_validate.validate(specs, launcher="torchrun", timeout=a.timeout, progress=not a.quiet)
         if a.plot:
             import matplotlib
@@ -474,25 +519,29 @@ def _cmd_plan(a):
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
     _refuse_unused(a)
     a.lora_r = 8 if a.lora_r is None else a.lora_r
-    a.lora_targets, a.reshard = a.lora_targets or "all-linear", a.reshard or "true"
-    kwargs = dict(gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, method=a.method, lora_r=a.lora_r, batch=a.batch, seq_len=a.seq_len, cp=a.cp) | _plan_precision(a)
-    if a.recommend:
-        r = plan_gpu.recommend(a.model, **kwargs, lora_targets=a.lora_targets)
-        emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
-        return
+    given = fsdp_given(a, "plan")
+    a.lora_targets, offload = a.lora_targets or "all-linear", given.get("cpu_offload", False)
     if a.grad_ckpt and a.ac not in (None, "full"):
         raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
-    p = plan_gpu.plan_gpu(a.model, **kwargs, grad_ckpt=a.grad_ckpt, offload=a.offload, reshard=to_reshard("reshard", a.reshard), ac=a.ac,
-                          lora_targets=a.lora_targets, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
-                          offload_activations=a.offload_activations, fp8_all_gather=a.fp8_all_gather, compile=a.compile,
-                          edge_units=not a.edges_in_root)
+    # the setting, built once
+    spec = plan_gpu.gpu_spec(a.model, a.gpus, a.method, a.lora_r, a.batch, a.seq_len, a.grad_ckpt, offload, cp=a.cp, ac=a.ac,
+                             reshard=given.get("reshard_after_forward", True), lora_targets=a.lora_targets, ce_chunks=a.chunked_ce,
+                             optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations,
+                             fp8_all_gather=a.fp8_all_gather, edge_units=_layout(a) == "accelerate", **_plan_precision(a))
+    if a.recommend:
+        r = plan_gpu.recommend(spec, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb)
+        emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
+        return
+    p = plan_gpu.plan_gpu(spec, gpu_mem_gb=a.gpu_mem_gb, compile=a.compile)
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
 
 
 PLAN_LORA_FLAGS = (("lora_r", "--lora-r"), ("lora_targets", "--lora-targets"))
-RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"), ("offload", "--offload"), ("reshard", "--reshard"), ("chunked_ce", "--chunked-ce"),
+RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"),
+                      ("cpu_offload", "--cpu-offload"), ("reshard_after_forward", "--reshard-after-forward"),
+                      ("chunked_ce", "--chunked-ce"),
                       ("optimizer_in_backward", "--optimizer-in-backward"), ("offload_activations", "--offload-activations"))
-RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("edges_in_root", "--edges-in-root"))
+RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("layout", "--layout"))
 
 
 def _refuse_unused(a):
@@ -500,9 +549,12 @@ def _refuse_unused(a):
     if a.method == "full":
         for dest, option in PLAN_LORA_FLAGS:
             if getattr(a, dest) is not None:
-                raise bad_value(option, getattr(a, dest), "only with --method lora or qlora, whose adapters it sets; --method full trains every weight, so leave it out")
+                raise bad_value(option, getattr(a, dest),
+                                "only with --method lora or qlora, whose adapters it sets; --method full trains every weight, so leave it "
+                                "out")
     if not a.recommend: return
-    for flags, why in ((RECOMMEND_SEARCHES, "--recommend searches this setting itself"), (RECOMMEND_IGNORES, "--recommend does not plan with it")):
+    for flags, why in ((RECOMMEND_SEARCHES, "--recommend searches this setting itself"),
+                       (RECOMMEND_IGNORES, "--recommend does not plan with it")):
         for dest, option in flags:
             if getattr(a, dest) not in (None, False, 0): raise bad_value(option, getattr(a, dest), f"left out with --recommend: {why}")
 
@@ -519,19 +571,21 @@ def _settings(text: str, count: int) -> list:
 
 
 def _plan_precision(a) -> dict:
-    "plan_gpu's mixed_precision and base_dtype: from --precision (one word for both), else from --mixed-precision and --base-dtype; contradictions are refused."
+    "plan_gpu's mixed_precision and base_dtype: from --precision, else --mixed-precision and --base-dtype; contradictions refused."
     from fsdp_kit.plan_gpu import PRECISIONS
     mixed = _precision(a.mixed_precision)
     if a.precision is None: return dict(mixed_precision=mixed or "bf16", base_dtype=a.base_dtype)
     if a.precision not in PRECISIONS: raise KitError(f"--precision={a.precision!r} is not allowed: one of {', '.join(PRECISIONS)}.")
     new = PRECISIONS[a.precision]
     if mixed is not None and mixed != new["mixed_precision"]:
-        raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means mixed_precision={new['mixed_precision']}: pass one of them")
+        raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means "
+                       f"mixed_precision={new['mixed_precision']}: pass one of them")
     if a.method != "full" and a.precision not in ("accelerate-bf16", "bf16-fp32-reduce"):
         raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 "
                        "(accelerate-bf16 or bf16-fp32-reduce); the frozen base's dtype is --base-dtype")
     if a.method == "full" and a.base_dtype is not None:
-        raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} already says the weights' dtype")
+        raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} "
+                       "already says the weights' dtype")
     return dict(base_dtype=a.base_dtype) | new
 
 
@@ -560,14 +614,16 @@ class _Help(argparse.RawDescriptionHelpFormatter):
     "Help that shows every option's default (off for a switch, none where unset), unless the help already says what the default does."
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS or action.nargs == 0 and action.default is None: return text
+        if ("default" in text or not action.option_strings or action.default is argparse.SUPPRESS or action.nargs == 0
+            and action.default is None): return text
         if action.default is False: return f"{text} (default: off)"
         return f"{text} (default: none)" if action.default is None else f"{text} (default: %(default)s)"
 
 
 def _mesh_flags(s):
     "The data-parallel mesh sizes, spelled as `MeshSpec` / `RunSpec` name them."
-    s.add_argument("--dp-replicate", type=int, default=1, help="replicas of the sharded model (HSDP: each replica shards over --dp-shard ranks)")
+    s.add_argument("--dp-replicate", type=int, default=1,
+                   help="replicas of the sharded model (HSDP: each replica shards over --dp-shard ranks)")
     s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills the rest")
 
 
@@ -592,6 +648,81 @@ def _step_flags(s, precision:bool=True):
                    "back when backward needs it")
 
 
+# old spellings, kept for this release: one name per setting, the other an alias (-> dest, and the value a switch stands for)
+ALIASES = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", None),
+           "--edges-in-root": ("layout", "layers")}
+LAYOUTS = ("accelerate", "layers")  # --layout: the units train builds, and plan models (edge_units)
+
+
+def _layout_flag(s):
+    "--layout, spelled alike on train and plan; plan's old --edges-in-root (ALIASES) is --layout layers."
+    s.add_argument("--layout", default=None, help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
+                   "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
+    for old, (dest, const) in ALIASES.items():
+        if dest == "layout":
+            s.add_argument(old, dest=dest, action="store_const", const=const, help=f"old spelling of --layout {const} (default: off)")
+FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source")  # FSDPConfig fields that are not settings: the mesh has its own flags
+FSDP_COMMANDS = ("train", "compare", "qlora", "cp-eval", "plan")  # the commands that run or plan the kit's recipe: one FSDP group each
+FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag is shown, and refused when given)
+    "train": dict(state_dict_type="train writes checkpoints as --state-dict says"),
+    "compare": dict(auto_wrap_policy="compare measures the policies of --policies", **{k: "compare measures wrapping and resharding only; "
+                    "put it in --fsdp-config" for k in ("cpu_offload", "mixed_precision", "reduce_dtype", "ac", "state_dict_type",
+                                                        "cpu_ram_efficient_loading", "transformer_layer_cls_to_wrap")}),
+    "qlora": {k: "the QLoRA lab sets it from the 4-bit storage; put it in --fsdp-config" for k in (
+        "reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "reduce_dtype", "ac",
+        "state_dict_type", "cpu_ram_efficient_loading")},
+    "cp-eval": dict(state_dict_type="cp-eval saves no checkpoint"),
+    "plan": {k: "the GPU planner models a unit per decoder layer, without it" for k in (
+        "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "state_dict_type", "cpu_ram_efficient_loading")}
+            | dict(reduce_dtype="plan says the reduce dtype with --precision bf16-fp32-reduce")}
+
+
+def _layout(a) -> str:
+    "--layout as given (accelerate unless given), refused unless one of LAYOUTS."
+    if a.layout is not None and a.layout not in LAYOUTS: raise bad_value("--layout", a.layout, f"one of {', '.join(LAYOUTS)}")
+    return a.layout or "accelerate"
+
+
+def _fsdp_fields() -> dict:
+    "FSDPConfig's settings -> (default, docments comment), in declaration order."
+    from dataclasses import fields, MISSING
+    from fastcore.docments import docments
+    from fsdp_kit.config import FSDPConfig
+    docs = docments(FSDPConfig)
+    return {f.name: (f.default if f.default is not MISSING else f.default_factory(), docs[f.name])
+            for f in fields(FSDPConfig) if f.name not in FSDP_NOT_FLAGS}
+
+
+def fsdp_flags(s):
+    "One argument group 'FSDP' made from FSDPConfig's fields: --field-name (old spellings from FSDP_ALIASES), help its comment."
+    g = s.add_argument_group("FSDP", "FSDPConfig's fields; unset: --fsdp-config's value, else the command's own default")
+    for name, (default, doc) in _fsdp_fields().items():
+        shown = (",".join(default) or "empty") if isinstance(default, list) else default
+        flags = [f"--{name.replace('_', '-')}", *(old for old, (dest, _) in ALIASES.items() if dest == name)]
+        kw = dict(nargs="?", const="true") if isinstance(default, bool) and name != "reshard_after_forward" else {}
+        g.add_argument(*flags, dest=name, default=None, metavar=name.upper(), help=f"{doc} (FSDPConfig's default: {shown})", **kw)
+
+
+def fsdp_given(a, command:str) -> dict:
+    "The FSDP group's values given, as FSDPConfig's types; a field `command` cannot run is refused, naming the flag and command."
+    from fsdp_kit.config import to_bool, to_reshard
+    out = {}
+    for name, (default, _) in _fsdp_fields().items():
+        value = getattr(a, name, None)
+        if value is None: continue
+        flag = f"--{name.replace('_', '-')}"
+        if name in FSDP_REFUSED.get(command, {}):
+            raise KitError(f"{flag}={value!r} is not allowed with fsdp-kit {command}: {FSDP_REFUSED[command][name]}")
+        if name == "reshard_after_forward": value = value if command == "compare" else to_reshard(name, value)
+        elif isinstance(default, bool): value = to_bool(name, value)
+        elif isinstance(default, int):
+            if not str(value).lstrip("-").isdigit(): raise bad_value(flag, value, "a whole number")
+            value = int(value)
+        elif isinstance(default, list): value = [v.strip() for v in value.split(",") if v.strip()]
+        out[name] = value
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     "The `fsdp-kit` argument parser."
     p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.", epilog=EXIT_CODES,
@@ -603,51 +734,60 @@ def parser() -> argparse.ArgumentParser:
     def add(name, fn, help, launches=True):
         s = sub.add_parser(name, help=help, description=help, formatter_class=_Help, epilog=EXIT_CODES)
         s.set_defaults(fn=fn)
-        s.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the result as JSON to PATH (stdout without PATH or with -)")
+        s.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                       help="write the result as JSON to PATH (stdout without PATH or with -)")
         s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (results and errors still print)")
         if launches:
             s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch")
             s.add_argument("--timeout", type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")
-            s.add_argument("--debug", action="store_true", help="a failed or hung rank: print its whole traceback (default: its frames in the kit's code and yours)")
+            s.add_argument("--debug", action="store_true",
+                           help="a failed or hung rank: print its whole traceback (default: its frames in the kit's code and yours)")
         return s
 
     add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
     s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
     _mesh_flags(s)
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
-    s = add("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and the root)")
+    s = add("train", _cmd_train,
+            "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and the root)")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
     s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     _mesh_flags(s)
-    s.add_argument("--fsdp-config", metavar="FILE", help="the FSDP config to run: a transformers fsdp_config .json or an accelerate .yaml (default: a unit per decoder layer, fp32)")
-    s.add_argument("--mixed-precision", default=None, help="no, bf16 or fp16: the dtype FSDP computes in (overrides the config's mixed_precision)")
-    s.add_argument("--reduce-dtype", default=None, help="fp32, bf16 or fp16: the dtype gradients are reduced in (default: accelerate's, the compute dtype)")
+    s.add_argument("--fsdp-config", metavar="FILE",
+                   help="the FSDP config to run: a transformers fsdp_config .json or an accelerate .yaml (default: a unit per decoder "
+                        "layer, fp32)")
     s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
-    s.add_argument("--ac", default=None, help="activation checkpointing policy: none, full, selective-layer:K or selective-op (default: the config's, full if it sets activation_checkpointing)")
-    s.add_argument("--layout", default="accelerate", help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
-                   "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
+    _layout_flag(s)
     s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
     _step_flags(s)
-    s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for this release)")
+    fsdp_flags(s)
+    s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R",
+                   help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for "
+                        "this release)")
     s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
     s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
-    s.add_argument("--state-dict", default=None, help="sharded (DCP, one file per rank) or full (a transformers folder); default: the config's state_dict_type with --fsdp-config, else sharded")
+    s.add_argument("--state-dict", default=None,
+                   help="sharded (DCP, one file per rank) or full (a transformers folder); default: the config's state_dict_type with "
+                        "--fsdp-config, else sharded")
     s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
     s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
     s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each")
     s.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
     s.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous (on the first node), needed with --nnodes > 1")
     s.add_argument("--rdzv-id", default="fsdp_kit", help="a name every node of the job shares (e.g. $SLURM_JOB_ID)")
-    s.add_argument("--rdzv-timeout", type=_nproc, default=180, help="seconds this node waits at the rendezvous for the others before it fails")
-    s.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts the workers after a failure; they resume from --ckpt")
+    s.add_argument("--rdzv-timeout", type=_nproc, default=180,
+                   help="seconds this node waits at the rendezvous for the others before it fails")
+    s.add_argument("--max-restarts", type=int, default=0,
+                   help="times torchrun restarts the workers after a failure; they resume from --ckpt")
     s.add_argument("--inject-fault", choices=FAULTS, help="make --fault-rank crash (SIGKILL) or hang after --fault-step, once")
     s.add_argument("--fault-rank", type=int, default=1, help="the rank that fails")
     s.add_argument("--fault-step", type=int, default=1, help="it fails after this step")
-    s = add("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node", launches=False)
+    s = add("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node",
+            launches=False)
     s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     s.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (one rank each)")
     s.add_argument("--partition", help="SLURM partition")
@@ -656,53 +796,69 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("args", nargs=argparse.REMAINDER, help="-- then the fsdp-kit command each node runs, e.g. -- train --steps 100")
     s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
     s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
-    s.add_argument("--check", action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
+    s.add_argument("--check", action="store_true",
+                   help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check and --run")
     s.add_argument("--run", metavar="WORKFLOW", help="run one Hugging Face workflow on --nproc ranks with this file: "
-                   "trainer (Trainer + TrainingArguments), sft / qlora (accelerate launch examples/sft_lora.py, stopped after 600 s in all), "
+                   "trainer (Trainer + TrainingArguments), sft / qlora (accelerate launch examples/sft_lora.py, stopped after 600 s in "
+                   "all), "
                    "native (DistributedConfig)")
     s.add_argument("--steps", type=int, default=10, help="with --run: optimizer steps")
     s.add_argument("--batch", type=int, default=2, help="with --run: sequences per rank per step")
     s.add_argument("--seq-len", type=int, default=32, help="with --run: tokens per sequence")
     s.add_argument("--lr", type=float, default=3e-3, help="with --run: learning rate (AdamW, constant)")
     s.add_argument("--seed", type=int, default=0, help="with --run: seed for the weights and the data")
-    s.add_argument("--out", metavar="DIR", help="with --run: folder for the base model, the saved model or adapter, checkpoints and logs (default: a temporary folder)")
-    s = add("doctor", _cmd_doctor, "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
-            "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, each with its reason and fix")
+    s.add_argument("--out", metavar="DIR",
+                   help="with --run: folder for the base model, the saved model or adapter, checkpoints and logs (default: a temporary "
+                        "folder)")
+    s = add("doctor", _cmd_doctor,
+            "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
+            "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, each with its reason "
+            "and fix")
     s.set_defaults(timeout=300)
-    s.add_argument("--model", required=True, help="your model's config.json (or the folder holding it): the twin keeps its architecture and shrinks its sizes")
-    s.add_argument("--fsdp-config", required=True, help="your accelerate .yaml (run with accelerate launch) or transformers fsdp_config .json (run with TrainingArguments)")
+    s.add_argument("--model", required=True,
+                   help="your model's config.json (or the folder holding it): the twin keeps its architecture and shrinks its sizes")
+    s.add_argument("--fsdp-config", required=True,
+                   help="your accelerate .yaml (run with accelerate launch) or transformers fsdp_config .json (run with TrainingArguments)")
     s.add_argument("--method", default="full", choices=None, help="full, lora or qlora")
-    s.add_argument("--quant-storage", default=None, help="qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); default: bitsandbytes' own, uint8")
-    s.add_argument("--mixed-precision", default=None, help="a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)")
-    s.add_argument("--dtype", default=None, help="the dtype from_pretrained loads in: float32, bfloat16, float16 (default: bfloat16 for lora/qlora under bf16, else float32)")
-    s.add_argument("--gradient-checkpointing", action="store_true", help="your script turns on the Trainer's checkpointing (TrainingArguments activation_checkpointing / gradient_checkpointing)")
+    s.add_argument("--quant-storage", default=None,
+                   help="qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); default: bitsandbytes' own, uint8")
+    s.add_argument("--mixed-precision", default=None,
+                   help="a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)")
+    s.add_argument("--dtype", default=None,
+                   help="the dtype from_pretrained loads in: float32, bfloat16, float16 (default: bfloat16 for lora/qlora under bf16, else "
+                        "float32)")
+    s.add_argument("--gradient-checkpointing", action="store_true",
+                   help="your script turns on the Trainer's checkpointing (TrainingArguments activation_checkpointing / "
+                        "gradient_checkpointing)")
     s.add_argument("--kbit-prepare", action="store_true", help="qlora: your script calls peft's prepare_model_for_kbit_training")
     s.add_argument("--steps", type=int, default=2, help="optimizer steps of the twin")
-    s.add_argument("--gpus", type=int, default=None, help="your GPUs in all, for the planner's per-GPU peak of your real model (with --gpu-mem-gb)")
+    s.add_argument("--gpus", type=int, default=None,
+                   help="your GPUs in all, for the planner's per-GPU peak of your real model (with --gpu-mem-gb)")
     s.add_argument("--gpu-mem-gb", type=float, default=None, help="memory of one of your GPUs, GB")
     s.add_argument("--seed", type=int, default=0, help="seed of the twin's weights and data")
     s.add_argument("--out", metavar="DIR", help="folder for the twin, its run and its log (default: a temporary folder)")
     s.add_argument("--strict", action="store_true", help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on the doctor)")
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
     s.add_argument("dir", metavar="DIR", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
-    s.add_argument("--to-full", dest="out", metavar="OUT", help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder from_pretrained reads")
+    s.add_argument("--to-full", dest="out", metavar="OUT",
+                   help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder "
+                        "from_pretrained reads")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
     s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
-    s.add_argument("--reshard", default="true,false", help="comma-separated reshard_after_forward values (true, false, or an int)")
-    s.add_argument("--min-num-params", type=int, default=None,
-                   help="SIZE_BASED_WRAP threshold (default: the model's size_floor, the smallest that runs)")
     s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
     s.add_argument("--batch", type=int, default=2, help="sequences per rank")
     s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     s.add_argument("--gradient-checkpointing", action="store_true", help="turn on the model's own (transformers) gradient checkpointing")
     s.add_argument("--plot", metavar="PNG", help="write the comparison plot here")
+    fsdp_flags(s)
     s = add("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory")
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32")
-    s.add_argument("--mixed-precision", default=None, help="FSDP's compute dtype in accelerate's names: no, bf16 or fp16 (default: the --quant-storage dtype; fp32, bfloat16, float16: old spellings, read for this release)")
-    s.add_argument("--autocast", default="no", help="run the forward under torch.autocast in this dtype, accelerate's names: no, bf16 or fp16; parameters keep their dtype "
+    s.add_argument("--autocast", default="no",
+                   help="run the forward under torch.autocast in this dtype, accelerate's names: no, bf16 or fp16; parameters keep their "
+                        "dtype "
                    "(--quant-storage float32 --autocast bf16: float32 parameters and storage, bf16 compute)")
     s.add_argument("--load-in-8bit", action="store_true", help="8-bit instead of 4-bit (refused under FSDP, to show why)")
     s.add_argument("--steps", type=int, default=10, help="optimizer steps")
@@ -713,8 +869,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
     s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
-    s.add_argument("--fsdp-config", metavar="FILE", help="shard with this transformers fsdp_config .json or accelerate .yaml (its mixed_precision gives way to the storage's param_dtype)")
-    s = add("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
+    s.add_argument("--fsdp-config", metavar="FILE",
+                   help="shard with this transformers fsdp_config .json or accelerate .yaml (its mixed_precision gives way to the "
+                        "storage's param_dtype)")
+    fsdp_flags(s)
+    s = add("cp-eval", _cmd_cp_eval,
+            "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
     s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence")
     s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills the rest")
     s.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (refused above 1 together with --cp above 1)")
@@ -722,17 +882,25 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
     s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp")
     s.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank (its cp ranks split them)")
-    s.add_argument("--rows", type=int, default=None, help="old spelling, kept for this release: sequences in the global batch, read as --batch ROWS / dp_shard")
+    s.add_argument("--rows", type=int, default=None,
+                   help="old spelling, kept for this release: sequences in the global batch, read as --batch ROWS / dp_shard")
     s.add_argument("--mask", default="causal", help="attention mask: causal or none")
     s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
-    s.add_argument("--fsdp-config", metavar="FILE", help="shard the model with this transformers fsdp_config .json or accelerate .yaml (default: a unit per decoder layer)")
+    s.add_argument("--fsdp-config", metavar="FILE",
+                   help="shard the model with this transformers fsdp_config .json or accelerate .yaml (default: a unit per decoder layer)")
     s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
-    s = add("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
+    fsdp_flags(s)
+    s = add("plan", _cmd_plan,
+            "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
-    s.add_argument("--validate", action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
-    s.add_argument("--export-table", metavar="PATH", help="write every plan of the docs planner page's grid (plan_gpu.PLANNER_GRID) as JSON to PATH; the page shows them without Python")
+    s.add_argument("--validate", action="store_true",
+                   help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
+    s.add_argument("--export-table", metavar="PATH",
+                   help="write every plan of the docs planner page's grid (plan_gpu.PLANNER_GRID) as JSON to PATH; the page shows them "
+                        "without Python")
     s.add_argument("--plot", metavar="PNG", help="with --validate: write predicted vs measured per category here")
-    s.add_argument("--settings", metavar="LIST", help="with --validate: run only these settings of the matrix, numbered from 1 (1-3,7; default: all)")
+    s.add_argument("--settings", metavar="LIST",
+                   help="with --validate: run only these settings of the matrix, numbered from 1 (1-3,7; default: all)")
     s.add_argument("--model", help="a preset (see --list-models; tiny, small) or a config.json path")
     s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")
     s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB")
@@ -742,27 +910,30 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
     s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
-    s.add_argument("--ac", help="activation checkpointing policy: none, full, selective-layer:K (every K-th layer) or selective-op (keep every other matmul's output and attention's, torchtitan's op policy)")
-    s.add_argument("--offload", action="store_true", help="CPU offload of sharded parameters, gradients and optimizer state")
     s.add_argument("--precision", help="fp32; accelerate-bf16 (fp32 weights, bf16 compute and reduce-scatter: accelerate's bf16, "
                    "the default); "
                    "bf16-fp32-reduce (the same, gradients reduced in fp32); pure-bf16 (weights, gradients and optimizer state in bf16)")
-    s.add_argument("--mixed-precision", help="bf16 (the default) or no: the compute dtype alone (fp32 is the old spelling of no); --precision says it all in one")
-    s.add_argument("--reshard", default=None, help="reshard_after_forward: true or false (default: true)")
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
     s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
-    s.add_argument("--lora-targets", default=None, help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
+    s.add_argument("--lora-targets", default=None,
+                   help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
     _step_flags(s, precision=False)  # plan's --precision also names the compute dtype (above)
-    s.add_argument("--fp8-all-gather", action="store_true", help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a bf16 full fine-tune")
-    s.add_argument("--compile", action="store_true", help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
-    s.add_argument("--edges-in-root", action="store_true", help="plan the older unit layout: embeddings, final norm and lm_head left in the root (FSDP1; FSDP2 code that wraps only the layers) instead of units of their own as accelerate's FSDP2 path makes them")
-    s.add_argument("--recommend", action="store_true", help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
+    fsdp_flags(s)
+    s.add_argument("--fp8-all-gather", action="store_true",
+                   help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a "
+                        "bf16 full fine-tune")
+    s.add_argument("--compile", action="store_true",
+                   help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
+    _layout_flag(s)
+    s.add_argument("--recommend", action="store_true",
+                   help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
     s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
     s.add_argument("--out", default="tour", help="folder for the report")
     s = add("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", launches=False)
     s.add_argument("--out", default="site", help="folder for the site")
     s.add_argument("--nbs", help="the notebooks folder (default: nbs/ of this checkout)")
-    s.add_argument("--quarto", action=argparse.BooleanOptionalAction, default=None, help="force (or refuse) Quarto; default: use it where installed")
+    s.add_argument("--quarto", action=argparse.BooleanOptionalAction, default=None,
+                   help="force (or refuse) Quarto; default: use it where installed")
     return p
 
 
@@ -780,12 +951,14 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
     for a in sub._actions:
         for opt in a.option_strings:
             if any(t == opt or t.startswith(opt + "=") for t in argv): typed.setdefault(a.dest, opt)
-    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS and any(o.startswith("--") for o in a.option_strings)]  # a hidden old spelling names nothing
+    # a hidden old spelling names nothing
+    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS and any(o.startswith("--") for o in a.option_strings)]
     options = {a.dest: typed.get(a.dest, next(o for o in a.option_strings if o.startswith("--"))) for a in shown}
     options |= {field: options[dest.replace("-", "_")] for field, dest in OPTION_NAMES.items() if dest.replace("-", "_") in options}
     options |= {a.dest: a.metavar for a in sub._actions if not a.option_strings and a.metavar}  # a positional, as its usage shows it (DIR)
     if "dir" in options and "ckpt" not in options: options["ckpt"] = options["dir"]  # fsdp-kit ckpt DIR: the library calls it ckpt
     options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
+    options = {k: v for k, v in options.items() if k not in _fsdp_fields() or k in typed}  # an FSDP field not typed: the file's key
     text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
     for a in shown:  # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it
         for opt in a.option_strings:
@@ -885,7 +1058,8 @@ def main(argv=None):
         sys.exit(1)
     except WorkerError as e:
         debug = getattr(args, "debug", False)
-        print(f"fsdp-kit {args.command}: {e if debug else e.brief()}" + ("" if debug or not e.worker_traceback else "\n(--debug prints the whole trace)"),
+        print(f"fsdp-kit {args.command}: {e if debug else e.brief()}" + ("" if debug or not e.worker_traceback
+                                                                         else "\n(--debug prints the whole trace)"),
               file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -727,12 +727,13 @@ def exit_status(result:dict, strict:bool=False) -> int:
 # %% ../nbs/12_doctor.ipynb #d0c70013
 def scale(spec:DoctorSpec, method:str=None) -> dict:
     "The planner on the user's real model and config at the user's scale: per-GPU peak, fit, host memory at load."
-    from fsdp_kit.plan_gpu import plan_gpu, plan_line, GB
+    from fsdp_kit.plan_gpu import plan_gpu, gpu_spec, plan_line, GB
     from fsdp_kit.plan import count_parameters
     out = dict(parameters=count_parameters(spec.model))
     if spec.gpus is None: return out
     mp = spec.precision()
-    p = plan_gpu(spec.model, gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, method=spec.method, mixed_precision=mp if mp != "fp16" else "bf16")
+    setting = gpu_spec(spec.model, gpus=spec.gpus, method=spec.method, mixed_precision=mp if mp != "fp16" else "bf16")
+    p = plan_gpu(setting, gpu_mem_gb=spec.gpu_mem_gb)
     return out | dict(gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, per_gpu_peak_gb=round(p.per_gpu_peak_bytes / GB, 2), fits=p.fits,
                       peak_moment=p.peak_moment,
                       line=plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, spec.gpu_mem_gb),

@@ -1,4 +1,4 @@
-"""A per-rank model of an FSDP2 training step: first the textbook terms from the model's shapes (sharded parameters, gradients and AdamW state, the gathered unit and its prefetch, activations per token per layer), then the named correction a measured step adds, modelled moment by moment; all-gather and reduce-scatter bytes; presets of public architectures counted on the meta device.
+"""A per-rank model of an FSDP2 training step's memory and communication, checked against measured steps.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan.html.md"""
 
@@ -27,7 +27,8 @@ from .lora import LINEARS, lora_targets
 from .wrap import unit_map, size_floor
 
 # %% ../nbs/08_plan.ipynb #0752fdfc
-FSDP_NAMES = ("mixed_precision", "reduce_dtype", "cpu_offload", "ac", "min_num_params")  # flat names of FSDPConfig's fields (policy and reshard: `of`'s own)
+# flat names of FSDPConfig's fields (policy and reshard: `of`'s own)
+FSDP_NAMES = ("mixed_precision", "reduce_dtype", "cpu_offload", "ac", "min_num_params")
 STEP_NAMES = ("ce_chunks", "optimizer_in_backward", "offload_activations")  # flat names of StepSpec's fields
 
 @dataclass(frozen=True)
@@ -245,7 +246,8 @@ def model_tensors(config, spec:PlanSpec) -> list:
     for name, full in shapes:
         shape, layer = full, layer_index(name)
         linear = layer >= 0 and name.split(".")[-2] in LINEARS and name.endswith(".weight")
-        if spec.method == "qlora" and linear: shape = (math.prod(shape) // 4, 1)  # 4-bit codes packed 4 per bfloat16 element (every Linear, adapted or not)
+        # 4-bit codes packed 4 per bfloat16 element (every Linear, adapted or not)
+        if spec.method == "qlora" and linear: shape = (math.prod(shape) // 4, 1)
         gather = 1 if spec.fp8_all_gather and linear else compute  # float8: 1 byte gathered
         out.append(Param(name, shape, base, gather, spec.method == "full", layer, unit[name]))
         if spec.method != "full" and linear and name.split(".")[-2] in targets:  # LoRA A, B: float32, in the Linear's unit
@@ -272,7 +274,7 @@ class Unit:
     layer:int=-1 # the decoder layer holding all its parameters, -1 for none or several
 
 def units(tensors:list, spec:PlanSpec) -> dict:
-    "Unit name -> Unit for `spec`: the root, the embeddings, the tail, then the policy's units in forward order (an absent one holds nothing)."
+    "Unit name -> Unit for `spec`: the root, the embeddings, the tail, then the policy's units in forward order."
     W, grad_b, master, red = spec.world_size, spec.compute_bytes, spec.master_bytes, spec.reduce_bytes
     key = (id(tensors), spec.config.auto_wrap_policy, W, grad_b, master, red, spec.edge_units)
     if key in _UNITS and _UNITS[key][0] is tensors: return _UNITS[key][1]
@@ -292,11 +294,12 @@ def units(tensors:list, spec:PlanSpec) -> dict:
 
 # %% ../nbs/08_plan.ipynb #ea00dacf
 def state_terms(config, spec:PlanSpec) -> dict:
-    "First principles, per rank: parameter shards P·b/N; per trainable parameter a gradient shard and AdamW's two moments (master dtype), and a 4-byte step per tensor."
+    "First principles, per rank: parameter shards P·b/N, a gradient shard and AdamW's two moments per trainable parameter."
     ts, N = model_tensors(config, spec), spec.world_size
     trained = [t for t in ts if t.trainable]
     grads = sum(t.numel() for t in trained) * spec.master_bytes
-    return dict(sharded_params=sum(t.numel() * t.store for t in ts) // N, sharded_grads=grads // N, adam_moments=2 * grads // N, adam_steps=4 * len(trained))
+    return dict(sharded_params=sum(t.numel() * t.store for t in ts) // N, sharded_grads=grads // N, adam_moments=2 * grads // N,
+                adam_steps=4 * len(trained))
 
 # %% ../nbs/08_plan.ipynb #63aba260
 def unit_bytes(config, spec:PlanSpec) -> dict:
@@ -306,7 +309,7 @@ def unit_bytes(config, spec:PlanSpec) -> dict:
     return out
 
 def gathered_terms(config, spec:PlanSpec) -> dict:
-    "First principles: the largest unit gathered while in use, and (N > 1) the next layer prefetched; every unit, kept gathered, with reshard_after_forward=False."
+    "First principles: the largest unit gathered while in use and (N > 1) the next one prefetched; every unit if kept gathered."
     us = unit_bytes(config, spec)
     if spec.config.reshard_after_forward is False: return dict(in_use=sum(us.values()), prefetched=0)
     layers = [v for n, v in us.items() if n not in ("root", "embed", "tail")]
@@ -327,13 +330,16 @@ def dims(config, spec:PlanSpec) -> dict:
 def saved_per_layer(d:dict) -> dict:
     "Bytes autograd saves in one decoder layer of a full fine-tune, tensor by tensor (`d` from `dims`)."
     T, H, I, b = d["T"], d["H"], d["I"], d["b"]
-    return {"norm input in float32 (2 norms)": 2 * T * H * 4, "norm rsqrt (2)": 2 * T * 4, "normalised x, for the weight (2)": 2 * T * H * b,
-            "norm output, Linears' input (2)": 2 * T * H * b, "q after RoPE": T * d["q"] * b, "k after RoPE, v": 2 * T * d["cp"] * d["kv"] * b,
-            "attention output": T * d["q"] * b, "attention logsumexp": d["B"] * d["heads"] * d["S"] * 4, "MLP: gate, SiLU, up, product": 4 * T * I * b}
+    return {"norm input in float32 (2 norms)": 2 * T * H * 4, "norm rsqrt (2)": 2 * T * 4,
+            "normalised x, for the weight (2)": 2 * T * H * b,
+            "norm output, Linears' input (2)": 2 * T * H * b, "q after RoPE": T * d["q"] * b,
+            "k after RoPE, v": 2 * T * d["cp"] * d["kv"] * b,
+            "attention output": T * d["q"] * b, "attention logsumexp": d["B"] * d["heads"] * d["S"] * 4,
+            "MLP: gate, SiLU, up, product": 4 * T * I * b}
 
 # %% ../nbs/08_plan.ipynb #db002f55
 def activation_terms(config, spec:PlanSpec) -> dict:
-    "First principles: what the decoder layers save (only the input of a checkpointed layer) and the loss's log-softmax; none on the device when offloaded."
+    "First principles: what the decoder layers save for backward and the loss's log-softmax (none on the device when offloaded)."
     d, kind, k = dims(config, spec), *parse_ac(spec.policy_ac)
     checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(d["L"])]
     layers = sum(d["T"] * d["H"] * d["b"] if c else sum(saved_per_layer(d).values()) for c in checkpointed)
@@ -341,22 +347,24 @@ def activation_terms(config, spec:PlanSpec) -> dict:
     return dict(layers=layers, log_softmax=0 if spec.step.ce_chunks else d["T"] * d["V"] * 4)
 
 def first_principles(config, spec:PlanSpec) -> dict:
-    "The textbook per-rank peak, in the tracker's categories: shards, gradients, AdamW, the gathered unit and its prefetch, the activations; and its total."
+    "The textbook per-rank peak in the tracker's categories (shards, gradients, AdamW, gathered units, activations) and its total."
     s, g, a = state_terms(config, spec), gathered_terms(config, spec), activation_terms(config, spec)
     out = dict(sharded_params=s["sharded_params"], sharded_grads=0 if spec.step.optimizer_in_backward else s["sharded_grads"],
-               optimizer_state=s["adam_moments"] + s["adam_steps"], unsharded_params=g["in_use"], all_gather_buffers=g["prefetched"], activations=sum(a.values()))
+               optimizer_state=s["adam_moments"] + s["adam_steps"], unsharded_params=g["in_use"], all_gather_buffers=g["prefetched"],
+               activations=sum(a.values()))
     return out | dict(total=sum(out.values()))
 
 # %% ../nbs/08_plan.ipynb #cf16f912
 def tracker_correction(first:dict, measured:dict) -> dict:
-    "The residual the first principles leave: measured minus first-principles bytes, per category and in total (what the tracker counts beyond the model's terms)."
+    "The residual the first principles leave: measured minus first-principles bytes, per category and in total."
     return {k: measured.get(k, 0) - first.get(k, 0) for k in [*first, *(k for k in measured if k not in first)]}
 
 def correction_table(first:dict, measured:dict) -> str:
     "First principles, the correction and the measurement per category, in MiB, with the correction's share of the measured peak."
     rows = [f"{'category':<24}{'first principles':>17}{'correction':>12}{'measured':>10}{'share of peak':>15}"]
     for k, v in sorted(tracker_correction(first, measured).items(), key=lambda kv: kv[0] == "total"):
-        rows.append(f"{k:<24}{first.get(k, 0) / 2**20:>17.3f}{v / 2**20:>+12.3f}{measured.get(k, 0) / 2**20:>10.3f}{v / measured['total']:>+15.1%}")
+        rows.append(f"{k:<24}{first.get(k, 0) / 2**20:>17.3f}{v / 2**20:>+12.3f}"
+                    f"{measured.get(k, 0) / 2**20:>10.3f}{v / measured['total']:>+15.1%}")
     return "\n".join(rows)
 
 # %% ../nbs/08_plan.ipynb #3368db26
@@ -366,9 +374,12 @@ def activation_bytes(d:dict) -> dict:
     frozen_norm, targets = d["lora"], set(d["targets"])  # a frozen norm weight: mul(weight, x) keeps no copy of x
     adapted = lambda *names: not frozen_norm or bool(targets & set(names))  # is a Linear reading this tensor trained (its input kept)?
     norm_stats = T * H * 4 + T * 4  # float32 input, rsqrt: kept when the residual stream needs a gradient
-    normalized = lambda *names: (0 if frozen_norm else T * H * b) + (T * H * b if adapted(*names) else 0)  # x (trainable weight), output (read by a trained Linear)
-    attention = 2 * T * d["q"] * b + 2 * T * d["cp"] * d["kv"] * b + d["B"] * d["heads"] * d["S"] * 4  # q after RoPE, output; k, v (all CP ranks'); logsumexp
-    mlp = 3 * T * I * b + (T * I * b if adapted("down_proj") else 0)  # gate out (SiLU input), SiLU out, up out; their product (down_proj's input)
+    # x (trainable weight), output (read by a trained Linear)
+    normalized = lambda *names: (0 if frozen_norm else T * H * b) + (T * H * b if adapted(*names) else 0)
+    # q after RoPE, output; k, v (all CP ranks'); logsumexp
+    attention = 2 * T * d["q"] * b + 2 * T * d["cp"] * d["kv"] * b + d["B"] * d["heads"] * d["S"] * 4
+    # gate out (SiLU input), SiLU out, up out; their product (down_proj's input)
+    mlp = 3 * T * I * b + (T * I * b if adapted("down_proj") else 0)
     lora = len(targets) * T * d["r"] * b  # lora_A's output, one per adapted Linear
     layer = 2 * norm_stats + normalized("q_proj", "k_proj", "v_proj") + attention + normalized("gate_proj", "up_proj") + mlp + lora
     # LoRA's first layer: the frozen embedding's output needs no gradient, so nothing before the first adapted Linear keeps its input
@@ -377,23 +388,30 @@ def activation_bytes(d:dict) -> dict:
         normalized("q_proj", "k_proj", "v_proj") + (attention if qkv else T * d["q"] * b if adapted("o_proj") else 0)
         + (norm_stats if after_attention else 0) + normalized("gate_proj", "up_proj")
         + (3 * T * I * b if after_attention or adapted("gate_proj", "up_proj") else 0) + (T * I * b if adapted("down_proj") else 0) + lora)
-    final_norm = T * H * 4 + (0 if frozen_norm else 2 * T * H * b) + T * 4  # frozen weights (LoRA) keep neither normalized x nor lm_head's input
+    # frozen weights (LoRA) keep neither normalized x nor lm_head's input
+    final_norm = T * H * 4 + (0 if frozen_norm else 2 * T * H * b) + T * 4
     rope = 2 * d["S"] * d["head_dim"] * b  # cos and sin, (1, S, head_dim), shared by every layer
     fixed = final_norm + T * V * 4 + rope + 8 * T + 8  # + log_softmax (float32), shifted labels (int64), loss scalars
     loss_extra = T * V * b + (T * V * 4 if b != 4 else 0) + 8 * (T + d["B"])  # logits, their float32 copy, padded labels
     grad_logits = 2 * T * V * 4  # the gradient of log_softmax's output and of its input, float32
     if d["chunks"]:  # chunked cross-entropy: lm_head and the loss one chunk of C tokens at a time, each chunk checkpointed
         C = -(T // -d["chunks"])  # the largest chunk (torch.tensor_split puts the remainder first)
-        fixed = final_norm + (T * H * b if frozen_norm else 0) + rope + 8 * T + 8  # no log_softmax kept; the checkpoint keeps lm_head's input; labels, count
-        loss_extra = C * V * b + (C * V * 4 if b != 4 else 0) + C * V * 4  # one chunk's logits, float32 copy and log_softmax, freed before the next
-        grad_logits = 3 * C * V * 4 + (T - C) * H * b  # one chunk recomputed (log_softmax) and its two float32 gradients; the chunks done keep their hidden gradient
-    # selective-op keeps a layer's input, the outputs of its 1st, 3rd, 5th and 7th matrix multiplies in call order (q, k, v, o, gate, up, down:
+        # no log_softmax kept; the checkpoint keeps lm_head's input; labels, count
+        fixed = final_norm + (T * H * b if frozen_norm else 0) + rope + 8 * T + 8
+        # one chunk's logits, float32 copy and log_softmax, freed before the next
+        loss_extra = C * V * b + (C * V * 4 if b != 4 else 0) + C * V * 4
+        # one chunk recomputed (log_softmax) and its two float32 gradients; the chunks done keep their hidden gradient
+        grad_logits = 3 * C * V * 4 + (T - C) * H * b
+    # selective-op keeps a layer's input, the outputs of its 1st, 3rd, 5th and 7th matrix multiplies in call order (q, k, v, o, gate, up,
+    # down:
     # torchtitan's op policy recomputes every second one) and attention's outputs (output, logsumexp)
     matmul_outputs = [d["q"], d["kv"], d["kv"], H, I, I, H]
     op_layer = T * H * b + T * sum(matmul_outputs[::2]) * b + T * d["q"] * b + d["B"] * d["heads"] * d["S"] * 4
-    return dict(layer=layer, first_layer=first_layer, fixed=fixed, final_norm=final_norm, loss_extra=loss_extra, checkpointed_layer=T * H * b, op_layer=op_layer,
+    return dict(layer=layer, first_layer=first_layer, fixed=fixed, final_norm=final_norm, loss_extra=loss_extra,
+                checkpointed_layer=T * H * b, op_layer=op_layer,
                 mlp_freed=T * I * b if adapted("down_proj") else 0,
-                mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=grad_logits, norm_backward=5 * T * H * 4, norm_input=T * H * 4 + rope + 8,
+                mlp_temps=3 * T * I * b, grad_hidden=T * H * b, grad_logits=grad_logits, norm_backward=5 * T * H * 4,
+                norm_input=T * H * 4 + rope + 8,
                 rope_fp32=2 * d["S"] * d["head_dim"] * 4 + 8)
 
 # %% ../nbs/08_plan.ipynb #ae8678c3
@@ -408,7 +426,7 @@ def buffer_bytes(config) -> int:
     return meta_shapes(config)[1]
 
 def step_context(config, spec:PlanSpec) -> SimpleNamespace:
-    "What every moment of one step reads: the units, each layer's activations kept through forward, the states alive throughout, and what forward leaves gathered."
+    "What every moment of one step reads: the units, the activations kept, the states alive throughout, what stays gathered."
     tensors, d = model_tensors(config, spec), dims(config, spec)
     us, act, W, L = units(tensors, spec), activation_bytes(d), spec.world_size, d["L"]
     root, embed, tail, reshard, tied = us["root"], us["embed"], us["tail"], spec.config.reshard_after_forward, tied_embeddings(tensors)
@@ -416,68 +434,94 @@ def step_context(config, spec:PlanSpec) -> SimpleNamespace:
     layer_units = [[u for n, u in us.items() if n != "root" and u.layer == l] for l in range(L)]  # the units inside decoder layer l
     others = [u for n, u in us.items() if n not in ("root", "embed", "tail") and u.layer < 0]  # lm_head under PER_LINEAR
     grad_b = d["b"]
-    states = dict(sharded_params=_sum(us.values(), "sharded"), buffers=buffer_bytes(config) // (2 if spec.pure_bf16 else 1),  # pure bf16 casts the buffers too
+    # pure bf16 casts the buffers too
+    states = dict(sharded_params=_sum(us.values(), "sharded"), buffers=buffer_bytes(config) // (2 if spec.pure_bf16 else 1),
                   optimizer_state=2 * _sum(us.values(), "sharded_grads") + 4 * _sum(us.values(), "trainable_tensors"))
-    embed_kept = embed.unsharded if reshard is False else 0  # the embeddings reshard as configured; the root and the tail keep their weights
+    # the embeddings reshard as configured; the root and the tail keep their weights
+    embed_kept = embed.unsharded if reshard is False else 0
     head = dict(unsharded_params=root.unsharded + tail.unsharded + embed_kept + _sum(others, "unsharded"))
     kept = lambda ls: sum(_sum(layer_units[l], "unsharded") for l in ls) if reshard is False else 0
     kind, k = parse_ac(spec.policy_ac)
-    checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(L)]  # the layers checkpoint_layers wraps
+    # the layers checkpoint_layers wraps
+    checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(L)]
     whole = lambda l: act["first_layer"] if l == 0 else act["layer"]  # what layer l keeps without checkpointing
-    saved = [(act["op_layer"] if kind == "op" else act["checkpointed_layer"]) if c else whole(l) for l, c in enumerate(checkpointed)]  # kept through forward, per layer
+    # kept through forward, per layer
+    saved = [(act["op_layer"] if kind == "op" else act["checkpointed_layer"]) if c else whole(l) for l, c in enumerate(checkpointed)]
     gathered = lambda b: b if W > 1 else 0  # an all-gather's output buffer, in bytes (none on one rank)
     buffer = lambda u: gathered(u.unsharded)
-    # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the tail, or (edges in the root) the last layer
+    # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the tail, or (edges in the
+    # root) the last layer
     last = others[-1] if others else tail if tail.unsharded else (layer_units[-1] or [root])[-1]
     head_unit = lambda t: t.layer < 0 and "embed_tokens" not in t.name and t.unit in ("tail", "root")  # lm_head, the final norm
     carry = _grad_bytes(tensors, head_unit, grad_b)
-    lm_head_grad = _grad_bytes(tensors, lambda t: t.name.startswith("lm_head"), grad_b) if d["chunks"] > 1 else 0  # accumulated over the chunks done
+    # accumulated over the chunks done
+    lm_head_grad = _grad_bytes(tensors, lambda t: t.name.startswith("lm_head"), grad_b) if d["chunks"] > 1 else 0
     log_softmax = 0 if d["chunks"] else d["T"] * d["V"] * 4  # kept for backward unless chunked (then recomputed, a temporary)
-    def host(moment:dict, copied_back:int) -> dict:  # offloaded activations: the device keeps rope's float32 cos and sin and what backward copied back
+    # offloaded activations: the device keeps rope's float32 cos and sin and what backward copied back
+    def host(moment:dict, copied_back:int) -> dict:
         if not spec.step.offload_activations: return moment
         return moment | dict(activations=act["rope_fp32"], temporaries=moment.get("temporaries", 0) + copied_back)
-    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the unit whose forward ended before
-    # the tail's (the last layer, or under NO_WRAP the embeddings); a root holding lm_head gets its pre-backward at the loss itself, so with the
+    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the unit whose forward ended
+    # before
+    # the tail's (the last layer, or under NO_WRAP the embeddings); a root holding lm_head gets its pre-backward at the loss itself, so with
+    # the
     # edges in the root that prefetch is alive through the loss's backward
     prefetched = (layer_units[-1] or ([embed] if embed.unsharded and spec.edge_units else []))[-1:]
-    after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(prefetched[0]) if reshard is not False and prefetched else 0)
-    post_forward = lambda l: _sum(layer_units[l], "unsharded") // reshard if not isinstance(reshard, bool) else 0  # kept for backward, 1/N each
+    after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(prefetched[0])
+                      if reshard is not False and prefetched else 0)
+    # kept for backward, 1/N each
+    post_forward = lambda l: _sum(layer_units[l], "unsharded") // reshard if not isinstance(reshard, bool) else 0
     embed_copy = embed.unsharded // reshard if not isinstance(reshard, bool) else 0  # the embeddings' 1/N copy, kept for their backward
     return SimpleNamespace(**locals())
 
 # %% ../nbs/08_plan.ipynb #cb820fec
 def head_moments(c:SimpleNamespace) -> list:
-    "The moments from the loss to the start of the layers' backward: end of forward, the loss's backward, the final norm's, the tail's post-backward, and (reshard to N) the start of backward."
+    "The moments from the end of forward to the start of the layers' backward (the loss's, the norm's, the tail's post-backward)."
     spec, d, act, states, head, kept, saved, L, W = c.spec, c.d, c.act, c.states, c.head, c.kept, c.saved, c.L, c.W
-    tail, root, layer_units, reshard, host, after_head, log_softmax = c.tail, c.root, c.layer_units, c.reshard, c.host, c.after_head, c.log_softmax
+    tail, root, layer_units, reshard = c.tail, c.root, c.layer_units, c.reshard
+    host, after_head, log_softmax = c.host, c.after_head, c.log_softmax
     end = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=c.buffer(c.last),
                activations=sum(saved) + act["fixed"] + act["loss_extra"] - (0 if d["chunks"] else 8))
-    out = [("loss (end of forward)", end if not spec.step.offload_activations else end | dict(activations=act["rope_fp32"] + act["loss_extra"] + log_softmax))]
-    out.append(("loss backward", host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"], activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
+    out = [("loss (end of forward)", end if not spec.step.offload_activations
+            else end | dict(activations=act["rope_fp32"] + act["loss_extra"] + log_softmax))]
+    out.append(("loss backward",
+                host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"],
+                          activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
                                             temporaries=act["grad_logits"] + c.lm_head_grad), log_softmax)))
-    out.append(("final norm backward", host(dict(after_head, activations=sum(saved) + act["norm_input"], temporaries=act["norm_backward"] + c.carry), d["T"] * d["H"] * 4)))
-    if tail.reduce and not c.tied:  # the tail's post-backward: its weights freed, its gradients still whole while their reduce-scatter input is built
+    out.append(("final norm backward",
+                host(dict(after_head, activations=sum(saved) + act["norm_input"], temporaries=act["norm_backward"] + c.carry),
+                     d["T"] * d["H"] * 4)))
+    # the tail's post-backward: its weights freed, its gradients still whole while their reduce-scatter input is built
+    if tail.reduce and not c.tied:
         out.append(("tail post-backward", host(dict(after_head, unsharded_params=head["unsharded_params"] - tail.unsharded + kept(range(L)),
-                                                     activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4, temporaries=act["norm_backward"] + c.carry,
+                                                     activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4,
+                                                     temporaries=act["norm_backward"] + c.carry,
                                                      unsharded_grads=c.carry, reduce_scatter_buffers=tail.reduce if W > 1 else 0), 0)))
     if not isinstance(reshard, bool):
-        out.append(("backward start", dict(states, unsharded_params=root.unsharded + tail.unsharded, all_gather_buffers=c.buffer(c.last), temporaries=_sum(layer_units[-1], "unsharded"),
-                                           activations=sum(saved) + act["fixed"] + 4 + sum(c.post_forward(l) for l in range(L)) + c.embed_copy)))
+        out.append(("backward start",
+                    dict(states, unsharded_params=root.unsharded + tail.unsharded, all_gather_buffers=c.buffer(c.last),
+                         temporaries=_sum(layer_units[-1], "unsharded"),
+                                           activations=sum(saved) + act["fixed"] + 4 + sum(
+                                               c.post_forward(l) for l in range(L)) + c.embed_copy)))
     return out
 
 # %% ../nbs/08_plan.ipynb #84c1506d
 def backward_moments(c:SimpleNamespace) -> list:
     "Each layer's MLP backward, from the last layer to the first, then the embeddings' backward."
     spec, d, act, states, kept, saved, L, W, tensors = c.spec, c.d, c.act, c.states, c.kept, c.saved, c.L, c.W, c.tensors
-    tail, root, embed, layer_units, reshard, tied, carry, grad_b = c.tail, c.root, c.embed, c.layer_units, c.reshard, c.tied, c.carry, c.grad_b
-    checkpointed, whole, post_forward, embed_copy, embed_kept, gathered, host, out = c.checkpointed, c.whole, c.post_forward, c.embed_copy, c.embed_kept, c.gathered, c.host, []
-    # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its weights freed before the layers';
+    tail, root, embed, layer_units = c.tail, c.root, c.embed, c.layer_units
+    reshard, tied, carry, grad_b = c.reshard, c.tied, c.carry, c.grad_b
+    checkpointed, whole, post_forward, embed_copy = c.checkpointed, c.whole, c.post_forward, c.embed_copy
+    embed_kept, gathered, host, out = c.embed_kept, c.gathered, c.host, []
+    # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its weights freed before
+    # the layers';
     # tied, the tail holds the embeddings too and waits for their backward, at the very end
     tail_open = tail.unsharded if tied else 0  # the tail's gathered weights, alive through the layers' backward only when tied
     held = 0 if tied else tail.reduce  # reduce-scatter input kept until the next unit's post-backward
     embed_gather = embed.unsharded if reshard is not False else 0  # the embeddings gathered again for their backward
     done_sharded_grads, done_unsharded_grads = 0 if tied or spec.step.optimizer_in_backward else tail.sharded_grads, 0
-    carry_open = carry if tied or not spec.edge_units else 0  # kept until the unit holding lm_head reduces: the tail's post-backward, or the root's at the end
+    # kept until the unit holding lm_head reduces: the tail's post-backward, or the root's at the end
+    carry_open = carry if tied or not spec.edge_units else 0
     layer_grads, down_grads = [0] * L, [0] * L  # unsharded gradient bytes per layer, and of its down_proj
     for t in tensors:
         if t.trainable and t.layer >= 0:
@@ -487,21 +531,29 @@ def backward_moments(c:SimpleNamespace) -> list:
         current, down = layer_units[j], down_grads[j]
         rope = 2 * d["S"] * d["head_dim"] * d["b"] + 8
         if checkpointed[j]:  # recomputed tensors count as temporaries (less what selective-op kept); the final norm's saved tensors stay
-            activations = sum(saved[:j + 1]) + 4 * d["T"] + rope  # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
-            recomputed = whole(j) - act["mlp_freed"] - (saved[j] - act["checkpointed_layer"]) - (act["checkpointed_layer"] if d["b"] == 4 else 0)
+            # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
+            activations = sum(saved[:j + 1]) + 4 * d["T"] + rope
+            recomputed = whole(j) - act["mlp_freed"] - (saved[j] - act["checkpointed_layer"]) - (
+                act["checkpointed_layer"] if d["b"] == 4 else 0)
         else: activations, recomputed = sum(saved[:j]) + whole(j) - act["mlp_freed"] + rope, 0
         activations += sum(post_forward(l) for l in range(j + 1)) + embed_copy
-        temporaries = carry_open + done_unsharded_grads + act["grad_hidden"] + down + act["mlp_temps"] + recomputed + (held if W == 1 and not spec.step.optimizer_in_backward else 0)
-        copied_back = act["checkpointed_layer"] if checkpointed[j] else 2 * d["T"] * d["I"] * d["b"]  # offloaded: the layer's input, or SiLU's and up_proj's outputs
+        temporaries = carry_open + done_unsharded_grads + act["grad_hidden"] + down + act["mlp_temps"] + recomputed + (
+            held if W == 1 and not spec.step.optimizer_in_backward else 0)
+        # offloaded: the layer's input, or SiLU's and up_proj's outputs
+        copied_back = act["checkpointed_layer"] if checkpointed[j] else 2 * d["T"] * d["I"] * d["b"]
         out.append((f"layer {j} backward (MLP)", host(dict(states, activations=activations, temporaries=temporaries,
                     reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads,
                     unsharded_params=root.unsharded + tail_open + embed_kept + _sum(current, "unsharded") + kept(range(j)),
                     all_gather_buffers=gathered(_sum(layer_units[j - 1], "unsharded") if j > 0 else embed_gather)), copied_back)))
-        if current: held, done_sharded_grads = _sum(current, "reduce"), done_sharded_grads + (0 if spec.step.optimizer_in_backward else _sum(current, "sharded_grads"))  # stepped and freed in backward
+        if current:
+            held, done_sharded_grads = _sum(current, "reduce"), done_sharded_grads + (
+                0 if spec.step.optimizer_in_backward else _sum(current, "sharded_grads"))  # stepped and freed in backward
         else: done_unsharded_grads += layer_grads[j]
     # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient (vocab x hidden) computed
     embed_grad = _grad_bytes(tensors, lambda t: "embed_tokens" in t.name, grad_b)
-    out.append(("embeddings backward", dict(states, activations=8 * d["T"], temporaries=embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads + (held if W == 1 else 0),
+    out.append(("embeddings backward",
+                dict(states, activations=8 * d["T"],
+                     temporaries=embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads + (held if W == 1 else 0),
                 reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads, all_gather_buffers=gathered(embed_gather),
                 unsharded_params=root.unsharded + tail_open + embed.unsharded)))
     return out
@@ -512,7 +564,8 @@ def moments(config, spec:PlanSpec) -> list:
     c = step_context(config, spec)
     out = head_moments(c) + backward_moments(c)
     largest = max(u.largest_shard for u in c.us.values())
-    if not spec.step.optimizer_in_backward: out.append(("optimizer step", dict(c.states, sharded_grads=_sum(c.us.values(), "sharded_grads"), temporaries=2 * largest)))
+    if not spec.step.optimizer_in_backward:
+        out.append(("optimizer step", dict(c.states, sharded_grads=_sum(c.us.values(), "sharded_grads"), temporaries=2 * largest)))
     return [(name, m | dict(total=sum(m.values()))) for name, m in out]
 
 def predict_peak(config, spec:PlanSpec) -> tuple:
@@ -525,9 +578,11 @@ def comm_per_unit(config, spec:PlanSpec) -> list:
     if spec.world_size == 1: return []
     out = []
     for u in units(model_tensors(config, spec), spec).values():
-        keeps = u.name == "tail" or (u.name == "root" and spec.edge_units) or spec.config.reshard_after_forward is False  # apply_fsdp's root and tail keep their weights
+        # apply_fsdp's root and tail keep their weights
+        keeps = u.name == "tail" or (u.name == "root" and spec.edge_units) or spec.config.reshard_after_forward is False
         gathers = (1 if keeps else 2) if u.unsharded else 0
-        out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded, reduce_scatters=int(u.reduce > 0), reduce_scatter_bytes=u.reduce))
+        out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded, reduce_scatters=int(u.reduce > 0),
+                        reduce_scatter_bytes=u.reduce))
     return out
 
 def predict_comm(config, spec:PlanSpec) -> dict:
@@ -549,9 +604,11 @@ MODEL_PRESETS = {  # public architectures' config.json values (no weights), buil
     "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
     "llama-3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                        rms_norm_eps=1e-5),
     "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, sliding_window=4096, rms_norm_eps=1e-5),
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, sliding_window=4096,
+                       rms_norm_eps=1e-5),
     "yi-34b": dict(model_type="llama", vocab_size=64000, hidden_size=7168, intermediate_size=20480, num_hidden_layers=60,
                    num_attention_heads=56, num_key_value_heads=8, max_position_embeddings=4096, rope_theta=5000000.0, rms_norm_eps=1e-5),
     "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -607,14 +664,15 @@ def step_memory(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, me
     shapes, buffers = meta_shapes(config)
     params = sum(math.prod(s) for _, s in shapes)
     build = params * 4 + buffers  # each rank builds the whole model in fp32 before fully_shard shards it
-    if build > parts["total"]: moment, parts = "building the model (fp32, whole, before sharding)", dict(parameters=params * 4, buffers=buffers, total=build)
+    if build > parts["total"]:
+        moment, parts = "building the model (fp32, whole, before sharding)", dict(parameters=params * 4, buffers=buffers, total=build)
     states = sum(v for k, v in parts.items() if k in ("sharded_params", "sharded_grads", "optimizer_state", "buffers", "parameters"))
     sizes = {k: getattr(config, k, None) for k in SIZE_KEYS}
     return dict(parameters=params, sizes=sizes, peak_moment=moment, parts={k: v for k, v in parts.items() if k != "total" and v},
                 per_rank=parts["total"], per_host=nproc * parts["total"], model_states=states, available=host_memory())
 
 def check_fits(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, method:str="full", lora_r:int=8) -> dict:
-    "Refuse a step needing more host memory than this machine has available; per rank it counts params, grads and AdamW states sharded over nproc x nnodes, gathered layers, activations and logits of batch x seq_len (plan's formulas, fp32), or the whole fp32 model built before sharding if larger, times nproc; not the processes' own libraries."
+    "Refuse a step needing more host memory than this machine has available (per rank: `step_memory`, times nproc)."
     for name, value in (("--batch", batch), ("--seq-len", seq_len), ("--nproc", nproc), ("--nnodes", nnodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1: raise bad_value(name, value, "a whole number >= 1")
     m = step_memory(model, batch, seq_len, nproc, nnodes, method, lora_r)
@@ -626,7 +684,8 @@ def check_fits(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, met
         given = _given_keys(model)
         sizes = ", ".join(f"{k}={v}" + ("" if k in given else " (transformers' default)") for k, v in m["sizes"].items())
         raise bad_value("model", str(model), "a model whose training step fits in this machine's memory",
-                        f"{m['parameters']:,} parameters ({sizes}): a step of {batch} x {seq_len} tokens per rank {need}: use a smaller model (set these keys in its config.json)")
+                        f"{m['parameters']:,} parameters ({sizes}): a step of {batch} x {seq_len} tokens per rank {need}: use a smaller "
+                        "model (set these keys in its config.json)")
     raise bad_value("--batch", batch, f"a batch whose step fits in this machine's memory with --seq-len {seq_len}",
                     f"model={str(model)!r} ({m['parameters']:,} parameters) {need}: use a smaller --batch or --seq-len")
 

@@ -1,4 +1,4 @@
-"""The step model on real GPUs: allocator overhead, CUDA context, quantization state and CPU offload added to the per-GPU peak; the settings that fit ranked by bytes moved per token; published figures beside the predictions; a planner to play with.
+"""The step model on real GPUs (allocator, CUDA context, quantization state, offload); what fits, ranked; published figures
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 
@@ -7,7 +7,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 # %% auto #0
 __all__ = ['ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PRECISIONS', 'RESERVED_RANGE', 'PLAN_OPTIONS', 'LOAD_PATHS',
            'RECOMPUTE', 'EXTRAS', 'RECOMMEND_LINES', 'SAVERS', 'PUBLISHED', 'PLANNER_GRID', 'GPUPlan',
-           'load_high_water', 'plan_gpu', 'plan_text', 'recommend', 'published_table', 'planner_table', 'plan_line']
+           'load_high_water', 'gpu_spec', 'plan_gpu', 'plan_text', 'recommend', 'published_table', 'planner_table',
+           'plan_line']
 
 # %% ../nbs/08b_plan_gpu.ipynb #7fdf3993
 import math
@@ -19,9 +20,11 @@ from .plan import PlanSpec, layer_index, meta_shapes, model_tensors, units, dims
 from .plan import comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
 
 # %% ../nbs/08b_plan_gpu.ipynb #7a280d94
-ALLOCATOR_OVERHEAD = 0.10  # CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak.
+# CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak.
+ALLOCATOR_OVERHEAD = 0.10
 # Fitted on the one published pair of both statistics: Answer.AI's Llama-2-7B LoRA row (benchmarks_03_2024.md: 9.16 GiB allocated, 10.22 GiB
-# reserved, 11.6% more; see PUBLISHED). No record of benchmarks/gpu_check.py (examples/gpu/) has checked it yet: `plan --validate` on CUDA does.
+# reserved, 11.6% more; see PUBLISHED). No record of benchmarks/gpu_check.py (examples/gpu/) has checked it yet: `plan --validate` on CUDA
+# does.
 
 CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds).
 # An assumption, not a measurement: the order nvidia-smi shows for a process that has only initialised CUDA 12 and NCCL on A100/H100 cards
@@ -30,9 +33,11 @@ CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # CUDA context and NCCL communicators per
 GB = 10**9
 
 PRECISIONS = {"fp32": dict(mixed_precision="no"), "accelerate-bf16": dict(mixed_precision="bf16"),
-              "bf16-fp32-reduce": dict(mixed_precision="bf16", reduce_dtype="fp32"), "pure-bf16": dict(mixed_precision="no", base_dtype="bf16")}  # --precision -> plan_gpu's arguments
+              "bf16-fp32-reduce": dict(mixed_precision="bf16", reduce_dtype="fp32"),
+              "pure-bf16": dict(mixed_precision="no", base_dtype="bf16")}  # --precision -> plan_gpu's arguments
 
-RESERVED_RANGE = (0.0, 2 * ALLOCATOR_OVERHEAD)  # reserved beyond allocated, low and high, as a fraction of allocated: never below what is handed out; twice the overhead the peak assumes
+# reserved beyond allocated, low and high, as a fraction of allocated: never below what is handed out; twice the overhead the peak assumes
+RESERVED_RANGE = (0.0, 2 * ALLOCATOR_OVERHEAD)
 
 @dataclass
 class GPUPlan:
@@ -41,10 +46,10 @@ class GPUPlan:
     parameters:int # counted on the meta device
     gpus:int # GPUs sharing the parameters (FSDP over all of them; CP ranks included)
     gpu_mem_gb:float # memory of one GPU, GB (10^9 bytes)
-    settings:dict # method, lora_r, lora_targets, batch, seq_len, grad_ckpt, offload, mixed_precision, precision, reshard, cp, base_dtype, ac (the checkpointing policy run), compile, edge_units, cpu_ram_efficient_loading
+    settings:dict # the setting planned: method, LoRA, batch, seq_len, precision, reshard, cp, ac (the policy run), offload, savers, layout
     per_gpu_peak_bytes:int # tensors at the peak + allocator overhead + CUDA context (what nvidia-smi shows)
     per_gpu_allocated_bytes:int # tensors at the peak (torch.cuda.max_memory_allocated)
-    per_gpu_reserved_bytes:list # [low, high]: what the caching allocator holds at the peak (torch.cuda.max_memory_reserved), without the CUDA context
+    per_gpu_reserved_bytes:list # [low, high] the caching allocator holds at the peak (max_memory_reserved), without the CUDA context
     breakdown:dict # category -> bytes at the peak
     peak_moment:str # where in the step the peak falls
     host_bytes:int # host memory per GPU process during training (offloaded states), bytes
@@ -52,18 +57,20 @@ class GPUPlan:
     fits:bool # per_gpu_peak_bytes <= gpu_mem_gb
     communication:dict # per GPU per step: all_gather / reduce_scatter {count, bytes}, per_unit, context_parallel, host_device, total_bytes
     notes:list=field(default_factory=list) # what the model assumes
-    terms:dict=field(default_factory=dict) # each memory-saving setting that is on -> bytes it takes off per_gpu_allocated_bytes (the same plan with it off, minus this one)
+    terms:dict=field(default_factory=dict) # each memory saver that is on -> the bytes it takes off per_gpu_allocated_bytes
 
 PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # argument -> option of fsdp-kit plan
 
 def _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r):
     "Refuse settings that make no sense, naming the field."
     for name, value in (("gpus", gpus), ("batch", batch), ("seq_len", seq_len), ("cp", cp), ("lora_r", lora_r)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1: raise bad_value(f"--{PLAN_OPTIONS[name]}", value, f"a whole number >= 1 ({name})")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_value(f"--{PLAN_OPTIONS[name]}", value, f"a whole number >= 1 ({name})")
     if isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb, (int, float)) or not math.isfinite(gpu_mem_gb) or gpu_mem_gb <= 0:
         raise bad_value("--gpu-mem-gb", gpu_mem_gb, "a finite number of GB > 0 (gpu_mem_gb)")
     if method not in ("full", "lora", "qlora"): raise bad_value("method", method, "full, lora or qlora")
-    if accelerate_precision(mixed_precision) not in ("no", "bf16"): raise bad_value("mixed_precision", mixed_precision, "no or bf16 (fp32, the old spelling of no, is read as no)")
+    if accelerate_precision(mixed_precision) not in ("no", "bf16"):
+        raise bad_value("mixed_precision", mixed_precision, "no or bf16 (fp32, the old spelling of no, is read as no)")
     if gpus % cp: raise bad_value("cp", cp, f"a divisor of gpus={gpus}")
     if seq_len % cp: raise bad_value("cp", cp, f"a divisor of seq_len={seq_len}")
 
@@ -99,42 +106,52 @@ def _cp_comm(config, spec:PlanSpec) -> int:
     d = dims(config, spec)
     return d["L"] * 2 * 2 * d["T"] * spec.cp * d["kv"] * d["b"]
 
-def plan_gpu(model:str, # preset or config.json path
-             gpus:int=8, # GPUs (FSDP shards over all of them)
-             gpu_mem_gb:float=80, # memory per GPU, GB
+def gpu_spec(model:str, # preset or config.json path
+             gpus:int=8, # GPUs (FSDP shards over all of them): the spec's world_size
              method:str="full", # full, lora (bf16 base) or qlora (NF4 base, bf16 storage)
              lora_r:int=8, # LoRA rank, all linear layers of the decoder
              batch:int=1, # sequences per GPU per step
              seq_len:int=2048, # tokens per sequence
-             grad_ckpt:bool=False, # activation checkpointing per decoder layer
+             grad_ckpt:bool=False, # activation checkpointing per decoder layer (the policy full)
              offload:bool=False, # CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
-             mixed_precision:str="bf16", # bf16 (accelerate's: param_dtype bf16, reduce in bf16, fp32 master weights) or no (fp32; "fp32" read as no)
+             mixed_precision:str="bf16", # bf16 (accelerate's: bf16 compute and reduce, fp32 master weights) or no ("fp32" read as no)
              reshard:bool=True, # reshard_after_forward
              cp:int=1, # context-parallel ranks (sequence split), inside `gpus`
-             base_dtype:str=None, # the dtype the weights are kept in: None (fp32 for full, bf16 for LoRA/QLoRA's base), bf16 (pure bf16 for full) or fp32
-             ac:str=None, # activation checkpointing policy: none, full, selective-layer:K or selective-op (fsdp_kit.ac); None: full if grad_ckpt
+             base_dtype:str=None, # weights kept in: None (fp32 full, bf16 LoRA base), bf16 (pure bf16 for full) or fp32
+             ac:str=None, # activation checkpointing policy: none, full, selective-layer:K or selective-op; None: full if grad_ckpt
              lora_targets:str="all-linear", # the Linears LoRA adapts: all-linear, or names joined by commas (q_proj,v_proj)
-             optimizer_in_backward:bool=False, # AdamW stepped per parameter in backward, each sharded gradient freed once used
-             offload_activations:bool=False, # what autograd saves for backward kept in host memory, copied back layer by layer in backward
-             fp8_all_gather:bool=False, # decoder Linear weights all-gathered in float8 (torchao Float8 with enable_fsdp_float8_all_gather); needs bf16
-             ce_chunks:int=0, # chunked cross-entropy: the loss in this many chunks of tokens, logits never whole (torchtune's CEWithChunkedOutputLoss uses 8); 0: whole logits
+             **flat # PlanSpec.of's other names: ce_chunks, optimizer_in_backward, offload_activations, fp8_all_gather, edge_units, ...
+            ) -> PlanSpec:
+    "The PlanSpec of one GPU setting under the GPU planner's names and defaults (one 2048-token sequence per GPU, bf16)."
+    _check_plan_args(gpus, 1, method, batch, seq_len, cp, mixed_precision, lora_r)
+    if base_dtype not in (None, "bf16", "fp32"):
+        raise bad_value("base_dtype", base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
+    return PlanSpec.of(model, gpus, reshard_after_forward=reshard, mixed_precision=accelerate_precision(mixed_precision),
+                       activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r, cpu_offload=offload, base_dtype=base_dtype, ac=ac,
+                       lora_targets=lora_targets, batch=batch, seq_len=seq_len, cp=cp, **flat)
+
+def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, cp, fsdp, step, lora (gpu_spec builds one from the planner's names)
+             gpus:int=None, # GPUs (FSDP shards over all of them); None: the spec's world_size
+             gpu_mem_gb:float=80, # memory per GPU, GB
              compile:bool=False, # torch.compile: accepted, not modelled (the plan is the eager step's, and says so)
-             edge_units:bool=True, # embeddings and [norm, lm_head] in units of their own (apply_fsdp, accelerate's FSDP2 path); False: in the root (FSDP1, layer-only FSDP2 code)
              cpu_ram_efficient_loading:str=None, # with qlora and offload, how the 4-bit model was loaded (LOAD_PATHS); None: not modelled
-             reduce_dtype:str=None, # "fp32": under bf16, gradients reduce-scattered in float32 (torchtitan's default); None: in bf16
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
+    if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a PlanSpec (plan_gpu.gpu_spec builds one from a model name)")
+    spec = spec if gpus is None else replace(spec, world_size=gpus)
+    cfg, step, lora = spec.config, spec.step, spec.lora
+    model, gpus, method, batch, seq_len, cp = spec.model, spec.world_size, spec.method, spec.batch, spec.seq_len, spec.cp
+    lora_r, lora_targets = (lora.r, lora.targets) if lora else (8, "all-linear")
+    mixed_precision = accelerate_precision(cfg.mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
+    offload, reshard, reduce_dtype, edge_units = cfg.cpu_offload, cfg.reshard_after_forward, cfg.reduce_dtype, spec.edge_units
+    ce_chunks, optimizer_in_backward, offload_activations = step.ce_chunks, step.optimizer_in_backward, step.offload_activations
+    fp8_all_gather, base_dtype = spec.fp8_all_gather, spec.flat()["base_dtype"]
     config = plan_config(model)
-    if base_dtype not in (None, "bf16", "fp32"): raise bad_value("base_dtype", base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
-    mixed_precision = accelerate_precision(mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     if cpu_ram_efficient_loading not in (None, *LOAD_PATHS):
         raise bad_value("cpu_ram_efficient_loading", cpu_ram_efficient_loading, f"None, {' or '.join(LOAD_PATHS)}")
-    spec = PlanSpec.of(model, gpus, reshard_after_forward=reshard, mixed_precision=mixed_precision, activation_checkpointing=grad_ckpt, method=method, lora_r=lora_r,
-                    cpu_offload=offload, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward,
-                    offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units, reduce_dtype=reduce_dtype, batch=batch, seq_len=seq_len,
-                    cp=cp).check()
+    spec = replace(spec, fsdp=replace(cfg, mixed_precision=mixed_precision)).check()
     tensors = model_tensors(config, spec)
     ms = moments(config, spec)
     states = {k: ms[-1][1].get(k, 0) for k in ("sharded_params", "sharded_grads", "optimizer_state")}
@@ -157,10 +174,12 @@ def plan_gpu(model:str, # preset or config.json path
     comm["context_parallel"] = dict(bytes=_cp_comm(config, spec))
     if offload:  # each all-gather first copies the unit's shard to the GPU; each reduce-scatter's output goes back to the host
         us = units(tensors, spec).values()
-        gathers = {d["unit"]: d["all_gathers"] for d in comm["per_unit"]}  # as the all-gathers count them: a kept unit (the tail) once; one GPU: once
+        # as the all-gathers count them: a kept unit (the tail) once; one GPU: once
+        gathers = {d["unit"]: d["all_gathers"] for d in comm["per_unit"]}
         comm["host_device"] = dict(bytes=sum(u.sharded * gathers.get(u.name, 1) + u.sharded_grads for u in us))
     offloaded = 0
-    if offload_activations:  # what the end of forward keeps without offloading, less the loss's transient logits: to the host in forward, back in backward
+    # what the end of forward keeps without offloading, less the loss's transient logits: to the host in forward, back in backward
+    if offload_activations:
         kept = moments(config, replace(spec, step=replace(spec.step, offload_activations=False)))[0][1]["activations"]
         offloaded = kept - activation_bytes(dims(config, spec))["loss_extra"]
         comm["host_device"] = dict(bytes=comm.get("host_device", {}).get("bytes", 0) + 2 * offloaded)
@@ -168,36 +187,46 @@ def plan_gpu(model:str, # preset or config.json path
     load = sum(math.prod(s) for _, s in meta_shapes(config)[0]) * (4 if spec.precision == "fp32" else 2)
     procs = min(gpus, 8)
     host = (sum(states.values()) + 2 * max(t.shard_numel(gpus) * 4 for t in tensors if t.trainable) if offload else 0) + offloaded
-    notes = [f"allocator overhead modelled as {ALLOCATOR_OVERHEAD:.0%} of the tensors alive at the peak, plus {CUDA_CONTEXT_BYTES / 2**30:.1f} GiB of CUDA context and NCCL per process",
+    notes = [f"allocator overhead modelled as {ALLOCATOR_OVERHEAD:.0%} of the tensors alive at the peak, plus "
+             f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB of CUDA context and NCCL per process",
              "communication counts network collectives and, with offload, host-device copies (total_bytes adds both)",
-             "activations as the kit measures them on CPU with SDPA (saved q, k, v, output and logsumexp per layer; flash attention on GPU saves the same)"]
-    if method == "qlora": notes.append("quantization state (absmax, code tables) is kept whole on every GPU: it is not a parameter, FSDP does not shard it")
-    notes.append(f"per_gpu_reserved_bytes: allocated plus {RESERVED_RANGE[0]:.0%} to {RESERVED_RANGE[1]:.0%}, without the CUDA context; the peak adds the context to allocated plus {ALLOCATOR_OVERHEAD:.0%}")
-    if fp8_all_gather: notes.append("float8 all-gather: decoder Linear weights gathered and kept unsharded in 1 byte per element; Float8 matmuls' own saved casts are not modelled (activations as bf16)")
-    if compile: notes.append("torch.compile is not modelled: it fuses element-wise ops and can save fewer activations; this plan is the eager step's, an upper bound for activations")
+             "activations as the kit measures them on CPU with SDPA (saved q, k, v, output and logsumexp per layer; flash attention on GPU "
+             "saves the same)"]
+    if method == "qlora":
+        notes.append("quantization state (absmax, code tables) is kept whole on every GPU: it is not a parameter, FSDP does not shard it")
+    notes.append(f"per_gpu_reserved_bytes: allocated plus {RESERVED_RANGE[0]:.0%} to {RESERVED_RANGE[1]:.0%}, without the CUDA context; "
+                 f"the peak adds the context to allocated plus {ALLOCATOR_OVERHEAD:.0%}")
+    if fp8_all_gather:
+        notes.append("float8 all-gather: decoder Linear weights gathered and kept unsharded in 1 byte per element; Float8 matmuls' own "
+                     "saved casts are not modelled (activations as bf16)")
+    if compile:
+        notes.append("torch.compile is not modelled: it fuses element-wise ops and can save fewer activations; this plan is the eager "
+                     "step's, an upper bound for activations")
     if high_water: notes.append(f"loading ({cpu_ram_efficient_loading}) holds {high_water / GB:.2f} GB at its top; "
                                 "the caching allocator keeps it reserved and the step reuses it")
     reserved = [max(int(allocated * (1 + f)), high_water) for f in RESERVED_RANGE]
-    args = dict(model=model, gpus=gpus, gpu_mem_gb=gpu_mem_gb, method=method, lora_r=lora_r, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=ac, lora_targets=lora_targets, ce_chunks=ce_chunks,
-                optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations, fp8_all_gather=fp8_all_gather, edge_units=edge_units,
-                cpu_ram_efficient_loading=cpu_ram_efficient_loading)
-    off = dict(ac=dict(ac="none", grad_ckpt=False) if spec.policy_ac != "none" else None, offload=dict(offload=False) if offload else None,
-               ce_chunks=dict(ce_chunks=0) if ce_chunks else None, optimizer_in_backward=dict(optimizer_in_backward=False) if optimizer_in_backward else None,
-               offload_activations=dict(offload_activations=False) if offload_activations else None, fp8_all_gather=dict(fp8_all_gather=False) if fp8_all_gather else None,
-               precision=dict(mixed_precision="bf16", base_dtype=None) if spec.pure_bf16 else None)
-    terms = {k: _allocated(args | v) - allocated for k, v in off.items() if v is not None} if _terms else {}
+    fsdp_off, step_off = lambda **kw: replace(spec, fsdp=replace(spec.config, **kw)), lambda **kw: replace(spec, step=replace(step, **kw))
+    off = dict(ac=fsdp_off(ac="none") if spec.policy_ac != "none" else None, offload=fsdp_off(cpu_offload=False) if offload else None,
+               ce_chunks=step_off(ce_chunks=0) if ce_chunks else None,
+               optimizer_in_backward=step_off(optimizer_in_backward=False) if optimizer_in_backward else None,
+               offload_activations=step_off(offload_activations=False) if offload_activations else None,
+               fp8_all_gather=replace(spec, fp8_all_gather=False) if fp8_all_gather else None,
+               precision=replace(fsdp_off(mixed_precision="bf16"), step=replace(step, precision="fp32")) if spec.pure_bf16 else None)
+    terms = {k: _allocated(v, cpu_ram_efficient_loading) - allocated for k, v in off.items() if v is not None} if _terms else {}
     return GPUPlan(model, sum(math.prod(s) for _, s in meta_shapes(config)[0]), gpus, gpu_mem_gb,
-                   dict(method=method, lora_r=lora_r, lora_targets=lora_targets, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
-                        fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, grad_ckpt=grad_ckpt, offload=offload,
-                        mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, precision=spec.precision, reshard=reshard, cp=cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=compile,
+                   dict(method=method, lora_r=lora_r, lora_targets=lora_targets, ce_chunks=ce_chunks,
+                        optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations,
+                        fp8_all_gather=fp8_all_gather, batch=batch, seq_len=seq_len, grad_ckpt=spec.policy_ac == "full", offload=offload,
+                        mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, precision=spec.precision, reshard=reshard, cp=cp,
+                        base_dtype=base_dtype, ac=spec.policy_ac, compile=compile,
                         edge_units=edge_units, cpu_ram_efficient_loading=cpu_ram_efficient_loading),
-                   per_gpu, allocated, reserved, breakdown, name, host, dict(cpu_ram_efficient_loading=load, every_process_loads=procs * load),
+                   per_gpu, allocated, reserved, breakdown, name, host,
+                   dict(cpu_ram_efficient_loading=load, every_process_loads=procs * load),
                    per_gpu <= gpu_mem_gb * GB, comm, notes, terms)
 
-def _allocated(kwargs:dict) -> int:
-    "per_gpu_allocated_bytes of the plan `kwargs` describes (its terms left out)."
-    return plan_gpu(**kwargs, _terms=False).per_gpu_allocated_bytes
+def _allocated(spec:PlanSpec, loading:str) -> int:
+    "per_gpu_allocated_bytes of the plan of `spec` (its terms left out)."
+    return plan_gpu(spec, cpu_ram_efficient_loading=loading, _terms=False).per_gpu_allocated_bytes
 
 def _describe(p:GPUPlan) -> str:
     "The settings of a plan in a few words."
@@ -205,7 +234,8 @@ def _describe(p:GPUPlan) -> str:
     return (f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}, {s['method']}" + (f" r={s['lora_r']}" if s["method"] != "full" else "")
             + (f" on {s['lora_targets']}" if s["method"] != "full" and s["lora_targets"] != "all-linear" else "")
             + (f", {s['precision']}" if s["method"] == "full" else "") + f", batch {s['batch']}, "
-            f"reshard {s['reshard']}, checkpointing {dict(none='off', full='on').get(s['ac'], s['ac'])}, offload {'on' if s['offload'] else 'off'}"
+            f"reshard {s['reshard']}, checkpointing {dict(none='off', full='on').get(s['ac'], s['ac'])}, offload "
+            f"{'on' if s['offload'] else 'off'}"
             + f", chunked CE ({s['ce_chunks']})" * bool(s["ce_chunks"]) + ", optimizer in backward" * s["optimizer_in_backward"]
             + ", activations offloaded" * s["offload_activations"] + ", fp8 all-gather" * s["fp8_all_gather"]
             + ", embeddings and head in the root" * (not s.get("edge_units", True)))
@@ -214,30 +244,37 @@ def plan_text(p:GPUPlan) -> str:
     "A few lines: the per-GPU peak and its breakdown, host memory, fit, communication."
     lines = [f"{p.model} ({p.parameters:,} parameters) on {p.gpus} x {p.gpu_mem_gb:g} GB, {_describe(p)}, seq {p.settings['seq_len']}",
              f"per-GPU peak {p.per_gpu_peak_bytes / GB:.2f} GB at '{p.peak_moment}': {'fits' if p.fits else 'does NOT fit'} "
-             f"(allocated {p.per_gpu_allocated_bytes / GB:.2f} GB, reserved {p.per_gpu_reserved_bytes[0] / GB:.2f}-{p.per_gpu_reserved_bytes[1] / GB:.2f} GB)"]
+             f"(allocated {p.per_gpu_allocated_bytes / GB:.2f} GB, reserved "
+             f"{p.per_gpu_reserved_bytes[0] / GB:.2f}-{p.per_gpu_reserved_bytes[1] / GB:.2f} GB)"]
     lines += [f"  {k:<24}{v / GB:>9.3f} GB" for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1])]
     if p.terms: lines.append("each setting against this plan without it (allocated): " + ", ".join(
         f"{k} {'saves' if v >= 0 else 'costs'} {abs(v) / GB:.2f} GB" for k, v in sorted(p.terms.items(), key=lambda kv: -kv[1])))
-    lines.append(f"host memory per process {p.host_bytes / GB:.2f} GB; at load per node {p.host_load_bytes['cpu_ram_efficient_loading'] / GB:.1f} GB "
+    lines.append(f"host memory per process {p.host_bytes / GB:.2f} GB; at load per node "
+                 f"{p.host_load_bytes['cpu_ram_efficient_loading'] / GB:.1f} GB "
                  f"(cpu_ram_efficient_loading) or {p.host_load_bytes['every_process_loads'] / GB:.1f} GB (every process loads)")
     c = p.communication
-    lines.append(f"communication per GPU per step: all-gather {c.get('all_gather', {}).get('bytes', 0) / GB:.2f} GB in {c.get('all_gather', {}).get('count', 0)} calls, "
-                 f"reduce-scatter {c.get('reduce_scatter', {}).get('bytes', 0) / GB:.2f} GB in {c.get('reduce_scatter', {}).get('count', 0)} calls "
+    lines.append(f"communication per GPU per step: all-gather {c.get('all_gather', {}).get('bytes', 0) / GB:.2f} GB in "
+                 f"{c.get('all_gather', {}).get('count', 0)} calls, "
+                 f"reduce-scatter {c.get('reduce_scatter', {}).get('bytes', 0) / GB:.2f} GB in "
+                 f"{c.get('reduce_scatter', {}).get('count', 0)} calls "
                  f"({'bf16' if p.settings['precision'] in ('accelerate-bf16', 'pure-bf16') else 'fp32'})"
                  + (f", host-device {c['host_device']['bytes'] / GB:.2f} GB" if "host_device" in c else "")
                  + (f", context parallel {c['context_parallel']['bytes'] / GB:.2f} GB" if c["context_parallel"]["bytes"] else ""))
     return "\n".join(lines)
 
 # %% ../nbs/08b_plan_gpu.ipynb #84620501
-RECOMPUTE = {"none": 0, "selective-op": 1, "full": 2}  # activation checkpointing policies recommend tries, by the forward work each recomputes
+# activation checkpointing policies recommend tries, by the forward work each recomputes
+RECOMPUTE = {"none": 0, "selective-op": 1, "full": 2}
 
-EXTRAS = ({}, dict(ce_chunks=8), dict(ce_chunks=8, optimizer_in_backward=True), dict(ce_chunks=8, optimizer_in_backward=True, offload_activations=True))  # tried in this order until one fits
+EXTRAS = ({}, dict(ce_chunks=8), dict(ce_chunks=8, optimizer_in_backward=True),
+          dict(ce_chunks=8, optimizer_in_backward=True, offload_activations=True))  # tried in this order until one fits
 
 def _tie(best:GPUPlan, other:GPUPlan, method:str) -> str:
     "Why `best` won over `other` at equal bytes per token: the first later criterion of `recommend` that tells them apart."
     b, o = best.settings, other.settings
     if b["ac"] != o["ac"]: return (f"{b['ac']} wins the tie over {o['ac']}: it recomputes less of the forward in backward "
-                                   "(none nothing, selective-op every other matmul and the cheap ops, full every layer's forward: about a third more compute)")
+                                   "(none nothing, selective-op every other matmul and the cheap ops, full every layer's forward: about a "
+                                   "third more compute)")
     for k, why in (("ce_chunks", "chunked cross-entropy recomputes lm_head's forward in backward"),
                    ("optimizer_in_backward", "an optimizer in backward rules out gradient clipping and accumulation")):
         if bool(b[k]) != bool(o[k]): return f"{k}={b[k]} wins the tie: {why}"
@@ -258,8 +295,10 @@ def _why_not(best:GPUPlan, cost:float, other:GPUPlan, other_cost:float, method:s
     return f"{text}, the same bytes; {_tie(best, other, method)}"
 
 RECOMMEND_LINES = (("offload", "CPU offload"), ("offload_activations", "offload_activations"), ("reshard", "reshard_after_forward"),
-                   ("ac", "activation checkpointing"), ("ce_chunks", "chunked cross-entropy (ce_chunks)"), ("optimizer_in_backward", "optimizer_in_backward"))
-SAVERS = ("offload_activations", "ce_chunks", "optimizer_in_backward")  # the memory savers of `EXTRAS`, tried only where nothing fits without them
+                   ("ac", "activation checkpointing"), ("ce_chunks", "chunked cross-entropy (ce_chunks)"),
+                   ("optimizer_in_backward", "optimizer_in_backward"))
+# the memory savers of `EXTRAS`, tried only where nothing fits without them
+SAVERS = ("offload_activations", "ce_chunks", "optimizer_in_backward")
 
 def _setting_line(best:GPUPlan, cost:float, fitting:list, field_:str, name:str, method:str) -> str:
     "One line of `recommend`'s explanation: why `best` has this value of `field_`, by the best fitting setting with another value."
@@ -269,62 +308,86 @@ def _setting_line(best:GPUPlan, cost:float, fitting:list, field_:str, name:str, 
     other = [(p, c) for p, c in fitting if (p.gpus if field_ == "gpus" else p.settings[field_]) != value]
     if not other: return f"{name}={value}: nothing that fits has another value"
     o, c = other[0]
-    return f"{name}={value}: the best setting with {name}={o.gpus if field_ == 'gpus' else o.settings[field_]} ({_describe(o)}) {_why_not(best, cost, o, c, method)}"
+    return (f"{name}={value}: the best setting with {name}={o.gpus if field_ == 'gpus' else o.settings[field_]} ({_describe(o)}) "
+            f"{_why_not(best, cost, o, c, method)}")
 
-def recommend(model:str, gpus:int=8, gpu_mem_gb:float=80, method:str="full", lora_r:int=8, batch:int=1, seq_len:int=2048,
-              mixed_precision:str="bf16", cp:int=1, base_dtype:str=None, lora_targets:str="all-linear") -> dict:
+def recommend(spec:PlanSpec, # the setting asked about: model, method, LoRA rank and targets, batch, seq_len, cp, precision
+              gpus:int=8, # at most this many GPUs
+              gpu_mem_gb:float=80 # memory per GPU, GB
+             ) -> dict:
     """Search reshard, activation checkpointing (none, selective-op, full), CPU offload, QLoRA (for LoRA), batch and GPU count, and for each
     the memory savers in `EXTRAS` until one fits; pick what fits and moves the fewest bytes per token, then the least recomputation."""
-    _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
+    if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a PlanSpec (plan_gpu.gpu_spec builds one from a model name)")
+    method, batch, seq_len, cp, lora = spec.method, spec.batch, spec.seq_len, spec.cp, spec.lora
+    _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, spec.config.mixed_precision, lora.r if lora else 8)
     counts = sorted({g for g in (1, 2, 4, 8, 16, 32, 64, 128, gpus) if g <= gpus and g % cp == 0})
     batches = sorted({max(1, batch // 2**k) for k in range(8)})
-    methods = [method, "qlora"] if method == "lora" else [method]
+    loras = [lora, replace(lora, base_dtype="nf4")] if method == "lora" else [lora]  # LoRA also tries QLoRA
     tried = []
     for g in counts:
-        for m in methods:
+        for lo in loras:
+            m = replace(spec, lora=lo).method
             for b in batches:
                 for reshard in (False, True):
                     for ac in (RECOMPUTE if m == "full" else ("none", "full")):
                         for offload in (False, True):
-                            for extra in (EXTRAS if m == "full" else EXTRAS[:2]):  # the first that fits (or the last): a saver is used only when needed
-                                p = plan_gpu(model, g, gpu_mem_gb, m, lora_r, b, seq_len, False, offload, mixed_precision, reshard, cp,
-                                             base_dtype, ac, lora_targets, _terms=False, **extra)
+                            fsdp = replace(spec.config, reshard_after_forward=reshard, ac=ac, cpu_offload=offload)
+                            # the first that fits (or the last): a saver only when needed
+                            for extra in (EXTRAS if m == "full" else EXTRAS[:2]):
+                                s = replace(spec, world_size=g, lora=lo, batch=b, fsdp=fsdp, step=replace(spec.step, **extra))
+                                p = plan_gpu(s, gpu_mem_gb=gpu_mem_gb, _terms=False)
                                 if p.fits: break
                             tried.append((p, p.communication["total_bytes"] / (b * seq_len // cp)))
     fitting = [(p, c) for p, c in tried if p.fits]
     if not fitting:
         best = min(tried, key=lambda t: t[0].per_gpu_peak_bytes)[0]
         return dict(fits=False, candidates=len(tried), plan=asdict(best),
-                    explanation=f"nothing fits in {gpu_mem_gb} GB with up to {gpus} GPUs; the smallest peak is {best.per_gpu_peak_bytes / GB:.1f} GB/GPU "
+                    explanation=f"nothing fits in {gpu_mem_gb} GB with up to {gpus} GPUs; the smallest peak is "
+                                f"{best.per_gpu_peak_bytes / GB:.1f} GB/GPU "
                                 f"({_describe(best)}): add GPUs, use a shorter sequence, or larger GPUs")
-    key = lambda t: (t[0].settings["offload"], t[0].settings["offload_activations"], t[1], RECOMPUTE[t[0].settings["ac"]], bool(t[0].settings["ce_chunks"]),
+    key = lambda t: (t[0].settings["offload"], t[0].settings["offload_activations"], t[1], RECOMPUTE[t[0].settings["ac"]],
+                     bool(t[0].settings["ce_chunks"]),
                      t[0].settings["optimizer_in_backward"], t[0].settings["method"] != method, t[0].gpus, -t[0].settings["batch"])
     fitting.sort(key=key)
     best, cost = fitting[0]
-    why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB. The kit minimises the bytes each GPU moves per training token (collectives and "
-           "host-device copies), not the GPU count, though fewer GPUs each move less (an all-gather brings (n-1)/n of a unit). In this order: no CPU offload (of "
-           "parameters, then of activations) if anything fits without it, then the fewest bytes per token, then the least recomputation (none, selective-op, full "
-           "checkpointing), no chunked cross-entropy, no optimizer in backward, the method asked for, fewer GPUs, a larger batch; chunked cross-entropy, the "
+    why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB. The kit minimises the bytes each GPU moves per training token "
+           "(collectives and "
+           "host-device copies), not the GPU count, though fewer GPUs each move less (an all-gather brings (n-1)/n of a unit). In this "
+           "order: no CPU offload (of "
+           "parameters, then of activations) if anything fits without it, then the fewest bytes per token, then the least recomputation "
+           "(none, selective-op, full "
+           "checkpointing), no chunked cross-entropy, no optimizer in backward, the method asked for, fewer GPUs, a larger batch; chunked "
+           "cross-entropy, the "
            "optimizer in backward and activation offload are tried, in that order, only for settings that do not fit without them",
-           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB/token moved per GPU "
+           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB/token "
+           "moved per GPU "
            "(collectives and host-device copies)"]
     why += [_setting_line(best, cost, fitting, field_, name, method) for field_, name in RECOMMEND_LINES
             if not (field_ in SAVERS and method != "full" and not best.settings[field_])]
     why.append(f"GPUs: {best.gpus} of up to {gpus}: " + _setting_line(best, cost, fitting, "gpus", "GPUs", method).split(": ", 1)[1])
     b = best.settings["batch"]
-    why.append(f"batch {b} per GPU, the largest searched (the search tries {f'--batch {batch} and its halves' if batch > 1 else '--batch 1 only'}): communication per step does not grow "
+    why.append(f"batch {b} per GPU, the largest searched (the search tries "
+               f"{f'--batch {batch} and its halves' if batch > 1 else '--batch 1 only'}): communication per step does not grow "
                "with the batch, so a larger --batch that fits would move fewer bytes per token" if b == max(batches) else
-               f"batch {b} per GPU: the largest that fits with these settings; communication per step does not grow with the batch, so per token it falls as the batch grows")
+               f"batch {b} per GPU: the largest that fits with these settings; communication per step does not grow with the batch, so per "
+               "token it falls as the batch grows")
     return dict(fits=True, candidates=len(tried), fitting=len(fitting), plan=asdict(best), explanation=why)
 
 # %% ../nbs/08b_plan_gpu.ipynb #f5a154eb
-_LOGITS_MISS = ("Low by more as the batch grows (5% and 0% at batch 1, 11-20% at 4-10), so what is missing scales with tokens. A likely cause, not "
-                "checked against the script: the transformers of March 2024 (4.38) upcast the whole logits to float32 in the model's forward, which "
-                "today's (modelled here) does not; batch x 2048 x 32000 x 4 bytes is {gb} GB here, and with it (plus the 10% overhead) the row is {adjusted}%.")
+_LOGITS_MISS = ("Low by more as the batch grows (5% and 0% at batch 1, 11-20% at 4-10), so what is missing scales with tokens. A likely "
+                "cause, not "
+                "checked against the script: the transformers of March 2024 (4.38) upcast the whole logits to float32 in the model's "
+                "forward, which "
+                "today's (modelled here) does not; batch x 2048 x 32000 x 4 bytes is {gb} GB here, and with it (plus the 10% overhead) the "
+                "row is {adjusted}%.")
 
-PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give. Every one of them kept the embeddings, the final
-    # norm and the output head in the root unit (`edge_units=False`): FSDP1 (PEFT's and philschmid's accelerate runs, axolotl's, Answer.AI's train.py), torchtune's
-    # recipe without custom_sharded_layers, and torchtitan's parallelize_llama of the time (layers, then `fully_shard(model)`; it carves them out since)
+# per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give. Every one of them kept the embeddings, the
+# final
+PUBLISHED = [
+    # norm and the output head in the root unit (`edge_units=False`): FSDP1 (PEFT's and philschmid's accelerate runs, axolotl's, Answer.AI's
+    # train.py), torchtune's
+    # recipe without custom_sharded_layers, and torchtitan's parallelize_llama of the time (layers, then `fully_shard(model)`; it carves
+    # them out since)
     dict(source="https://huggingface.co/docs/peft/accelerate/fsdp", model="llama-2-70b", published_gb=19.6,
          setting="Llama-2-70B QLoRA r=8 (bf16 storage), 2 GPUs, batch 2, seq 2048, checkpointing, CPU offload",
          kwargs=dict(gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True, offload=True,
@@ -337,23 +400,31 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
          setting="the same without CPU offload (GPU size not stated; 80 GB assumed for the fit)",
          kwargs=dict(gpus=2, gpu_mem_gb=80, method="qlora", batch=2, seq_len=2048, grad_ckpt=True, offload=False), miss=""),
     dict(source="https://huggingface.co/docs/peft/accelerate/fsdp", model="llama-2-70b", published_gb=76.0,
-         setting="Llama-2-70B LoRA r=8, 8 x H100 80GB, batch 8, seq 2048, checkpointing, bf16; published as 72-80 GB (midpoint); base in float32 "
+         setting="Llama-2-70B LoRA r=8, 8 x H100 80GB, batch 8, seq 2048, checkpointing, bf16; published as 72-80 GB (midpoint); base in "
+                 "float32 "
                  "(the script loads with dtype=quant_storage_dtype or torch.float32)",
          kwargs=dict(gpus=8, gpu_mem_gb=80, method="lora", batch=8, seq_len=2048, grad_ckpt=True, base_dtype="fp32"), miss=""),
-    dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(82.4 * 2**30 / 1e9, 1), reports="reserved",
-         setting="Llama-3.1-8B full fine-tune (torchtitan, FSDP2), 8 x H100 96GB, local batch 2, seq 8192, selective op checkpointing, bf16 with fp32 reduce "
-                 "(Table 1, the FSDP row without compile or Float8; seq, the AC option and precision from its llama3_8b.toml); published as 82.4 GiB",
+    dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b",
+         published_gb=round(82.4 * 2**30 / 1e9, 1), reports="reserved",
+         setting="Llama-3.1-8B full fine-tune (torchtitan, FSDP2), 8 x H100 96GB, local batch 2, seq 8192, selective op checkpointing, "
+                 "bf16 with fp32 reduce "
+                 "(Table 1, the FSDP row without compile or Float8; seq, the AC option and precision from its llama3_8b.toml); published "
+                 "as 82.4 GiB",
          kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op", reduce_dtype="fp32"), miss=""),
-    dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(67.0 * 2**30 / 1e9, 1), reports="reserved",
+    dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b",
+         published_gb=round(67.0 * 2**30 / 1e9, 1), reports="reserved",
          setting="the same on 128 x H100 96GB (Table 3, the FSDP row); published as 67.0 GiB",
          kwargs=dict(gpus=128, gpu_mem_gb=96, method="full", batch=2, seq_len=8192, ac="selective-op", reduce_dtype="fp32"), miss=""),
-    *[dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b", published_gb=round(gib * 2**30 / 1e9, 1), reports="reserved",
-           setting=f"Llama-3.1-8B (torchtitan), 8 x H100 96GB, FSDP {8 // cp} x CP {cp}, local batch 1, seq {seq}, full checkpointing (Table 2; "
+    *[dict(source="https://github.com/pytorch/torchtitan/blob/main/docs/performance.md", model="llama-3-8b",
+           published_gb=round(gib * 2**30 / 1e9, 1), reports="reserved",
+           setting=f"Llama-3.1-8B (torchtitan), 8 x H100 96GB, FSDP {8 // cp} x CP {cp}, local batch 1, seq {seq}, full checkpointing "
+                   "(Table 2; "
                    f"its torch.compile and Float8 are not modelled: the plan is the eager bf16 step's); published as {gib} GiB",
            kwargs=dict(gpus=8, gpu_mem_gb=96, method="full", batch=1, seq_len=seq, cp=cp, ac="full", reduce_dtype="fp32"), miss="")
       for cp, seq, gib in ((1, 32768, 83.9), (2, 65536, 84.2), (4, 131072, 84.0), (8, 262144, 84.5))],
     dict(source="https://gist.github.com/bigsnarfdude/47684d7afc4941c118ad8c0a2d764ca5", model="llama-3-70b", published_gb=22.0,
-         setting="Llama-3-70B QLoRA + CPU offload, 4 x 24 GB, batch 1, seq 3072 (copy of philschmid's fsdp-qlora-distributed-llama3 notebook; "
+         setting="Llama-3-70B QLoRA + CPU offload, 4 x 24 GB, batch 1, seq 3072 (copy of philschmid's fsdp-qlora-distributed-llama3 "
+                 "notebook; "
                  "rank and checkpointing not in the excerpt: r=8 and checkpointing on assumed)",
          kwargs=dict(gpus=4, gpu_mem_gb=24, method="qlora", batch=1, seq_len=3072, grad_ckpt=True, offload=True,
                      cpu_ram_efficient_loading="per-weight"),
@@ -363,21 +434,30 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
          setting="Llama-3-70B QLoRA r=8, 2 GPUs, micro batch 1, seq 512, checkpointing, CPU offload (examples/llama-3/qlora-fsdp-70b.yaml)",
          kwargs=dict(gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=512, grad_ckpt=True, offload=True,
                      cpu_ram_efficient_loading="per-weight"),
-         miss="With seq 512 the step itself needs little (activations under 1 GB), so the figure is dominated by what the step model leaves "
+         miss="With seq 512 the step itself needs little (activations under 1 GB), so the figure is dominated by what the step model "
+              "leaves "
               "out; loading adds 1.4 GB above the step (the root unit's 4.2 GB of bf16 embeddings and head, moved and "
               "flattened), and the gap left (8.8 GB) is 49% of each GPU's 17.9 GB share of the stored 4-bit model. "
               "The README's 21 GB is the requirement it states for the example, not a measured peak."),
-    dict(source="https://github.com/pytorch/torchtune/blob/main/README.md", model="llama-3-70b", published_gb=round(27.6 * 2**30 / 1e9, 1), reports="unstated",
-         setting="Llama-3.1-70B LoRA r=16 on q, v, o and the MLP (torchtune's llama3_1/70B_lora.yaml), 8 x A100 (80 GB assumed), batch 2, seq 2048 packed, "
-                 "checkpointing, bf16, chunked cross-entropy (CEWithChunkedOutputLoss, 8 chunks), torch.compile on (not modelled); published as 27.6 GiB",
+    dict(source="https://github.com/pytorch/torchtune/blob/main/README.md", model="llama-3-70b", published_gb=round(27.6 * 2**30 / 1e9, 1),
+         reports="unstated",
+         setting="Llama-3.1-70B LoRA r=16 on q, v, o and the MLP (torchtune's llama3_1/70B_lora.yaml), 8 x A100 (80 GB assumed), batch 2, "
+                 "seq 2048 packed, "
+                 "checkpointing, bf16, chunked cross-entropy (CEWithChunkedOutputLoss, 8 chunks), torch.compile on (not modelled); "
+                 "published as 27.6 GiB",
          kwargs=dict(gpus=8, gpu_mem_gb=80, method="lora", lora_r=16, batch=2, seq_len=2048, grad_ckpt=True, ce_chunks=8, compile=True,
                      lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
-         miss="torch.compile, on in the README's runs, is not modelled, and which statistic the table shows is not stated (torchtune logs active, "
-              "allocated and reserved peaks). Against allocated memory the plan is 11% high (32.97 GB vs 29.64 GB). The embedding and output weights "
+         miss="torch.compile, on in the README's runs, is not modelled, and which statistic the table shows is not stated (torchtune logs "
+              "active, "
+              "allocated and reserved peaks). Against allocated memory the plan is 11% high (32.97 GB vs 29.64 GB). The embedding and "
+              "output weights "
               "(4.2 GB gathered) stay in the root unit here as in the config, whose custom_sharded_layers line is commented out."),
-    *[dict(source="https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md", model=model, published_gb=round(gib * 2**30 / 1e9, 2), reports="reserved",
-           setting=f"{name} {dict(qlora='QLoRA', lora='LoRA')[method]}, 2 x RTX 3090 24GB, batch {batch}, seq 2048, checkpointing{', CPU offload' if offload else ''}, "
-                   f"FSDP1 (Answer.AI's train.py; r=64 on q, k, v and the MLP, bf16: its defaults, assumed); published as {gib} GiB peak reserved",
+    *[dict(source="https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md", model=model,
+           published_gb=round(gib * 2**30 / 1e9, 2), reports="reserved",
+           setting=f"{name} {dict(qlora='QLoRA', lora='LoRA')[method]}, 2 x RTX 3090 24GB, batch {batch}, seq 2048, "
+                   f"checkpointing{', CPU offload' if offload else ''}, "
+                   f"FSDP1 (Answer.AI's train.py; r=64 on q, k, v and the MLP, bf16: its defaults, assumed); published as {gib} GiB peak "
+                   "reserved",
            kwargs=dict(gpus=2, gpu_mem_gb=24, method=method, lora_r=64, batch=batch, seq_len=2048, grad_ckpt=True, offload=offload,
                        lora_targets="q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj",
                        cpu_ram_efficient_loading="per-weight" if offload else None), miss=miss)
@@ -389,23 +469,33 @@ PUBLISHED = [  # per-GPU memory others reported for FSDP fine-tuning, with the s
           ("Llama-2-7B", "llama-2-7b", "lora", 6, False, 21.35, _LOGITS_MISS.format(gb=1.57, adjusted=-12)),
           ("Yi-34B", "yi-34b", "qlora", 2, False, 23.05, ""),
           ("Yi-34B", "yi-34b", "qlora", 4, True, 22.98, "Offloaded, and low like the other CPU-offload rows (see the first row)."),
-          ("Llama-2-70B", "llama-2-70b", "qlora", 2, True, 14.92, "Offloaded, and low like the other CPU-offload rows (see the first row)."))],
-    dict(source="https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md", model="llama-2-7b", published_gb=round(9.16 * 2**30 / 1e9, 2), reports="allocated",
-         setting="Llama-2-7B LoRA, 2 x RTX 3090, batch 1, seq 2048, checkpointing (as above); published as 9.16 GiB peak allocated beside its 10.22 GiB reserved",
-         kwargs=dict(gpus=2, gpu_mem_gb=24, method="lora", lora_r=64, batch=1, seq_len=2048, grad_ckpt=True, lora_targets="q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj"), miss=""),
+          ("Llama-2-70B", "llama-2-70b", "qlora", 2, True, 14.92,
+           "Offloaded, and low like the other CPU-offload rows (see the first row)."))],
+    dict(source="https://github.com/AnswerDotAI/fsdp_qlora/blob/main/benchmarks_03_2024.md", model="llama-2-7b",
+         published_gb=round(9.16 * 2**30 / 1e9, 2), reports="allocated",
+         setting="Llama-2-7B LoRA, 2 x RTX 3090, batch 1, seq 2048, checkpointing (as above); published as 9.16 GiB peak allocated beside "
+                 "its 10.22 GiB reserved",
+         kwargs=dict(gpus=2, gpu_mem_gb=24, method="lora", lora_r=64, batch=1, seq_len=2048, grad_ckpt=True,
+                     lora_targets="q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj"), miss=""),
 ]
 
 def published_table() -> list:
-    """Each published figure beside the planner's prediction of the same statistic: peak allocated (`per_gpu_allocated_bytes`), peak reserved
-    (allocated plus the allocator overhead, within `per_gpu_reserved_bytes`), or, for nvidia-smi and unstated figures, `per_gpu_peak_bytes`; GB (10^9 bytes) and relative error."""
+    "Each published figure beside the planner's prediction of the statistic it reports, in GB (10^9 bytes), and the relative error."
+    # peak allocated (per_gpu_allocated_bytes), peak reserved (allocated plus the allocator overhead, within per_gpu_reserved_bytes),
+    # or, for nvidia-smi and unstated figures, per_gpu_peak_bytes
     rows = []
     for entry in PUBLISHED:
-        p = plan_gpu(entry["model"], **entry["kwargs"], edge_units=False, _terms=False)  # the peaks only; each source kept its embeddings and head in the root
+        kw = dict(entry["kwargs"])
+        machine = {k: kw.pop(k) for k in ("gpu_mem_gb", "cpu_ram_efficient_loading", "compile") if k in kw}
+        # the peaks only; each source kept its embeddings and head in the root
+        p = plan_gpu(gpu_spec(entry["model"], **kw, edge_units=False), **machine, _terms=False)
         reports = entry.get("reports", "nvidia-smi")
         reserved = int(p.per_gpu_allocated_bytes * (1 + ALLOCATOR_OVERHEAD)) + p.breakdown.get("load_reserved", 0)  # loading's excess
         predicted = {"allocated": p.per_gpu_allocated_bytes, "reserved": reserved}.get(reports, p.per_gpu_peak_bytes) / GB
-        rows.append(dict(source=entry["source"], setting=entry["setting"], reports=reports, published_gb=entry["published_gb"], predicted_gb=predicted,
-                         reserved_gb=[b / GB for b in p.per_gpu_reserved_bytes], error=(predicted - entry["published_gb"]) / entry["published_gb"],
+        rows.append(dict(source=entry["source"], setting=entry["setting"], reports=reports, published_gb=entry["published_gb"],
+                         predicted_gb=predicted,
+                         reserved_gb=[b / GB for b in p.per_gpu_reserved_bytes],
+                         error=(predicted - entry["published_gb"]) / entry["published_gb"],
                          miss=entry["miss"], peak_moment=p.peak_moment))
     return rows
 
@@ -415,15 +505,17 @@ PLANNER_GRID = dict(model=list(MODEL_PRESETS), method=["full", "lora", "qlora"],
 
 def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combination is planned
                  ) -> dict:
-    """Every plan of a grid of settings, for a page that shows plans without Python: per plan its per-GPU peak and allocated bytes and the moment
-    of the peak (or the one-line reason the planner refuses it), row-major over the grid's axes. Whether a plan fits is the page's comparison of
-    the peak with the memory it is asked about (`per_gpu_peak_bytes <= gpu_mem_gb * GB`, as `plan_gpu`)."""
+    "Every plan of a grid of settings, for a page that shows plans without Python (row-major over the grid's axes)."
+    # per plan its per-GPU peak and allocated bytes and the moment of the peak, or the one-line reason the planner refuses it. Whether
+    # a plan fits is the page's comparison of the peak with the memory it is asked about (per_gpu_peak_bytes <= gpu_mem_gb * GB).
     import itertools
     from fsdp_kit.errors import KitError
     grid, moments_, plans = grid or PLANNER_GRID, [], []
     for values in itertools.product(*grid.values()):
         s = dict(zip(grid, values))
-        try: p = plan_gpu(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"], _terms=False)
+        try:
+            p = plan_gpu(gpu_spec(s["model"], s["gpus"], s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"]), gpu_mem_gb=80,
+                         _terms=False)
         except KitError as e: plans.append(str(e)); continue
         if p.peak_moment not in moments_: moments_.append(p.peak_moment)
         plans.append([p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, moments_.index(p.peak_moment)])
@@ -431,4 +523,5 @@ def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combinat
 
 def plan_line(peak:int, allocated:int, moment:str, gpu_mem_gb:float) -> str:
     "The planner page's one line for a plan: the peak, its moment, whether it fits, allocated memory (GB, 10^9 bytes)."
-    return f"per-GPU peak {peak / GB:.2f} GB at '{moment}': {'fits' if peak <= gpu_mem_gb * GB else 'does NOT fit'} in {gpu_mem_gb:g} GB (allocated {allocated / GB:.2f} GB)"
+    return (f"per-GPU peak {peak / GB:.2f} GB at '{moment}': {'fits' if peak <= gpu_mem_gb * GB else 'does NOT fit'} in {gpu_mem_gb:g} GB "
+            f"(allocated {allocated / GB:.2f} GB)")

@@ -209,11 +209,7 @@ def _comm_bytes(collectives:dict) -> int:
 def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
     "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), reserved, nvidia-smi."
     from fsdp_kit.plan_gpu import plan_gpu
-    cfg, lora = spec.config, spec.lora
-    base_dtype = "bf16" if spec.pure_bf16 else "fp32" if lora and lora.base_dtype == "fp32" else None
-    p = plan_gpu(spec.model, spec.world_size, 1000, spec.method, lora.r if lora else 8, spec.batch, spec.seq_len, offload=cfg.cpu_offload,
-                 mixed_precision=cfg.mixed_precision, reshard=cfg.reshard_after_forward, base_dtype=base_dtype, ac=spec.policy_ac,
-                 lora_targets=lora.targets if lora else "all-linear", edge_units=spec.edge_units, _terms=False)
+    p = plan_gpu(spec, gpu_mem_gb=1000, _terms=False)
     allocated, (low, high), nvml = measured["max_memory_allocated"], p.per_gpu_reserved_bytes, measured["nvml_used"]
     return measured | dict(predicted_allocated=p.per_gpu_allocated_bytes,
                            allocated_error=(p.per_gpu_allocated_bytes - allocated) / allocated,

@@ -159,10 +159,10 @@ def _steps(nproc: int, progress: bool = True):
     def plan():
         from fsdp_kit.plan import PlanSpec
         from fsdp_kit.plan_validate import validate, plot_validation
-        from fsdp_kit.plan_gpu import plan_gpu
+        from fsdp_kit.plan_gpu import plan_gpu, gpu_spec
         r = validate([PlanSpec.of("small", nproc), PlanSpec.of("small", nproc, mixed_precision="bf16"),
                       PlanSpec.of("tiny", nproc, method="qlora")])
-        big = plan_gpu("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=2048, grad_ckpt=True, offload=True)
+        big = plan_gpu(gpu_spec("llama-2-70b", gpus=2, method="qlora", batch=1, seq_len=2048, grad_ckpt=True, offload=True), gpu_mem_gb=24)
         line = (f"planner vs measured, {len(r['runs'])} settings on {nproc} ranks: largest |error| {r['max_abs_error'] * 100:.1f}%, "
                 f"communication exact: {r['comm_exact']}; llama-2-70b QLoRA on 2 x 24 GB with offload: "
                 f"{big.per_gpu_peak_bytes / 1e9:.1f} GB per GPU predicted, fits: {big.fits}")

@@ -4,7 +4,7 @@ import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.models import PRESETS, check_model
 from fsdp_kit.plan import check_fits, step_memory
-from fsdp_kit.plan_gpu import plan_gpu, recommend
+from fsdp_kit.plan_gpu import plan_gpu, gpu_spec, recommend
 from tests.badinput import Case, check_case
 from tests.conftest import EXAMPLES, ROOT
 
@@ -131,5 +131,6 @@ def test_config_errors_name_the_file_and_the_key(tmp_path):
                                             (dict(gpu_mem_gb=math.inf), "--gpu-mem-gb"), (dict(gpu_mem_gb="80"), "--gpu-mem-gb"),
                                             (dict(seq_len=2048.0), "--seq"), (dict(lora_r=False), "--lora-r")])
 def test_plan_refuses_options_of_the_wrong_type(kwargs, option):
+    machine = {k: v for k, v in kwargs.items() if k == "gpu_mem_gb"}  # not a setting of the run: plan_gpu's and recommend's own
     for fn in (plan_gpu, recommend):
-        with pytest.raises(KitError, match=option): fn("tiny", **kwargs)
+        with pytest.raises(KitError, match=option): fn(gpu_spec("tiny", **{k: v for k, v in kwargs.items() if k not in machine}), **machine)

@@ -6,8 +6,32 @@ import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.plan import PlanSpec, predict_peak, predict_comm, plan_config, count_parameters, units, model_tensors, MODEL_PRESETS
 from fsdp_kit.plan_validate import validate
-from fsdp_kit.plan_gpu import plan_gpu, recommend, published_table, GB
+from fsdp_kit.plan_gpu import plan_gpu, gpu_spec, recommend, published_table, GB
 from tests.conftest import ROOT
+
+
+def plan(model, gpus=8, gpu_mem_gb=80, *args, cpu_ram_efficient_loading=None, **kw):
+    "plan_gpu of the PlanSpec gpu_spec builds from the planner's names, on GPUs of `gpu_mem_gb`."
+    return plan_gpu(gpu_spec(model, gpus, *args, **kw), gpu_mem_gb=gpu_mem_gb, cpu_ram_efficient_loading=cpu_ram_efficient_loading)
+
+
+def best(model, gpus=8, gpu_mem_gb=80, **kw):
+    "recommend for the PlanSpec gpu_spec builds, searching up to `gpus` GPUs of `gpu_mem_gb`."
+    return recommend(gpu_spec(model, gpus, **kw), gpus=gpus, gpu_mem_gb=gpu_mem_gb)
+
+
+def test_planner_takes_a_plan_spec_first():
+    "plan_gpu and recommend take one PlanSpec first; only the machine (GPU count and memory) stays a keyword of their own."
+    import inspect
+    from fsdp_kit.plan import PlanSpec
+    machine = ["gpus", "gpu_mem_gb"]
+    for f, own in ((plan_gpu, [*machine, "compile", "cpu_ram_efficient_loading", "_terms"]), (recommend, machine)):
+        params = inspect.signature(f).parameters
+        assert list(params)[0] == "spec" and params["spec"].annotation is PlanSpec and list(params)[1:] == own, f.__name__
+    spec = gpu_spec("llama-3-8b", 4, "lora", grad_ckpt=True)
+    assert isinstance(spec, PlanSpec) and spec.lora.r == 8 and spec.config.ac == "full" and spec.config.mixed_precision == "bf16"
+    assert plan_gpu(spec, gpu_mem_gb=24).per_gpu_peak_bytes == plan_gpu(spec, gpus=4, gpu_mem_gb=24).per_gpu_peak_bytes
+    with pytest.raises(KitError, match="spec"): plan_gpu("llama-3-8b")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,24 +99,24 @@ def test_units_follow_the_wrap_plan():
 def test_70b_plan_uses_no_real_memory():
     "A 70B QLoRA plan from meta-device shapes: breakdown adds up, fits as the numbers say, and the process stays small."
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    p = plan_gpu("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True, offload=True)
+    p = plan("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True, offload=True)
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mb < 1024, grown_mb
     assert p.parameters == 68_976_648_192
     assert sum(p.breakdown.values()) == p.per_gpu_peak_bytes and p.fits == (p.per_gpu_peak_bytes <= 24 * GB)
     assert p.breakdown["quant_state"] > 0 and "sharded_params" not in p.breakdown and p.host_bytes > 0
-    no_offload = plan_gpu("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True)
+    no_offload = plan("llama-2-70b", gpus=2, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True)
     assert no_offload.per_gpu_peak_bytes > p.per_gpu_peak_bytes and no_offload.host_bytes == 0
-    more_gpus = plan_gpu("llama-2-70b", gpus=8, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True)
+    more_gpus = plan("llama-2-70b", gpus=8, gpu_mem_gb=24, method="qlora", batch=2, seq_len=2048, grad_ckpt=True)
     assert more_gpus.breakdown["sharded_params"] * 4 == pytest.approx(no_offload.breakdown["sharded_params"], rel=1e-3)
 
 
 def test_recommend_fits_and_explains():
-    r = recommend("llama-2-7b", gpus=2, gpu_mem_gb=40, method="full", batch=2, seq_len=2048)
+    r = best("llama-2-7b", gpus=2, gpu_mem_gb=40, method="full", batch=2, seq_len=2048)
     assert r["fits"] and r["plan"]["fits"] and r["plan"]["per_gpu_peak_bytes"] <= 40 * GB
     assert r["fitting"] <= r["candidates"] and any("chosen" in line for line in r["explanation"])
     # the smallest peak: 7.5 GB under accelerate-bf16 (9.4 with fp32 reduce)
-    none = recommend("llama-2-70b", gpus=1, gpu_mem_gb=6, method="full", seq_len=2048)
+    none = best("llama-2-70b", gpus=1, gpu_mem_gb=6, method="full", seq_len=2048)
     assert not none["fits"] and "nothing fits" in none["explanation"]
 
 
@@ -100,7 +124,7 @@ def test_recommend_says_what_it_minimises_and_each_line_its_own_reason():
     "Each line names the best alternative and the criterion it lost on; a saver left off is not needed."
     # 'more than' is never said of fewer bytes.
     import re
-    lines = recommend("llama-2-7b", gpus=8, gpu_mem_gb=24, method="full")["explanation"]
+    lines = best("llama-2-7b", gpus=8, gpu_mem_gb=24, method="full")["explanation"]
     assert "minimises the bytes each GPU moves per training token" in lines[0] and "not the GPU count" in lines[0]
     for line in lines[2:]:
         more = re.search(r"moves ([\d.]+) MiB/token, more than ([\d.]+) MiB/token", line)
@@ -124,20 +148,20 @@ def test_list_models_reads_the_stored_table_that_counting_gives():
 def test_recommend_says_which_criterion_decided():
     "A tie in bytes names the criterion that broke it; a batch at the top of the search is not called the best that fits."
     # a memory saver is used only where needed.
-    lines = recommend("llama-3-8b", gpus=8, gpu_mem_gb=80, method="lora", batch=8, seq_len=2048)["explanation"]
+    lines = best("llama-3-8b", gpus=8, gpu_mem_gb=80, method="lora", batch=8, seq_len=2048)["explanation"]
     ckpt = next(l for l in lines if l.startswith("activation checkpointing=none"))
     assert "the same bytes; none wins the tie over full: it recomputes less" in ckpt
     reshard = next(l for l in lines if l.startswith("reshard_after_forward="))
     assert "on 1 GPU nothing is gathered" in reshard and "(2 vs 2)" not in reshard
     assert lines[-1].startswith("batch 2 per GPU: the largest that fits with these settings")  # batch 8 fits only with checkpointing
-    r = recommend("llama-3-8b", gpus=2, gpu_mem_gb=80, method="full", batch=2, seq_len=4096)
+    r = best("llama-3-8b", gpus=2, gpu_mem_gb=80, method="full", batch=2, seq_len=4096)
     top, chosen = r["explanation"], r["plan"]["settings"]
     assert top[-1].startswith("batch 2 per GPU, the largest searched") and "1 GPUs" not in "".join(top)
     # the first saver that makes it fit
     assert chosen["ce_chunks"] == 8 and not chosen["optimizer_in_backward"] and not chosen["offload_activations"]
     assert any(l.startswith("chunked cross-entropy (ce_chunks)=8: the best setting with chunked cross-entropy (ce_chunks)=0")
                and "more than" in l for l in top)
-    without = plan_gpu("llama-3-8b", 2, 80, "full", batch=2, seq_len=4096, reshard=chosen["reshard"], ac=chosen["ac"])
+    without = plan("llama-3-8b", 2, 80, "full", batch=2, seq_len=4096, reshard=chosen["reshard"], ac=chosen["ac"])
     assert not without.fits  # the same setting without chunking does not fit: that is why it is on
 
 
@@ -146,7 +170,7 @@ def test_bad_settings_refused():
                           (dict(mixed_precision="fp8"), "mixed_precision"),
                           (dict(gpu_mem_gb=0), "gpu_mem_gb"), (dict(base_dtype="int8"), "base_dtype"), (dict(ac="selective"), "ac"),
                           (dict(ac="selective-op", grad_ckpt=True), "ac"), (dict(ac="selective-layer:2", method="qlora"), "ac")):
-        with pytest.raises(KitError, match=field): plan_gpu("llama-2-7b", **kwargs)
+        with pytest.raises(KitError, match=field): plan("llama-2-7b", **kwargs)
 
 
 def test_published_rows_explained():
@@ -174,7 +198,7 @@ def test_cli(cli, tmp_path):
             timeout=120)
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
-    assert p == json.loads(json.dumps(vars(plan_gpu("llama-3-8b", gpus=4, gpu_mem_gb=24, method="lora", grad_ckpt=True))))
+    assert p == json.loads(json.dumps(vars(plan("llama-3-8b", gpus=4, gpu_mem_gb=24, method="lora", grad_ckpt=True))))
     refused(["plan", "--model", "llama-9"], "llama-2-7b", tmp_path)
 
 
@@ -182,10 +206,10 @@ def test_checkpointing_policies_order_the_plan():
     "On a GPU plan (the 8B shape torchtitan publishes, batch 2 x 8192)."
     # activations fall from none through selective-op and every 2nd layer to full, and the plan names its policy.
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192)
-    plans = {ac: plan_gpu("llama-3-8b", ac=ac, **kw) for ac in ("none", "selective-layer:2", "selective-op", "full")}
+    plans = {ac: plan("llama-3-8b", ac=ac, **kw) for ac in ("none", "selective-layer:2", "selective-op", "full")}
     act = {ac: p.breakdown.get("activations", 0) for ac, p in plans.items()}
     assert act["full"] < act["selective-op"] < act["selective-layer:2"] < act["none"], act
-    assert plans["full"].breakdown == plan_gpu("llama-3-8b", grad_ckpt=True, **kw).breakdown  # --grad-ckpt is the policy full
+    assert plans["full"].breakdown == plan("llama-3-8b", grad_ckpt=True, **kw).breakdown  # --grad-ckpt is the policy full
     assert [p.settings["ac"] for p in plans.values()] == list(plans)
 
 
@@ -204,13 +228,13 @@ def test_plan_json_fields_and_terms(tmp_path):
     assert p["settings"]["ce_chunks"] == 8 and set(p["terms"]) == {"ac", "ce_chunks", "optimizer_in_backward"}
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192, ac="selective-op", ce_chunks=8, optimizer_in_backward=True, reduce_dtype="fp32")
     assert (p["settings"]["precision"] == "bf16-fp32-reduce"
-            and p["terms"]["ce_chunks"] == plan_gpu("llama-3-8b",
+            and p["terms"]["ce_chunks"] == plan("llama-3-8b",
                                                     **kw | dict(ce_chunks=0)).per_gpu_allocated_bytes - p["per_gpu_allocated_bytes"] > 0)
     # its peak falls in the last layer's backward, where the only reduced gradients are the tail's (lm_head's, 1/8 of 128256 x 4096 in
     # fp32): stepped and freed at once
     assert 0.99 * 128256 * 4096 / 8 * 4 < p["terms"]["optimizer_in_backward"] < 1.01 * 128256 * 4096 / 8 * 4
     # with activations offloaded the peak moves to where reduced gradients pile up
-    lean = plan_gpu("llama-3-8b", **kw, offload_activations=True)
+    lean = plan("llama-3-8b", **kw, offload_activations=True)
     assert lean.terms["optimizer_in_backward"] > 0 and lean.terms["offload_activations"] > 0
 
 
@@ -218,15 +242,15 @@ def test_each_term_moves_its_own_bytes():
     "Pure bf16 halves the stored weights and optimizer state; float8 all-gather shrinks what is gathered."
     # offloaded activations leave only rope's tables; LoRA on q, v trains fewer adapters.
     kw = dict(gpus=8, gpu_mem_gb=96, batch=2, seq_len=8192)
-    mixed, pure = plan_gpu("llama-3-8b", **kw), plan_gpu("llama-3-8b", **kw, mixed_precision="no", base_dtype="bf16")
+    mixed, pure = plan("llama-3-8b", **kw), plan("llama-3-8b", **kw, mixed_precision="no", base_dtype="bf16")
     assert pure.settings["precision"] == "pure-bf16" and pure.breakdown["optimizer_state"] < 0.51 * mixed.breakdown["optimizer_state"]
-    fp8 = plan_gpu("llama-3-8b", **kw, fp8_all_gather=True)
+    fp8 = plan("llama-3-8b", **kw, fp8_all_gather=True)
     assert fp8.communication["all_gather"]["bytes"] < 0.6 * mixed.communication["all_gather"]["bytes"]
     assert fp8.communication["reduce_scatter"] == mixed.communication["reduce_scatter"]
-    off = plan_gpu("llama-3-8b", **kw, offload_activations=True)
+    off = plan("llama-3-8b", **kw, offload_activations=True)
     assert (off.breakdown["activations"] < 0.01 * mixed.breakdown["activations"] and off.communication["host_device"]["bytes"] > 0
             and off.host_bytes > 0)
-    qv, every = (plan_gpu("llama-3-8b", **kw, method="lora", lora_targets=t) for t in ("q_proj,v_proj", "all-linear"))
+    qv, every = (plan("llama-3-8b", **kw, method="lora", lora_targets=t) for t in ("q_proj,v_proj", "all-linear"))
     assert qv.breakdown["optimizer_state"] < every.breakdown["optimizer_state"]
 
 
@@ -259,7 +283,7 @@ def test_planner_table_is_the_planners():
     settings = list(itertools.product(*PLANNER_GRID.values()))
     for i in range(0, len(settings), 613):  # 9 plans across the grid: every model, method and size appears among them
         s = dict(zip(PLANNER_GRID, settings[i]))
-        p = plan_gpu(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
+        p = plan(s["model"], s["gpus"], 80, s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
         peak, allocated, moment = stored["plans"][i]
         assert (peak, allocated, stored["moments"][moment]) == (p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment), s
         assert plan_line(peak, allocated, stored["moments"][moment], 80) == plan_line(
@@ -322,13 +346,13 @@ def test_load_reserved_only_where_it_applies():
     kw = dict(gpus=2, gpu_mem_gb=24, method="qlora", batch=1, seq_len=512, grad_ckpt=True, offload=True, edge_units=False)
     for off in (dict(cpu_ram_efficient_loading=None), dict(offload=False, cpu_ram_efficient_loading="per-weight"),
                 dict(method="lora", cpu_ram_efficient_loading="per-weight")):
-        p = plan_gpu("llama-3-70b", **kw | off)
+        p = plan("llama-3-70b", **kw | off)
         assert "load_reserved" not in p.breakdown and p.per_gpu_reserved_bytes[0] == p.per_gpu_allocated_bytes
-    p = plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="per-weight")
+    p = plan("llama-3-70b", **kw, cpu_ram_efficient_loading="per-weight")
     root = (2 * 128256 * 8192 + 8192) * 2  # embeddings, lm_head, final norm in bf16: FSDP1's root unit, moved, flattened, its shard cloned
     high = p.breakdown["quant_state"] + 2 * root + root // 2
     assert p.breakdown["load_reserved"] == high - p.per_gpu_allocated_bytes - p.breakdown["allocator_overhead"] > 0
     spec = PlanSpec.of("llama-3-70b", 2, method="qlora", cpu_offload=True, mixed_precision="bf16", edge_units=False)
     assert load_high_water(plan_config("llama-3-70b"), spec, "per-weight") == high == p.per_gpu_reserved_bytes[0]
-    assert plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="whole-model").breakdown["load_reserved"] > 24 * GB
-    with pytest.raises(KitError, match="cpu_ram_efficient_loading"): plan_gpu("llama-3-70b", **kw, cpu_ram_efficient_loading="rank0")
+    assert plan("llama-3-70b", **kw, cpu_ram_efficient_loading="whole-model").breakdown["load_reserved"] > 24 * GB
+    with pytest.raises(KitError, match="cpu_ram_efficient_loading"): plan("llama-3-70b", **kw, cpu_ram_efficient_loading="rank0")
