@@ -695,7 +695,7 @@ def _fsdp_fields() -> dict:
 
 
 def fsdp_flags(s):
-    "One argument group 'FSDP' made from FSDPConfig's fields: --field-name (old spellings from FSDP_ALIASES), help its comment."
+    "One argument group 'FSDP' made from FSDPConfig's fields: --field-name (old spellings from ALIASES), help its comment."
     g = s.add_argument_group("FSDP", "FSDPConfig's fields; unset: --fsdp-config's value, else the command's own default")
     for name, (default, doc) in _fsdp_fields().items():
         shown = (",".join(default) or "empty") if isinstance(default, list) else default
