@@ -245,7 +245,7 @@ def use_cp_attention(model):
 # %% ../nbs/06_cp.ipynb #ada13ab1
 @dataclass(frozen=True)
 class CPSpec(RunSpec):
-    "Settings of a CP evaluation (one forward, `steps=1`): the shared ones (`RunSpec`, `mesh.cp`), then sp, rotation, mask, gathering."
+    "A CP evaluation, one forward (`steps=1`): the shared settings (`RunSpec`, `mesh.cp`), then sp, rotation, mask, gathering."
     _:KW_ONLY
     sp:int=1 # sequence-parallel ranks (refused above 1 with cp above 1)
     rotate:str="allgather" # allgather or alltoall

@@ -245,7 +245,7 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
 # %% ../nbs/04_wrap.ipynb #0e04b547
 @dataclass(frozen=True)
 class CompareSpec(RunSpec):
-    "Which configs to run: the shared settings (`steps`: plain steps timed per config), then the policies and reshard values to compare."
+    "Which configs to run: the shared settings (`steps` timed per config), then the policies and reshard values to compare."
     _:KW_ONLY
     policies:list=field(default_factory=lambda: list(POLICIES)) # wrap policies to compare
     reshard:list=field(default_factory=lambda: [True, False]) # reshard_after_forward values to compare
