@@ -150,6 +150,7 @@ def _cmd_train(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.train import TrainSpec
     from fsdp_kit.spec import StepSpec, LoraSpec
+    from fsdp_kit.mesh import MeshSpec
     from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     mixed, reduce, precision = _train_precision(a)
@@ -163,8 +164,8 @@ def _cmd_train(a):
     elif a.resume or a.save_every:
         raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
     lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
-    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed, dp_replicate=a.dp_replicate,
-                     dp_shard=a.dp_shard,
+    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed,
+                     mesh=MeshSpec(a.dp_replicate, a.dp_shard),
                      check_parity=a.check_parity, lora=lora,
                      step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
                                    optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
@@ -371,15 +372,19 @@ def _cmd_ckpt(a):
 
 
 def _cmd_compare(a):
-    from fsdp_kit.config import load_fsdp_config, to_reshard
+    from fsdp_kit.config import FSDPConfig, load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
+    from fsdp_kit.spec import StepSpec
     from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
     given = fsdp_given(a, "compare")  # --reshard-after-forward (a comma list here) and --min-num-params
     fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
-    spec = CompareSpec(model=a.model, policies=[p.strip() for p in a.policies.split(",")],
-                       reshard=[to_reshard("reshard", r.strip()) for r in given.get("reshard_after_forward", "true,false").split(",")],
-                       min_num_params=given.get("min_num_params"), fsdp=fsdp_config, batch=a.batch, seq_len=a.seq_len,
-                       gradient_checkpointing=a.gradient_checkpointing)
+    if fsdp_config: policies, reshard = [fsdp_config.auto_wrap_policy], [fsdp_config.reshard_after_forward]  # that one config
+    else:
+        policies = [p.strip() for p in a.policies.split(",")]
+        reshard = [to_reshard("reshard", r.strip()) for r in given.get("reshard_after_forward", "true,false").split(",")]
+    template = fsdp_config or FSDPConfig(min_num_params=given.get("min_num_params", 0))  # 0: the model's size_floor
+    spec = CompareSpec(a.model, batch=a.batch, seq_len=a.seq_len, steps=3,  # 3 plain steps timed per config (median)
+                       policies=policies, reshard=reshard, fsdp=template, step=StepSpec(gradient_checkpointing=a.gradient_checkpointing))
     check_spec(spec, a.nproc)  # refuse bad configs before launching
     notes = []
     if fsdp_config:
@@ -455,7 +460,9 @@ def _precision(value, option="--mixed-precision"):
 def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
     from fsdp_kit.cp import CPSpec, cp_eval_worker
-    spec = CPSpec(model=a.model, cp=a.cp, dp_shard=a.dp_shard, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len, batch=_cp_batch(a),
+    from fsdp_kit.mesh import MeshSpec
+    spec = CPSpec(model=a.model, mesh=MeshSpec(dp_shard=a.dp_shard, cp=a.cp), steps=1, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len,
+                  batch=_cp_batch(a),  # steps=1: an evaluation is one forward pass
                   mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed,
                   fsdp=fsdp_config(a, **fsdp_given(a, "cp-eval")))
     spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching

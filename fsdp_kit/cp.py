@@ -245,11 +245,8 @@ def use_cp_attention(model):
 # %% ../nbs/06_cp.ipynb #ada13ab1
 @dataclass(frozen=True)
 class CPSpec(RunSpec):
-    "Settings of a CP evaluation: the shared ones (`RunSpec`), then sp, rotation, mask and gathering."
+    "A CP evaluation, one forward (`steps=1`): the shared settings (`RunSpec`, `mesh.cp`), then sp, rotation, mask, gathering."
     _:KW_ONLY
-    cp:int=2 # context-parallel ranks per sequence (cp_size)
-    seq_len:int=128 # tokens per sequence: a multiple of 2 x cp
-    steps:int=1 # evaluation forwards (only 1: evaluation takes no optimizer step)
     sp:int=1 # sequence-parallel ranks (refused above 1 with cp above 1)
     rotate:str="allgather" # allgather or alltoall
     mask:str="causal" # attention mask: "causal" or None (full attention)
@@ -258,17 +255,17 @@ class CPSpec(RunSpec):
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check()
-        self.refuse_unless("steps", 1, "CP evaluation runs one forward pass over the batch")
+        self.refuse_unless("steps", 1, "CP evaluation runs one forward pass over the batch: give steps=1")
         self.refuse_unless("step", StepSpec(), "CP evaluation runs no optimizer step")
         self.refuse_unless("lora", None, "CP evaluation runs the whole model")
         self.refuse_unless("dp_replicate", 1, "CP evaluation shards the model over dp_shard x cp (dp_shard_cp)")
-        if world_size is not None: check_sizes(world_size, self.cp, self.dp_shard, self.sp)
-        check_rotate(self.rotate); check_mask(self.mask); check_seq_len(self.seq_len, self.cp)
+        if world_size is not None: check_sizes(world_size, self.mesh.cp, self.mesh.dp_shard, self.sp)
+        check_rotate(self.rotate); check_mask(self.mask); check_seq_len(self.seq_len, self.mesh.cp)
         return self
 
     def rows(self, world_size:int) -> int:
         "Sequences in the global batch: `batch` per data-parallel rank, times dp_shard."
-        return self.batch * check_sizes(world_size, self.cp, self.dp_shard, self.sp).dp_shard
+        return self.batch * check_sizes(world_size, self.mesh.cp, self.mesh.dp_shard, self.sp).dp_shard
 
 # %% ../nbs/06_cp.ipynb #79ee303f
 def eval_batch(vocab_size:int, # tokens are in [0, vocab_size)
@@ -411,7 +408,7 @@ def cp_eval_worker(spec:CPSpec,
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if device == "cuda": torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     spec.check(world)
-    mesh_spec = check_sizes(world, spec.cp, spec.dp_shard, spec.sp)
+    mesh_spec = check_sizes(world, spec.mesh.cp, spec.mesh.dp_shard, spec.sp)
     mesh, config = build_mesh(mesh_spec), model_config(spec.model)
     input_ids, labels = eval_batch(config.vocab_size, spec.rows(world), spec.seq_len, spec.seed)
     reference_loss, reference_logits = _reference(spec, config, input_ids, labels, device) if rank == 0 else (None, None)
@@ -420,28 +417,28 @@ def cp_eval_worker(spec:CPSpec,
     if spec.mask is None: _full_attention(model)
     model, units = _shard(model, mesh, spec.config)
     dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh_spec.dp_shard
-    cp_rank, cp_group = (mesh["cp"].get_local_rank(), mesh["cp"].get_group()) if spec.cp > 1 else (0, None)
+    cp_rank, cp_group = (mesh["cp"].get_local_rank(), mesh["cp"].get_group()) if spec.mesh.cp > 1 else (0, None)
     shifted = shift_labels(rank_rows(labels, dp_rank, dp_size))  # shift on the whole sequence, then split
     tokens = torch.tensor(int((shifted != -100).sum()), device=device)  # counted before the split
     dist.all_reduce(tokens, group=mesh["dp_shard"].get_group())
     positions = torch.arange(spec.seq_len)[None].expand(len(shifted), -1)
     full_rows = [rank_rows(input_ids, dp_rank, dp_size), positions, shifted]
-    local = [shard_sequence(t, spec.cp, cp_rank) for t in full_rows]
-    if device == "cuda" and spec.cp > 1: logits, peak, seconds, local = _forward_cuda(model, mesh, full_rows, local, spec)
+    local = [shard_sequence(t, spec.mesh.cp, cp_rank) for t in full_rows]
+    if device == "cuda" and spec.mesh.cp > 1: logits, peak, seconds, local = _forward_cuda(model, mesh, full_rows, local, spec)
     else: logits, peak, seconds = _forward(model, local[0], local[1], cp_group, spec.rotate)
     done(f"forward under CP ({spec.rotate})")
     loss_sum, my_tokens = token_loss_sum(logits.cpu(), local[2])
     totals = torch.stack([loss_sum, loss_sum / max(my_tokens, 1)]).to(device)
     dist.all_reduce(totals)
     eval_loss, mean_of_means = (totals[0] / tokens).item(), (totals[1] / world).item()
-    full = _gather_logits(logits.to(device), mesh, spec.cp).cpu() if spec.gather else None
+    full = _gather_logits(logits.to(device), mesh, spec.mesh.cp).cpu() if spec.gather else None
     done("loss over all valid tokens" + ", full-length logits gathered" * spec.gather)
     per_rank = [None] * world
     dist.all_gather_object(per_rank, dict(tokens=my_tokens, peak=peak))
     if rank != 0: return None
     match = bool(torch.equal(full.argmax(-1), reference_logits.argmax(-1))) if spec.gather else None
     logit_diff = (full - reference_logits).abs().max().item() if spec.gather else None
-    return CPEvalResult(spec.model, world, spec.cp, mesh_spec.dp_shard, spec.rotate, spec.seq_len, spec.rows(world), int(tokens),
+    return CPEvalResult(spec.model, world, spec.mesh.cp, mesh_spec.dp_shard, spec.rotate, spec.seq_len, spec.rows(world), int(tokens),
                         [p["tokens"] for p in per_rank], eval_loss, reference_loss, abs(eval_loss - reference_loss), mean_of_means,
                         match, logit_diff, [p["peak"]["total"] for p in per_rank], [p["peak"] for p in per_rank], seconds,
                         _axis_groups(mesh), model.config._attn_implementation if device == "cpu" else "torch context_parallel (sdpa)",

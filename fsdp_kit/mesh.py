@@ -15,9 +15,9 @@ from .errors import KitError, bad_value
 # %% ../nbs/02_mesh.ipynb #c0696976
 AXES = ("dp_replicate", "dp_shard", "cp")
 
-@dataclass
+@dataclass(frozen=True)
 class MeshSpec:
-    "Sizes of the mesh axes; one of them may be -1 to fill the world size."
+    "Sizes of the mesh axes, never changed once made; one of them may be -1 to fill the world size."
     dp_replicate:int=1 # replicas of the sharded model (HSDP)
     dp_shard:int=-1 # ranks one parameter is sharded over
     cp:int=1 # context-parallel ranks per sequence

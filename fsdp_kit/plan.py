@@ -21,6 +21,7 @@ from dataclasses import dataclass, KW_ONLY
 from .errors import bad_value, require_whole
 from .config import EXAMPLES, FSDPConfig, POLICIES, ADDED_POLICIES
 from .spec import RunSpec, StepSpec, LoraSpec
+from .mesh import AXES, MeshSpec
 from .models import PRESETS, model_config, build_model, read_config_json
 from .ac import ac_policy, parse_ac
 from .lora import LINEARS, lora_targets
@@ -63,18 +64,20 @@ class PlanSpec(RunSpec):
             raise bad_value("ac", ac, "'full' when activation_checkpointing=True (that field is the policy 'full')")
         fsdp["ac"] = ac or ("full" if activation_checkpointing else "none")
         step = {k: flat.pop(k) for k in list(flat) if k in STEP_NAMES}
+        mesh = MeshSpec(**{k: flat.pop(k) for k in AXES if k in flat})  # dp_replicate, dp_shard, cp
         if method not in ("full", "lora", "qlora"): raise bad_value("method", method, "full, lora or qlora")
         if base_dtype not in (None, "bf16", "fp32"): raise bad_value("base_dtype", base_dtype, "None, bf16 or fp32")
         if method == "full" and base_dtype == "bf16": step["precision"] = "pure-bf16"
         lora = None if method == "full" else LoraSpec(lora_r, lora_targets, "nf4" if method == "qlora" else base_dtype or "bf16")
-        return cls(model, world_size, batch=batch, steps=steps, fsdp=FSDPConfig(**fsdp), step=StepSpec(**step), lora=lora, **flat)
+        return cls(model, world_size, batch=batch, steps=steps, mesh=mesh, fsdp=FSDPConfig(**fsdp), step=StepSpec(**step), lora=lora,
+                   **flat)
 
     def flat(self) -> dict:
         "The setting under the planner's flat names, as stored validation runs record it (`of` reads it back)."
         cfg, step, lora = self.config, self.step, self.lora or LoraSpec()
         base_dtype = "bf16" if self.pure_bf16 else "fp32" if lora.base_dtype == "fp32" else None
         return dict(model=self.model, seed=self.seed, batch=self.batch, seq_len=self.seq_len, steps=self.steps,
-                    dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, world_size=self.world_size,
+                    dp_replicate=self.mesh.dp_replicate, dp_shard=self.mesh.dp_shard, cp=self.mesh.cp, world_size=self.world_size,
                     policy=cfg.auto_wrap_policy,
                     reshard_after_forward=cfg.reshard_after_forward, mixed_precision=cfg.mixed_precision, method=self.method, lora_r=lora.r,
                     cpu_offload=cfg.cpu_offload, base_dtype=base_dtype, ac=None if cfg.ac == "none" else cfg.ac, lora_targets=lora.targets,
@@ -105,7 +108,7 @@ class PlanSpec(RunSpec):
         if step.pure_bf16 and self.lora is not None:
             raise bad_value("precision", step.precision, "fp32 for LoRA or QLoRA (the base's dtype is lora.base_dtype)")
         if self.lora is not None: lora_targets(self.lora.targets)
-        tokens = self.batch * self.seq_len // max(1, self.cp)
+        tokens = self.batch * self.seq_len // max(1, self.mesh.cp)
         if self.fp8_all_gather and (self.method != "full" or self.precision == "fp32"):
             raise bad_value("fp8_all_gather", self.fp8_all_gather, "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 "
                             "full fine-tune's Linear weights (accelerate-bf16, bf16-fp32-reduce or pure-bf16)")
@@ -115,6 +118,8 @@ class PlanSpec(RunSpec):
         if step.ce_chunks > tokens:
             raise bad_value("ce_chunks", step.ce_chunks, f"at most the {tokens} tokens a rank computes logits for (batch x seq_len / cp): "
                             "a chunk with no tokens has no logits")
+        if step.gradient_checkpointing:
+            raise bad_value("gradient_checkpointing", True, "False: the planner models the config's ac (--grad-ckpt, --ac)")
         self.refuse_unless("dp_replicate", 1, "The planner models one shard group of world_size ranks")
         self.policy_ac  # a policy the planner does not model for this method is refused
         super().check(self.world_size)
@@ -320,11 +325,11 @@ def dims(config, spec:PlanSpec) -> dict:
     "The sizes the activation formulas use: tokens per rank and the model's widths."
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    seq = spec.seq_len // spec.cp
+    seq = spec.seq_len // spec.mesh.cp
     return dict(B=spec.batch, S=seq, T=spec.batch * seq, H=config.hidden_size, I=config.intermediate_size, V=config.vocab_size,
                 L=config.num_hidden_layers, heads=heads, q=heads * head_dim, kv=config.num_key_value_heads * head_dim, head_dim=head_dim,
-                b=spec.compute_bytes, r=spec.lora.r if spec.lora else 8, lora=spec.method != "full", cp=spec.cp, chunks=spec.step.ce_chunks,
-                targets=lora_targets(spec.lora.targets) if spec.lora else ())
+                b=spec.compute_bytes, r=spec.lora.r if spec.lora else 8, lora=spec.method != "full", cp=spec.mesh.cp,
+                chunks=spec.step.ce_chunks, targets=lora_targets(spec.lora.targets) if spec.lora else ())
 
 # %% ../nbs/08_plan.ipynb #9c8ab86b
 def saved_per_layer(d:dict) -> dict:

@@ -102,9 +102,9 @@ def load_high_water(config, spec:PlanSpec, path:str) -> int:
 
 def _cp_comm(config, spec:PlanSpec) -> int:
     "Context parallel: each layer all-gathers K and V over the CP ranks in forward and reduce-scatters their gradients in backward."
-    if spec.cp == 1: return 0
+    if spec.mesh.cp == 1: return 0
     d = dims(config, spec)
-    return d["L"] * 2 * 2 * d["T"] * spec.cp * d["kv"] * d["b"]
+    return d["L"] * 2 * 2 * d["T"] * spec.mesh.cp * d["kv"] * d["b"]
 
 def gpu_spec(model:str, # preset or config.json path
              gpus:int=8, # GPUs (FSDP shards over all of them): the spec's world_size
@@ -141,7 +141,7 @@ def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, cp, fsdp, step
     if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a PlanSpec (plan_gpu.gpu_spec builds one from a model name)")
     spec = spec if gpus is None else replace(spec, world_size=gpus)
     cfg, step, lora = spec.config, spec.step, spec.lora
-    model, gpus, method, batch, seq_len, cp = spec.model, spec.world_size, spec.method, spec.batch, spec.seq_len, spec.cp
+    model, gpus, method, batch, seq_len, cp = spec.model, spec.world_size, spec.method, spec.batch, spec.seq_len, spec.mesh.cp
     lora_r, lora_targets = (lora.r, lora.targets) if lora else (8, "all-linear")
     mixed_precision = accelerate_precision(cfg.mixed_precision)  # accelerate's names; fp32 (the old spelling) is no
     _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, mixed_precision, lora_r)
@@ -318,7 +318,7 @@ def recommend(spec:PlanSpec, # the setting asked about: model, method, LoRA rank
     """Search reshard, activation checkpointing (none, selective-op, full), CPU offload, QLoRA (for LoRA), batch and GPU count, and for each
     the memory savers in `EXTRAS` until one fits; pick what fits and moves the fewest bytes per token, then the least recomputation."""
     if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a PlanSpec (plan_gpu.gpu_spec builds one from a model name)")
-    method, batch, seq_len, cp, lora = spec.method, spec.batch, spec.seq_len, spec.cp, spec.lora
+    method, batch, seq_len, cp, lora = spec.method, spec.batch, spec.seq_len, spec.mesh.cp, spec.lora
     _check_plan_args(gpus, gpu_mem_gb, method, batch, seq_len, cp, spec.config.mixed_precision, lora.r if lora else 8)
     counts = sorted({g for g in (1, 2, 4, 8, 16, 32, 64, 128, gpus) if g <= gpus and g % cp == 0})
     batches = sorted({max(1, batch // 2**k) for k in range(8)})

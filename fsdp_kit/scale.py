@@ -20,10 +20,10 @@ FAULTS = ("crash", "hang")
 
 @dataclass
 class FaultSpec:
-    "A fault injected once, in the first attempt: rank `rank` crashes or hangs after step `step`."
+    "A fault injected once, in the first attempt: rank `rank` crashes or hangs after step `after_step`."
     kind:str=None # None (no fault), "crash" or "hang"
     rank:int=1 # the rank that fails
-    step:int=1 # it fails after finishing this step (1 <= step < the run's steps)
+    after_step:int=1 # it fails after finishing this step (1 <= after_step < the run's steps)
 
     def check(self, world_size:int, steps:int) -> "FaultSpec":
         "Refuse a fault that cannot happen in this run, naming the field."
@@ -31,8 +31,8 @@ class FaultSpec:
         if self.kind not in FAULTS: raise bad_value("inject_fault", self.kind, " or ".join(FAULTS))
         if not isinstance(self.rank, int) or not 0 <= self.rank < world_size:
             raise bad_value("fault_rank", self.rank, f"0 <= fault_rank < {world_size} (the world size)")
-        if not isinstance(self.step, int) or not 1 <= self.step < steps:
-            raise bad_value("fault_step", self.step, f"1 <= fault_step < steps={steps}")
+        if not isinstance(self.after_step, int) or not 1 <= self.after_step < steps:
+            raise bad_value("fault_step", self.after_step, f"1 <= fault_step < steps={steps}")
         return self
 
 # %% ../nbs/11_scale.ipynb #66ac4281
@@ -70,7 +70,7 @@ class StepWatch:
             if self.steps and self.rank == 0: print(f"step {done}/{self.steps}: loss {self.loss.item():.4f} (rank 0's)", flush=True)
             self.beat.beat(done=done)
             f = self.fault
-            if f.kind and self.rank == f.rank and done == f.step and attempt() == 0: inject_fault(f.kind)
+            if f.kind and self.rank == f.rank and done == f.after_step and attempt() == 0: inject_fault(f.kind)
         return after_step
 
     def stop(self):

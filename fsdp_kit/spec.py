@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, KW_ONLY
 from .errors import bad_value, require_whole, require_seed, require_model, require_positive
 from .config import FSDPConfig, MIXED_PRECISION
 from .upstream import DTYPE_NAMES
-from .mesh import MeshSpec
+from .mesh import AXES, MeshSpec
 
 # %% ../nbs/01b_spec.ipynb #f493d761
 STEP_PRECISIONS = ("fp32", "pure-bf16")  # the dtype the weights are kept in: float32 (mixed precision casts them) or bf16 throughout
@@ -26,6 +26,7 @@ class StepSpec:
     ce_chunks:int=0 # the loss in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
     offload_activations:bool=False # what autograd saves for backward kept in host memory (fsdp_kit.ac.activations_on_host)
+    gradient_checkpointing:bool=False # the model's own (transformers) gradient checkpointing
 
     def check(self) -> "StepSpec":
         "Refuse values outside what each field allows, naming the field; return the spec."
@@ -72,9 +73,7 @@ class RunSpec:
     batch:int=4 # sequences per rank per step (per data-parallel rank: the cp ranks of a group share theirs)
     seq_len:int=64 # tokens per sequence
     steps:int=10 # optimizer steps
-    dp_replicate:int=1 # replicas of the sharded model (HSDP)
-    dp_shard:int=-1 # ranks a parameter is sharded over (-1: every rank the other axes leave)
-    cp:int=1 # context-parallel ranks per sequence
+    mesh:MeshSpec=MeshSpec() # the mesh sizes: dp_replicate x dp_shard x cp (dp_shard=-1: every rank the other axes leave)
     fsdp:FSDPConfig=None # how to wrap, shard, cast and offload (None: FSDPConfig(), a unit per decoder layer, fp32)
     step:StepSpec=field(default_factory=StepSpec) # how one optimizer step runs: lr, warm-up, precision, memory savers
     lora:LoraSpec=None # adapters on a frozen base (None: every parameter trains)
@@ -84,16 +83,13 @@ class RunSpec:
         "The FSDP config this run applies."
         return self.fsdp if self.fsdp is not None else FSDPConfig()
 
-    @property
-    def mesh(self) -> MeshSpec:
-        "The mesh sizes, as `build_mesh` takes them (`-1` is filled in for the world size it runs on)."
-        return MeshSpec(self.dp_replicate, self.dp_shard, self.cp)
-
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse shared settings that cannot run, naming the field; return the spec, unchanged."
         require_model("model", self.model), require_seed("seed", self.seed)
-        for name in ("steps", "batch", "seq_len", "dp_replicate", "cp"): require_whole(name, getattr(self, name), 1)
-        if isinstance(self.dp_shard, bool) or self.dp_shard != -1: require_whole("dp_shard", self.dp_shard, 1)
+        for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
+        if not isinstance(self.mesh, MeshSpec): raise bad_value("mesh", self.mesh, "a mesh.MeshSpec")
+        for name in ("dp_replicate", "cp"): require_whole(name, getattr(self.mesh, name), 1)
+        if isinstance(self.mesh.dp_shard, bool) or self.mesh.dp_shard != -1: require_whole("dp_shard", self.mesh.dp_shard, 1)
         if self.fsdp is not None and not isinstance(self.fsdp, FSDPConfig):
             raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
         self.config.check()
@@ -111,12 +107,13 @@ class RunSpec:
             object.__setattr__(self, "_passed", (world_size,))  # not a field: a replace()d variant is a new spec, checked again
         return self
 
-    def refuse_unless(self, name:str, # a shared field
+    def refuse_unless(self, name:str, # a shared field, or a mesh size (dp_replicate, dp_shard, cp)
                       allowed, # the one value this lab runs
                       why:str # what to do instead
                      ):
         "Refuse a shared setting this lab does not support, naming the field, the lab and why."
-        if getattr(self, name) != allowed: raise bad_value(name, getattr(self, name), f"{allowed!r} (what {type(self).__name__} runs)", why)
+        value = getattr(self.mesh if name in AXES else self, name)
+        if value != allowed: raise bad_value(name, value, f"{allowed!r} (what {type(self).__name__} runs)", why)
 
 # %% ../nbs/01b_spec.ipynb #32f60a56
 def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spellings: fp32, float32, bfloat16, float16, torch.bfloat16)

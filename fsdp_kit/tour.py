@@ -73,14 +73,15 @@ def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True)
     from fsdp_kit.wrap import CompareSpec, compare_worker
     from fsdp_kit.qlora import QLoRASpec, qlora_worker
     from fsdp_kit.cp import CPSpec, cp_eval_worker
+    from fsdp_kit.mesh import MeshSpec
     from fsdp_kit.checkpoint import CheckpointSpec
     from fsdp_kit.hf_run import HFRunSpec, trainer_worker
     run = lambda steps, ckpt=None: train_worker(TrainSpec(model="tiny", steps=steps, step=StepSpec(warmup=2), ckpt=ckpt))
     # last: it opens accelerate's CPU gate
     work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
-                compare=lambda: compare_worker(CompareSpec(model="small")),
+                compare=lambda: compare_worker(CompareSpec("small", batch=2, steps=3)),
                 qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5)),
-                cp_eval=lambda: cp_eval_worker(CPSpec(cp=2, rotate="alltoall")),
+                cp_eval=lambda: cp_eval_worker(CPSpec(mesh=MeshSpec(cp=2), seq_len=128, steps=1, rotate="alltoall")),
                 checkpoint=lambda: (run(6), run(3, CheckpointSpec(ckpt_folder)), run(6, CheckpointSpec(ckpt_folder, resume=True))),
                 hf_trainer=lambda: trainer_worker(HFRunSpec("trainer", steps=4, out=f"{ckpt_folder}/hf_trainer")))
     out = {}

@@ -57,6 +57,8 @@ class TrainSpec(RunSpec):
             raise bad_value("precision", step.precision, "fp32 with LoRA, mixed_precision or check_parity (pure bf16: all of it bf16)")
         if step.optimizer_in_backward and (step.warmup or self.ckpt is not None):
             raise bad_value("optimizer_in_backward", True, "False with warmup or ckpt (an optimizer per parameter: no schedule, no state)")
+        if step.gradient_checkpointing:
+            raise bad_value("gradient_checkpointing", True, "False: training recomputes activations as the config's ac policy says (--ac)")
 
 # %% ../nbs/01_train.ipynb #399cb3b6
 def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr, warmup and optimizer_in_backward

@@ -11,8 +11,8 @@ __all__ = ['LAYOUTS', 'size_policy', 'size_floor', 'fsdp1_size_targets', 'regist
 
 # %% ../nbs/04_wrap.ipynb #1396aeee
 import gc
-from dataclasses import dataclass, field, asdict, KW_ONLY
-from .errors import bad_value, require_whole
+from dataclasses import dataclass, field, asdict, replace, KW_ONLY
+from .errors import bad_value
 from .config import FSDPConfig, POLICIES, ADDED_POLICIES, PRECISION, check_for_model, to_reshard
 from .spec import RunSpec, StepSpec
 from .models import model_config, check_model, build_model, synthetic_tokens, rank_rows
@@ -245,15 +245,10 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
 # %% ../nbs/04_wrap.ipynb #0e04b547
 @dataclass(frozen=True)
 class CompareSpec(RunSpec):
-    "Which configs to run, on which model and data: the shared settings, then the policies and reshard values to compare."
-    model:str="small" # preset name or config.json path
+    "Which configs to run: the shared settings (`steps` timed per config), then the policies and reshard values to compare."
     _:KW_ONLY
-    batch:int=2 # sequences per rank
-    steps:int=3 # plain steps timed per config (median), after the measured one
     policies:list=field(default_factory=lambda: list(POLICIES)) # wrap policies to compare
     reshard:list=field(default_factory=lambda: [True, False]) # reshard_after_forward values to compare
-    min_num_params:int=None # SIZE_BASED_WRAP threshold (None: the model's `size_floor`, the smallest accelerate's FSDP2 path can build)
-    gradient_checkpointing:bool=False # the model's own (transformers) gradient checkpointing
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
@@ -261,23 +256,23 @@ class CompareSpec(RunSpec):
         self.refuse_unless("cp", 1,
                            "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit "
                            "cp-eval)")
-        self.refuse_unless("step", StepSpec(), "the wrap lab's memory savers are run_config's arguments")
+        gc_only = StepSpec(gradient_checkpointing=self.step.gradient_checkpointing)  # the one step setting this lab reads
+        self.refuse_unless("step", gc_only, "the wrap lab's memory savers are run_config's arguments")
         self.refuse_unless("lora", None, "the wrap lab trains every parameter")
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
         for r in self.reshard: to_reshard("reshard_after_forward", r)
-        if self.min_num_params is not None: require_whole("min_num_params", self.min_num_params, 0)
-        if not isinstance(self.gradient_checkpointing, bool):
-            raise bad_value("gradient_checkpointing", self.gradient_checkpointing, "True or False")
+        if not isinstance(self.step.gradient_checkpointing, bool):
+            raise bad_value("gradient_checkpointing", self.step.gradient_checkpointing, "True or False")
         return self
 
     def configs(self) -> list:
-        "The FSDPConfigs this spec runs, checked: `fsdp` alone when given, else every policy x reshard value."
+        "The FSDPConfigs this spec runs, checked: `config` as the template, with each policy x reshard value."
         self.check()
-        if self.fsdp is not None: return [self.fsdp]
-        size = self.min_num_params
-        if size is None and "SIZE_BASED_WRAP" in self.policies: size = size_floor(build_model(model_config(self.model), device="meta"))
-        return [FSDPConfig(auto_wrap_policy=p, reshard_after_forward=r, min_num_params=size or 0).check()
+        template = self.config  # its min_num_params; 0 under SIZE_BASED_WRAP: the model's `size_floor`, the least accelerate can build
+        size = template.min_num_params
+        if not size and "SIZE_BASED_WRAP" in self.policies: size = size_floor(build_model(model_config(self.model), device="meta"))
+        return [replace(template, auto_wrap_policy=p, reshard_after_forward=r, min_num_params=size).check()
                 for p in self.policies for r in self.reshard]
 
 # %% ../nbs/04_wrap.ipynb #92799c04
@@ -320,10 +315,10 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
     if dtype: model = model.to(getattr(torch, dtype))
-    if spec.gradient_checkpointing:  # no KV cache to keep under recomputation (transformers would say so on every forward, and turn it off)
+    if spec.step.gradient_checkpointing:  # no KV cache under recomputation (transformers would say so on every forward, and turn it off)
         model.config.use_cache = False
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
-    check_for_model(cfg, model, spec.gradient_checkpointing)
+    check_for_model(cfg, model, spec.step.gradient_checkpointing)
     policy = ac_policy(cfg)
     model, units = apply_fsdp(model, cfg, mesh, edge_units)
     saver = StepSpec(lr=1e-3, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations)
@@ -361,7 +356,7 @@ def check_spec(spec:CompareSpec, world_size:int) -> list:
     meta = build_model(model_config(spec.model), device="meta")
     configs, shard_size = spec.configs(), spec.mesh.resolve(world_size).dp_shard
     for cfg in configs:
-        check_for_model(cfg, meta, spec.gradient_checkpointing)
+        check_for_model(cfg, meta, spec.step.gradient_checkpointing)
         plan_units(meta, cfg)
         _check_reshard(cfg, shard_size)
     return configs

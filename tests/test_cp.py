@@ -5,10 +5,12 @@ from fsdp_kit.cp import (CPSpec, cp_eval_worker, shard_sequence, unshard_sequenc
                          check_rotate, check_mask, eval_batch, shift_labels)
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import launch
+from fsdp_kit.mesh import MeshSpec
 from tests.conftest import EXAMPLES
 from tests.badinput import refused
 
 pytestmark = pytest.mark.timeout(240)
+CP2 = dict(mesh=MeshSpec(cp=2), seq_len=128, steps=1)  # the CP lab's evaluation: 2 CP ranks, 128-token sequences, one forward
 
 
 def test_shard_sequence_is_head_tail_and_round_trips():
@@ -35,9 +37,9 @@ def test_guards():
     with pytest.raises(KitError, match=r"attention_mask='padding'.*'causal' or None"): check_mask("padding")
     with pytest.raises(KitError, match=r"cp_size=3 .*divisor of the world size 4: one of 1, 2, 4"): check_sizes(4, cp=3)
     with pytest.raises(KitError, match=r"cp_size=2 and sp_size=2 cannot both be above 1"): check_sizes(4, cp=2, sp=2)
-    with pytest.raises(KitError, match=r"steps=3 is not allowed: 1 \(what CPSpec runs\)"): CPSpec(cp=2, steps=3).check(4)
-    assert CPSpec(cp=2, batch=3).rows(4) == 6  # batch is per data-parallel rank: dp_shard=2 of them
-    assert check_sizes(4, cp=2).dp_shard == 2 and CPSpec(cp=4, seq_len=64).check(4).cp == 4
+    with pytest.raises(KitError, match=r"steps=3 is not allowed: 1 \(what CPSpec runs\)"): CPSpec(mesh=MeshSpec(cp=2), steps=3).check(4)
+    assert CPSpec(**CP2, batch=3).rows(4) == 6  # batch is per data-parallel rank: dp_shard=2 of them
+    assert check_sizes(4, cp=2).dp_shard == 2 and CPSpec(mesh=MeshSpec(cp=4), seq_len=64, steps=1).check(4).mesh.cp == 4
 
 
 @pytest.mark.parametrize("args, message", [
@@ -74,8 +76,10 @@ def test_padding_mask_refused_by_the_model():
 def test_cp2_and_dp2_cp2_agree_with_one_process():
     "2-way CP (both rotations) and 2 x 2 (dp_shard x cp) give one process's loss (each run's own no-CP reference) over the same tokens."
     # batch per data-parallel rank: the same 4 rows
-    out = {"cp2": launch(cp_eval_worker, CPSpec(cp=2), nprocs=2), "ring": launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall"), nprocs=2),
-           "dp2cp2": launch(cp_eval_worker, CPSpec(cp=2, dp_shard=2, batch=2, rotate="alltoall"), nprocs=4)}
+    dp2cp2 = CPSpec(**CP2 | dict(mesh=MeshSpec(dp_shard=2, cp=2)), batch=2, rotate="alltoall")
+    out = {"cp2": launch(cp_eval_worker, CPSpec(**CP2), nprocs=2), "ring": launch(cp_eval_worker, CPSpec(**CP2, rotate="alltoall"),
+                                                                              nprocs=2),
+           "dp2cp2": launch(cp_eval_worker, dp2cp2, nprocs=4)}
     for name, rotate in (("cp2", "allgather"), ("ring", "alltoall"), ("dp2cp2", "alltoall")):
         _check(out[name], 2, rotate)  # eval_loss within 1e-5 of eval_loss_reference, the model in one process without CP
     assert out["dp2cp2"].groups["dp_shard_cp"] == [0, 1, 2, 3] and out["dp2cp2"].dp_shard == 2
@@ -89,7 +93,7 @@ def test_cp2_and_dp2_cp2_agree_with_one_process():
 
 def test_qwen2_gqa_and_no_mask():
     for rotate in ("allgather", "alltoall"):
-        r = launch(cp_eval_worker, CPSpec(model=str(EXAMPLES / "qwen2-tiny" / "config.json"), cp=2, rotate=rotate), nprocs=2)
+        r = launch(cp_eval_worker, CPSpec(str(EXAMPLES / "qwen2-tiny" / "config.json"), **CP2, rotate=rotate), nprocs=2)
         _check(r, 2, rotate)
-    full = launch(cp_eval_worker, CPSpec(cp=2, rotate="alltoall", mask=None), nprocs=2)
+    full = launch(cp_eval_worker, CPSpec(**CP2, rotate="alltoall", mask=None), nprocs=2)
     _check(full, 2, "alltoall")

@@ -62,7 +62,8 @@ def test_train_runs_the_step_savers_the_planner_models(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert len(r["losses"]) == 2 and all(math.isfinite(l) for l in r["losses"])
-    assert r["step"] == dict(lr=3e-3, warmup=0, precision="pure-bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True)
+    assert r["step"] == dict(lr=3e-3, warmup=0, precision="pure-bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True,
+                             gradient_checkpointing=False)
     assert r["config"]["mixed_precision"] == "no"
     assert "step: pure-bf16, loss in 4 chunks, optimizer in backward, activations offloaded to host" in proc.stdout
 

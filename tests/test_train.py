@@ -4,6 +4,9 @@ import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.models import model_config, build_model, count_params, decoder_layers, synthetic_tokens, rank_rows
 from fsdp_kit.train import TrainSpec
+from fsdp_kit.mesh import MeshSpec
+from fsdp_kit.spec import StepSpec
+from fsdp_kit.scale import FaultSpec
 from tests.conftest import EXAMPLES
 from tests.badinput import refused
 
@@ -14,7 +17,7 @@ def test_hsdp_shards_within_a_replica_and_trains_like_one_process(tmp_path):
     "--dp-replicate 2 --dp-shard 2 on 4 ranks: each rank holds half the parameters (not a quarter), and the run matches one process."
     from fsdp_kit.launch import launch
     from tests.helpers import train_each
-    hsdp, fsdp = launch(train_each, [TrainSpec(steps=3, seq_len=32, check_parity=True, dp_replicate=2, dp_shard=2),
+    hsdp, fsdp = launch(train_each, [TrainSpec(steps=3, seq_len=32, check_parity=True, mesh=MeshSpec(2, 2)),
                                      TrainSpec(steps=3, seq_len=32)], nprocs=4, timeout=200)
     assert hsdp.world_size == 4 and hsdp.max_param_diff <= 1e-5 and hsdp.losses[-1] < hsdp.losses[0]
     assert max(abs(a - b) for a, b in zip(hsdp.losses, hsdp.reference_losses)) < 1e-5
@@ -99,6 +102,12 @@ def test_train_spec_check():
     assert TrainSpec().check().steps == 10
     with pytest.raises(KitError, match="seq_len=0"):
         TrainSpec(seq_len=0).check()
+    with pytest.raises(KitError, match=r"cp=2 is not allowed: 1 \(what TrainSpec runs\)"):  # a mesh size, named as typed
+        TrainSpec(mesh=MeshSpec(cp=2)).check()
+    with pytest.raises(KitError, match=r"gradient_checkpointing=True is not allowed: False: training recomputes"):
+        TrainSpec(step=StepSpec(gradient_checkpointing=True)).check()
+    with pytest.raises(KitError, match=r"fault_step=10 is not allowed: 1 <= fault_step < steps=10"):
+        FaultSpec("crash", after_step=10).check(2, 10)
 
 
 def test_layout_layers_shards_per_layer_and_trains_the_same_losses():

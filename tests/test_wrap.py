@@ -5,6 +5,7 @@ from fsdp_kit.config import FSDPConfig, POLICIES
 from fsdp_kit.errors import KitError
 from fsdp_kit.launch import launch
 from fsdp_kit.models import build_model, model_config, count_params
+from fsdp_kit.spec import StepSpec
 from fsdp_kit.wrap import plan_units, CompareSpec, compare_worker, check_spec, runs_table, size_floor, size_policy, fsdp1_size_targets
 from tests.conftest import EXAMPLES, ROOT
 from tests.badinput import refused
@@ -80,6 +81,11 @@ def test_size_based_wrap_is_accelerates_fsdp2_rule():
     assert "model.layers" in [n for n, m in model.named_modules() if size_policy(100_000)(m)]  # accelerate's rule selects the container
     # the default threshold: the floor
     assert CompareSpec(model="small", policies=["SIZE_BASED_WRAP"]).configs()[0].min_num_params == 869_504
+    # the spec's fsdp is the template of every config compared: its other fields kept, its own threshold when it has one
+    bf16 = CompareSpec("small", policies=["NO_WRAP", "SIZE_BASED_WRAP"], reshard=[False], fsdp=FSDPConfig(mixed_precision="bf16"))
+    assert [(c.auto_wrap_policy, c.reshard_after_forward, c.mixed_precision) for c in bf16.configs()] == [
+        ("NO_WRAP", False, "bf16"), ("SIZE_BASED_WRAP", False, "bf16")]
+    assert CompareSpec("small", policies=["SIZE_BASED_WRAP"], fsdp=FSDPConfig(min_num_params=10**6)).configs()[0].min_num_params == 10**6
 
 
 def test_plan_refusals():
@@ -94,6 +100,10 @@ def test_plan_refusals():
         check_spec(CompareSpec(model="small", reshard=[3]), 4)
     with pytest.raises(KitError, match=r"policies='EVERYTHING' is not allowed"):
         check_spec(CompareSpec(policies=["EVERYTHING"]), 2)
+    # the shared step's memory savers: the model's own gradient checkpointing is the one this lab runs
+    assert CompareSpec(step=StepSpec(gradient_checkpointing=True)).check().step.gradient_checkpointing
+    with pytest.raises(KitError, match=r"step=StepSpec\(.*ce_chunks=4.* is not allowed: .*what CompareSpec runs"):
+        CompareSpec(step=StepSpec(ce_chunks=4)).check()
 
 
 def _padded_shard_bytes(model, world):
@@ -102,7 +112,7 @@ def _padded_shard_bytes(model, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sharded_parameter_bytes_are_total_over_world_size(world):
-    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], steps=1)
+    spec = CompareSpec(model="tiny", policies=["TRANSFORMER_BASED_WRAP", "NO_WRAP"], reshard=[True], batch=2, steps=1)
     runs = launch(compare_worker, spec, nprocs=world)
     model = build_model(model_config("tiny"), device="meta")
     total = count_params(model) * 4
