@@ -26,6 +26,7 @@ class StepSpec:
     ce_chunks:int=0 # the loss in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
     offload_activations:bool=False # what autograd saves for backward kept in host memory (fsdp_kit.ac.activations_on_host)
+    gradient_checkpointing:bool=False # the model's own (transformers) gradient checkpointing
 
     def check(self) -> "StepSpec":
         "Refuse values outside what each field allows, naming the field; return the spec."
