@@ -47,7 +47,7 @@ class DoctorSpec(RunSpec):
     def storage(self):
         "qlora's bnb_4bit_quant_storage, `lora.quant_storage`; None (no `lora`) is bitsandbytes' default, uint8."
         return self.lora.quant_storage if isinstance(self.lora, LoraSpec) else None
-    def check(self) -> "DoctorSpec":
+    def check(self, world_size:int=None): # processes that will run it (None: checked when it starts)
         "Refuse settings the doctor cannot run, naming the option; the model and the FSDP file must be readable."
         from fsdp_kit.config import load_fsdp_config
         from fsdp_kit.upstream import parse_fsdp_file
@@ -62,7 +62,7 @@ class DoctorSpec(RunSpec):
             raise bad_value("mixed_precision", mixed, f"one of {', '.join(MIXED_PRECISION)}")
         if self.dtype is not None and self.dtype not in STORAGE_DTYPES[1:]:
             raise bad_value("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES[1:])}")
-        require_whole("nproc", self.nproc, 2), super().check(), require_positive("timeout", self.timeout)
+        require_whole("nproc", self.nproc, 2), super().check(world_size), require_positive("timeout", self.timeout)
         for name, why in DOCTOR_NOT_READ.items(): self.refuse_unless(name, getattr(RunSpec(), name), why)
         self.refuse_unless("step", StepSpec(gradient_checkpointing=self.step.gradient_checkpointing),
                            "the twin's step is its Trainer's: only step.gradient_checkpointing is the user's")

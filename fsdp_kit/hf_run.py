@@ -45,10 +45,10 @@ class HFRunSpec(RunSpec):
     def config_path(self) -> str:
         "The config file this run reads."
         return self.fsdp_config or str(EXAMPLES / "fsdp_configs" / DEFAULT_CONFIGS[self.workflow])
-    def check(self):
-        "Refuse settings that cannot run, naming the field."
+    def check(self, world_size:int=None): # processes that will run it (None: checked when it starts)
+        "Refuse settings that cannot run, naming the field; return the spec."
         if self.workflow not in WORKFLOWS: raise bad_value("workflow", self.workflow, f"one of {', '.join(WORKFLOWS)}")
-        super().check()
+        super().check(world_size)
         for name, why in HF_NOT_READ.items(): self.refuse_unless(name, getattr(RunSpec(), name), why)
         self.refuse_unless("step", StepSpec(lr=self.step.lr), "the workflow's step is the Trainer's: AdamW at a constant step.lr")
         if self.workflow == "trainer" and self.steps < 2: raise bad_value("steps", self.steps, "2 or more for trainer: it resumes half-way")
