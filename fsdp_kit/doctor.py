@@ -323,7 +323,8 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     stage("done")
     return seen
 
-def spec_from_json(text:str) -> DoctorSpec:
+def spec_from_json(text:str # spec.json as run_twin wrote it
+                  ) -> DoctorSpec:
     "The DoctorSpec `run_twin` wrote as JSON (asdict), its sections rebuilt."
     d = json.loads(text)
     return DoctorSpec(**d | dict(fsdp=d["fsdp"] and FSDPConfig(**d["fsdp"]), step=StepSpec(**d["step"]),
