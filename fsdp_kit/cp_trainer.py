@@ -19,9 +19,9 @@ from .hf import TokenRows
 
 # %% ../nbs/06a_cp_trainer.ipynb #b1cb03e6
 CPT_NOT_READ = {  # RunSpec's settings the Trainer's CP evaluation does not read, and why
-    "cp": "the lab runs each size of cp_sizes", "dp_replicate": "each cp size's "
-    "group is the Trainer's own", "dp_shard": "each cp size's group is the Trainer's own", "fsdp": "the Trainer's ParallelismConfig, "
-    "not FSDP, splits the rows", "step": "the lab evaluates: no optimizer step", "lora": "the lab evaluates the whole model"}
+    "cp": "the lab runs each size of cp_sizes", "dp_replicate": "each cp size's group is the Trainer's own",
+    "dp_shard": "each cp size's group is the Trainer's own", "fsdp": "the Trainer's ParallelismConfig, not FSDP, splits the rows",
+    "step": "the lab evaluates: no optimizer step", "lora": "the lab evaluates the whole model"}
 
 @dataclass(frozen=True)
 class CPTrainerSpec(RunSpec):
