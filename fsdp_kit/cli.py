@@ -304,11 +304,12 @@ def check_upstream_can_run(path: str, workflow: str):
 def _cmd_hf_run(a, start: float):
     "fsdp-kit hf --run WORKFLOW: one Hugging Face workflow on --nproc ranks (trainer, native: torchrun; sft, qlora: accelerate launch)."
     from fsdp_kit.hf_run import HFRunSpec, run_workflow
+    from fsdp_kit.spec import StepSpec
     if a.check:
         raise KitError("--check and --run: pick one (--check compares accelerate, the Trainer and the kit; --run runs one workflow)")
     check_out_dir("--out", a.out)
-    spec = HFRunSpec(a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
-                     seed=a.seed, check_parity=a.run == "trainer").check()
+    spec = HFRunSpec(workflow=a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
+                     step=StepSpec(lr=a.lr), seed=a.seed, check_parity=a.run == "trainer").check()
     if spec.workflow != "native": check_upstream_can_run(spec.config_path(), spec.workflow)  # native never reads it
     r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout, progress_from=None if a.quiet else start)
     text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
@@ -327,12 +328,14 @@ def _cmd_hf_run(a, start: float):
 def _cmd_doctor(a):
     "fsdp-kit doctor: the twin of --model run with --fsdp-config through the file's entry point, and the twelve checks."
     from fsdp_kit.doctor import DoctorSpec, doctor, report_text, exit_status
+    from fsdp_kit.spec import StepSpec, LoraSpec
+    from fsdp_kit.config import FSDPConfig
     check_out_dir("--out", a.out)
-    spec = DoctorSpec(a.model, a.fsdp_config, method=a.method, quant_storage=a.quant_storage, mixed_precision=a.mixed_precision,
-                      dtype=a.dtype,
-                      gradient_checkpointing=a.gradient_checkpointing, kbit_prepare=a.kbit_prepare, nproc=a.nproc, steps=a.steps,
-                      gpus=a.gpus,
-                      gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
+    lora = None if a.quant_storage is None else LoraSpec(base_dtype="nf4", quant_storage=a.quant_storage)  # None: bitsandbytes' uint8
+    fsdp = None if a.mixed_precision is None else FSDPConfig(mixed_precision=a.mixed_precision)  # a JSON's TrainingArguments bf16/fp16
+    spec = DoctorSpec(model=a.model, fsdp_config=a.fsdp_config, method=a.method, lora=lora, fsdp=fsdp, dtype=a.dtype,
+                      step=StepSpec(gradient_checkpointing=a.gradient_checkpointing), kbit_prepare=a.kbit_prepare, nproc=a.nproc,
+                      steps=a.steps, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
     import time
     r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True),
                progress_from=time.time())
@@ -417,17 +420,21 @@ def _cmd_docs(a):
 
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share
+    from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share, nf4, lora_fsdp_config
+    from fsdp_kit.spec import StepSpec
+    from fsdp_kit.config import PRECISION
     fsdp_given(a, "qlora")  # only --mixed-precision: the rest of the group is refused, naming the flag
-    cfg = fsdp_config(a) if a.fsdp_config else None
-    spec = QLoRASpec(model=a.model, quant_storage=a.quant_storage, mixed_precision=_precision(a.mixed_precision), autocast=a.autocast,
-                     load_in_8bit=a.load_in_8bit,
-                     steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, lora_r=a.lora_r, seed=a.seed,
-                     adapter_dir=a.adapter_dir, fsdp=cfg).check(a.nproc)
-    if cfg is not None:
+    mixed = _precision(a.mixed_precision)
+    read, lora = fsdp_config(a) if a.fsdp_config else None, nf4(a.quant_storage, r=a.lora_r)
+    # FSDP's compute dtype: --mixed-precision's, else the storage's own (as QLoRASpec follows it when fsdp is None), over the file's
+    dtype = PRECISION[mixed] if mixed is not None else QLoRASpec(lora=lora).param_dtype if read is not None else None
+    cfg = lora_fsdp_config(dtype, read) if read is not None or mixed is not None else None
+    spec = QLoRASpec(model=a.model, lora=lora, fsdp=cfg, autocast=a.autocast, load_in_8bit=a.load_in_8bit, steps=a.steps, batch=a.batch,
+                     seq_len=a.seq_len, step=StepSpec(lr=a.lr, warmup=a.warmup), seed=a.seed, adapter_dir=a.adapter_dir).check(a.nproc)
+    if read is not None:
         print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
-              f"it replaces mixed_precision={cfg.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
-    fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.lora_r)
+              f"it replaces mixed_precision={read.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
+    fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.adapters.r)
     r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun",
                timeout=a.timeout)
     mib = lambda key: " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes[key])

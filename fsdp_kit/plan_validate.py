@@ -20,9 +20,8 @@ from .plan import PlanSpec, plan_config, predict_peak, predict_comm, moments
 # %% ../nbs/08a_plan_validate.ipynb #1e5c9325
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
-    from fsdp_kit.qlora import QLoRASpec
-    return QLoRASpec(model=spec.model, quant_storage="bfloat16", batch=spec.batch, seq_len=spec.seq_len, lora_r=spec.lora.r,
-                     lora_targets=spec.lora.targets)
+    from fsdp_kit.qlora import QLoRASpec, nf4
+    return QLoRASpec(model=spec.model, lora=nf4(r=spec.lora.r, targets=spec.lora.targets), batch=spec.batch, seq_len=spec.seq_len)
 
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/qlora.html.md"""
 
 # %% auto #0
 __all__ = ['STORAGE_BYTES', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_element', 'pack_codes', 'unpack_codes',
-           'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'lora_fsdp_config',
+           'plot_codes_in_word', 'packed_shape', 'quant_state_bytes', 'check_quantization', 'lora_fsdp_config', 'nf4',
            'QLoRASpec', 'model_dtype', 'load_base', 'with_autocast', 'load_lora_model', 'shard_lora_model',
            'QLoRAResult', 'batch_rows', 'model_loss', 'gathered_codes', 'qlora_worker', 'weight_share', 'plot_memory',
            'plot_qlora_losses', 'accelerate_amp', 'fsdp_cast_worker', 'autocast_lab']
@@ -14,9 +14,9 @@ __all__ = ['STORAGE_BYTES', 'PARAMETER_CATEGORIES', 'dtype_name', 'params_per_el
 # %% ../nbs/05_qlora.ipynb #dfa8c51a
 import gc, math, os, shutil
 from dataclasses import dataclass, field, asdict, replace, KW_ONLY
-from .errors import bad_value, require_whole, require_positive
+from .errors import bad_value
 from .config import FSDPConfig, PRECISION, MIXED_PRECISION
-from .spec import RunSpec, StepSpec, QUANT_STORAGES, accelerate_precision
+from .spec import RunSpec, StepSpec, LoraSpec, QUANT_STORAGES, accelerate_precision
 from .upstream import DTYPE_BYTES
 from .models import model_config, build_model, synthetic_tokens, rank_rows, model_label
 from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ranks
@@ -155,25 +155,30 @@ def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "fl
     return replace(cfg, mixed_precision="no" if precision == "fp32" else precision)
 
 # %% ../nbs/05_qlora.ipynb #e0128c90
+def nf4(quant_storage:str="bfloat16", # bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32
+        **lora # the rest of the LoRA section: r, targets
+       ) -> LoraSpec:
+    "The LoRA section of a QLoRA run: adapters on a 4-bit NF4 base whose codes are stored as `quant_storage`."
+    return LoraSpec(base_dtype="nf4", quant_storage=quant_storage, **lora)
+
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
-    "Settings of a QLoRA run under FSDP2: the shared ones (`RunSpec`), the 4-bit storage, dtypes, optimizer and LoRA."
+    "A QLoRA run under FSDP2: `RunSpec`'s sections (lora None: `nf4()`, rank 8 in bfloat16 storage), autocast and the adapter folder."
     _:KW_ONLY
-    quant_storage:str="bfloat16" # bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32
-    mixed_precision:str=None # FSDP's compute dtype, "no", "bf16" or "fp16"; None follows a floating quant_storage (no for uint8)
     autocast:str="no" # the forward under torch.autocast in this dtype, "no", "bf16" or "fp16"; parameters keep theirs
     load_in_8bit:bool=False # 8-bit instead of 4-bit (refused under FSDP)
-    lr:float=1e-2 # AdamW learning rate of the LoRA weights
-    warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
-    lora_r:int=8 # LoRA rank (lora_alpha = 2 * r)
-    lora_targets:str="all-linear" # the Linears LoRA adapts: all-linear or names joined by commas (fsdp_kit.lora.lora_targets)
     adapter_dir:str=None # where to save the adapter; None: a temporary folder, removed after the reload check
 
     @property
+    def adapters(self) -> LoraSpec:
+        "The LoRA section this lab runs: `lora`, else `nf4()`: rank 8 on every Linear of an NF4 base stored in bfloat16."
+        return self.lora if self.lora is not None else nf4()
+
+    @property
     def param_dtype(self):
-        "FSDP's param_dtype name (`config.PRECISION` of mixed_precision), or None for no mixed precision."
-        if self.mixed_precision is not None: return PRECISION[self.mixed_precision]
-        storage = dtype_name(self.quant_storage)
+        "FSDP's param_dtype name: `fsdp`'s mixed_precision (`config.PRECISION`); with no `fsdp`, a floating quant_storage's own dtype."
+        if self.fsdp is not None: return PRECISION[self.fsdp.mixed_precision]
+        storage = dtype_name(self.adapters.quant_storage)
         return storage if storage != "uint8" else None
 
     @property
@@ -183,44 +188,48 @@ class QLoRASpec(RunSpec):
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
-        self.refuse_unless("step", StepSpec(), "QLoRASpec has its own lr and warmup (its step runs none of the memory savers)")
-        self.refuse_unless("lora", None, "QLoRASpec has its own lora_r, lora_targets and quant_storage")
-        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
-            try: hint = f"Did you mean {accelerate_precision(self.mixed_precision)!r}? (fsdp-kit qlora still reads the old spelling)"
+        mixed = self.fsdp.mixed_precision if isinstance(self.fsdp, FSDPConfig) else None
+        if mixed is not None and mixed not in MIXED_PRECISION:
+            try: hint = f"Did you mean {accelerate_precision(mixed)!r}? (fsdp-kit qlora still reads the old spelling)"
             except Exception: hint = "quant_storage must match the param_dtype it gives"
-            raise bad_value("mixed_precision", self.mixed_precision, "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)",
-                            hint)
+            raise bad_value("mixed_precision", mixed, "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)", hint)
         if self.autocast not in MIXED_PRECISION:
             try: hint = f"Did you mean {accelerate_precision(self.autocast)!r}?"
             except Exception: hint = "autocast=bf16 computes the forward in bfloat16 while the parameters keep their dtype"
             raise bad_value("autocast", self.autocast, "no, bf16 or fp16 (accelerate's names for the dtype torch.autocast computes in)",
                             hint)
-        check_quantization(self.quant_storage, self.param_dtype, self.load_in_8bit)
+        if isinstance(self.adapters, LoraSpec) and (self.fsdp is None or isinstance(self.fsdp, FSDPConfig)):
+            check_quantization(self.adapters.quant_storage, self.param_dtype, self.load_in_8bit)
         super().check(world_size)
+        self.refuse_unless("step", StepSpec(lr=self.step.lr, warmup=self.step.warmup),
+                           "the QLoRA lab's step reads only lr and warmup (it runs none of the memory savers)")
+        if self.adapters.base_dtype not in (None, "nf4"):  # None: the lab's, nf4
+            raise bad_value("base_dtype", self.adapters.base_dtype, "None or nf4 (what QLoRASpec runs: a 4-bit base; see nf4())",
+                            "a float base with LoRA is fsdp-kit train --lora-r's")
         self.refuse_unless("cp", 1,
                            "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
-        for name in ("lora_r",): require_whole(name, getattr(self, name), 1)
-        lora_targets(self.lora_targets)
-        require_whole("warmup", self.warmup, 0), require_positive("lr", self.lr)
+        lora_targets(self.adapters.targets)
         return self
+
 
 # %% ../nbs/05_qlora.ipynb #64332af0
 def model_dtype(spec:QLoRASpec) -> str:
     "The dtype of the unquantized parameters and of compute: param_dtype, else a floating storage, else bfloat16."
-    storage = dtype_name(spec.quant_storage)
+    storage = dtype_name(spec.adapters.quant_storage)
     return spec.param_dtype or (storage if storage != "uint8" else "bfloat16")
 
 # %% ../nbs/05_qlora.ipynb #794ba170
 def load_base(checkpoint:str, # a folder written by save_pretrained
               spec:QLoRASpec, # quant_storage and the model dtype
-              quantized:bool=True # 4-bit in `spec.quant_storage`; False loads the same weights in bfloat16
+              quantized:bool=True # 4-bit in `spec.adapters.quant_storage`; False loads the same weights in bfloat16
              ):
     "The checkpoint's model, quantized to 4-bit NF4 with double quantization, or in bfloat16."
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     dtype = getattr(torch, model_dtype(spec) if quantized else "bfloat16")
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_quant_storage=getattr(torch, dtype_name(spec.quant_storage)), bnb_4bit_compute_dtype=dtype)
+                                      bnb_4bit_quant_storage=getattr(torch, dtype_name(spec.adapters.quant_storage)),
+                                      bnb_4bit_compute_dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization if quantized else None, dtype=dtype)
 
 # %% ../nbs/05_qlora.ipynb #53ef90f2
@@ -239,12 +248,12 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
                     spec:QLoRASpec, # quant_storage, LoRA rank and seed
                     quantized:bool=True # 4-bit base; False: a bfloat16 base
                    ):
-    "The checkpoint's model with LoRA on `spec.lora_targets`, in train mode, its forward under `spec.autocast`."
+    "The checkpoint's model with LoRA on `spec.adapters.targets`, in train mode, its forward under `spec.autocast`."
     import torch
     from peft import get_peft_model
     model = load_base(checkpoint, spec, quantized)
     torch.manual_seed(spec.seed)  # the same LoRA init on every rank and in the reference
-    return with_autocast(get_peft_model(model, lora_config(spec.lora_r, spec.lora_targets)).train(), spec.autocast)
+    return with_autocast(get_peft_model(model, lora_config(spec.adapters.r, spec.adapters.targets)).train(), spec.autocast)
 
 # %% ../nbs/05_qlora.ipynb #70d8447e
 def shard_lora_model(model, # from load_lora_model
@@ -379,7 +388,7 @@ def _measure(model, spec:QLoRASpec) -> dict:
     "Peak bytes of one training step of `model` on this rank, by category (measure_step)."
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.step.lr)
     tokens = batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())
     def step():
         model_loss(model, tokens, grad=True).backward()
@@ -390,16 +399,13 @@ def _measure(model, spec:QLoRASpec) -> dict:
 def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     "Train the LoRA weights for `spec.steps` steps with the kit's training loop; the mean loss over ranks of each step."
     from fsdp_kit.train import train_loop
-    return mean_over_ranks(train_loop(model, _stepped(spec), rank, world_size))
+    return mean_over_ranks(train_loop(model, spec, rank, world_size))
 
 def _train_one_process(checkpoint:str, spec:QLoRASpec, world_size:int) -> list:
     "The reference: the same 4-bit model with LoRA, unsharded, trained in this process on each step's whole global batch; its losses."
     from fsdp_kit.train import train_loop
-    return [l.item() for l in train_loop(load_lora_model(checkpoint, spec), _stepped(spec), rows=spec.batch * world_size)]
+    return [l.item() for l in train_loop(load_lora_model(checkpoint, spec), spec, rows=spec.batch * world_size)]
 
-def _stepped(spec:QLoRASpec) -> QLoRASpec:
-    "`spec` with its own lr and warm-up in the step section `train_loop` reads (`spec.StepSpec`)."
-    return replace(spec, step=StepSpec(lr=spec.lr, warmup=spec.warmup))
 
 # %% ../nbs/05_qlora.ipynb #944daa2d
 def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
@@ -471,7 +477,7 @@ def qlora_worker(spec:QLoRASpec,
         dist.barrier()
     finally:
         if rank == 0: shutil.rmtree(checkpoint, ignore_errors=True)
-    return QLoRAResult(spec.model, world_size, dtype_name(spec.quant_storage), spec.param_dtype,
+    return QLoRAResult(spec.model, world_size, dtype_name(spec.adapters.quant_storage), spec.param_dtype,
                        {s: params_per_element(s) for s in ("uint8", "bfloat16", "float32")}, shapes, shard_shapes,
                        dict(held=[s["held"] for s in state_per_rank], predicted=[s["predicted"] for s in state_per_rank]),
                        losses, unsharded, max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable,
@@ -563,8 +569,8 @@ def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec say
         model = load_lora_model(checkpoint, spec)
         before = _snapshot(model)
         shard_lora_model(model, fsdp_mesh(build_mesh(spec.mesh)), param_dtype, spec.fsdp)
-        out = dict(quant_storage=dtype_name(spec.quant_storage), param_dtype=param_dtype, gathered=gathered_codes(model, before), loss=None,
-                   error=None)
+        out = dict(quant_storage=dtype_name(spec.adapters.quant_storage), param_dtype=param_dtype, gathered=gathered_codes(model, before),
+                   loss=None, error=None)
         try: out["loss"] = model_loss(model, batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())).item()
         except Exception as e: out["error"] = f"{type(e).__name__}: {e}"
         del model; gc.collect()

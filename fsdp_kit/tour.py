@@ -80,10 +80,11 @@ def labs_worker(ckpt_folder: str, first: int, total: int, progress: bool = True)
     # last: it opens accelerate's CPU gate
     work = dict(train=lambda: train_worker(TrainSpec(model="tiny", steps=10, check_parity=True)),
                 compare=lambda: compare_worker(CompareSpec("small", batch=2, steps=3)),
-                qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5)),
+                qlora=lambda: qlora_worker(QLoRASpec(model="tiny", steps=5, step=StepSpec(lr=1e-2))),
                 cp_eval=lambda: cp_eval_worker(CPSpec(mesh=MeshSpec(cp=2), seq_len=128, steps=1, rotate="alltoall")),
                 checkpoint=lambda: (run(6), run(3, CheckpointSpec(ckpt_folder)), run(6, CheckpointSpec(ckpt_folder, resume=True))),
-                hf_trainer=lambda: trainer_worker(HFRunSpec("trainer", steps=4, out=f"{ckpt_folder}/hf_trainer")))
+                hf_trainer=lambda: trainer_worker(HFRunSpec(workflow="trainer", steps=4, batch=2, seq_len=32,
+                                                            out=f"{ckpt_folder}/hf_trainer")))
     out = {}
     for i, name in enumerate(_SHARED, first):
         if progress and dist.get_rank() == 0: print(f"[{i}/{total}] {name} ...", flush=True)  # a worker's stdout: the command's stderr
@@ -148,9 +149,9 @@ def _steps(nproc: int, progress: bool = True):
         import shutil
         from fsdp_kit.config import EXAMPLES
         from fsdp_kit.doctor import DoctorSpec, doctor as run_doctor, STATUSES
-        r = run_doctor(DoctorSpec(str(EXAMPLES / "configs" / "qwen2-tiny" / "config.json"),
-                                  str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml"),
-                                  method="qlora", nproc=max(nproc, 2)), say=lambda line: None)
+        r = run_doctor(DoctorSpec(model=str(EXAMPLES / "configs" / "qwen2-tiny" / "config.json"),
+                                  fsdp_config=str(EXAMPLES / "fsdp_configs" / "accelerate_fsdp_qlora.yaml"),
+                                  method="qlora", nproc=max(nproc, 2), steps=2), say=lambda line: None)
         shutil.rmtree(r.pop("folder"), ignore_errors=True)
         counts = ", ".join(f"{n} {'not reached' if s == 'SKIP' else s}" for s in STATUSES
                            if (n := sum(c["status"] == s for c in r["checks"])) or s != "SKIP")

@@ -216,10 +216,10 @@ def _variant_lora(config) -> dict:
 def _variant_qlora(checkpoint:str, storage:str) -> dict:
     "LoRA on a 4-bit base stored in `storage`, bf16: which weights FSDP shards, dtypes, accelerate's warnings."
     import warnings
-    from fsdp_kit.qlora import QLoRASpec, load_lora_model
+    from fsdp_kit.qlora import QLoRASpec, load_lora_model, nf4
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        _, model, _ = _prepared(load_lora_model(checkpoint, QLoRASpec(quant_storage=storage, lora_r=4)))
+        _, model, _ = _prepared(load_lora_model(checkpoint, QLoRASpec(lora=nf4(storage, r=4))))
     return dict(units=_units(model), dtypes=_dtypes(model),
                 warnings=sorted({str(w.message)[:120] for w in said if "Params4bit" in str(w.message)}))
 

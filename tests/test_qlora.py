@@ -7,6 +7,8 @@ import json, math, subprocess, sys
 import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.qlora import params_per_element, packed_shape, quant_state_bytes, check_quantization, pack_codes, unpack_codes, QLoRASpec
+from fsdp_kit.qlora import nf4, lora_fsdp_config
+from fsdp_kit.spec import StepSpec
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(300)
@@ -109,7 +111,7 @@ def test_guards_allow_matching_storage():
     assert check_quantization("bfloat16", "bf16") == ("bfloat16", "bfloat16")
     assert check_quantization(__import__("torch").float32, "fp32") == ("float32", "float32")
     assert check_quantization("uint8", None) == ("uint8", None)
-    assert QLoRASpec(quant_storage="uint8").check().param_dtype is None
+    assert QLoRASpec(lora=nf4("uint8")).check().param_dtype is None
 
 
 @pytest.mark.parametrize("args, text", [
@@ -134,12 +136,13 @@ def test_cli_guards_exit_2_without_traceback(tmp_path, args, text):
 
 
 def test_autocast_spec():
-    assert QLoRASpec(quant_storage="float32", autocast="bf16").check().param_dtype == "float32"
-    assert QLoRASpec(quant_storage="float32", autocast="bf16").config.mixed_precision == "no"  # FSDP casts nothing
+    assert QLoRASpec(lora=nf4("float32"), autocast="bf16").check().param_dtype == "float32"
+    assert QLoRASpec(lora=nf4("float32"), autocast="bf16").config.mixed_precision == "no"  # FSDP casts nothing
     # accelerate's bf16: both
-    assert QLoRASpec(quant_storage="bfloat16", mixed_precision="bf16", autocast="bf16").check().param_dtype == "bfloat16"
+    assert QLoRASpec(fsdp=lora_fsdp_config("bfloat16"), autocast="bf16").check().param_dtype == "bfloat16"
     with pytest.raises(KitError, match="Did you mean 'bf16'"): QLoRASpec(autocast="torch.bfloat16").check()
-    with pytest.raises(KitError, match="autocast=bf16"): QLoRASpec(quant_storage="float32", mixed_precision="bf16", autocast="bf16").check()
+    with pytest.raises(KitError, match="autocast=bf16"):
+        QLoRASpec(lora=nf4("float32"), fsdp=lora_fsdp_config("bfloat16"), autocast="bf16").check()
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +154,10 @@ def runs(tmp_path_factory):
     from fsdp_kit.launch import launch
     from tests.helpers import qlora_each
     adapter = tmp_path_factory.mktemp("qlora") / "adapter"
-    specs = [QLoRASpec(model="tiny", quant_storage="bfloat16", steps=10, adapter_dir=str(adapter)),
-             QLoRASpec(quant_storage="uint8", steps=2), QLoRASpec(quant_storage="float32", mixed_precision="no", steps=2),
-             QLoRASpec(quant_storage="float32", autocast="bf16", steps=2)]
+    lab = dict(step=StepSpec(lr=1e-2))  # the lab's learning rate (fsdp-kit qlora --lr)
+    specs = [QLoRASpec(model="tiny", lora=nf4("bfloat16"), steps=10, adapter_dir=str(adapter), **lab),
+             QLoRASpec(lora=nf4("uint8"), steps=2, **lab), QLoRASpec(lora=nf4("float32"), fsdp=lora_fsdp_config(None), steps=2, **lab),
+             QLoRASpec(lora=nf4("float32"), autocast="bf16", steps=2, **lab)]
     results = launch(qlora_each, specs, nprocs=2, timeout=240)
     return adapter, [json.loads(json.dumps(asdict(r))) for r in results], specs
 
@@ -202,8 +206,9 @@ def test_other_storages(runs):
     _, results, specs = runs
     for spec, r in zip(specs[1:3], results[1:3]):
         assert r["param_dtype"] is None  # uint8: no mixed precision; fp32 is accelerate's "no"
-        assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < (1e-5 if spec.quant_storage == "float32" else 3e-3)
-        assert all(s["dtype"] == spec.quant_storage and s["stored"] == s["predicted"] for s in r["storage_shapes"].values())
+        storage = spec.adapters.quant_storage
+        assert len(r["unsharded_losses"]) == 2 and r["sharded_vs_unsharded_loss_diff"] < (1e-5 if storage == "float32" else 3e-3)
+        assert all(s["dtype"] == storage and s["stored"] == s["predicted"] for s in r["storage_shapes"].values())
         assert r["adapter"]["every_rank_share_saved"] and r["adapter"]["reload_loss_diff"] < 1e-4 and r["adapter"]["path"] is None
 
 
@@ -224,9 +229,10 @@ def test_float32_storage_under_autocast(runs):
 
 
 def test_the_qlora_lr_and_warmup_reach_the_optimizer():
-    "QLoRASpec keeps its own lr and warm-up: the training loop's optimizer (train.make_optimizer) is built with them."
-    from fsdp_kit.qlora import QLoRASpec, _stepped
+    "QLoRASpec's step section carries its lr and warm-up: the training loop's optimizer (train.make_optimizer) is built with them."
+    from fsdp_kit.qlora import QLoRASpec
+    from fsdp_kit.spec import StepSpec
     from fsdp_kit.train import make_optimizer
     from fsdp_kit.models import build_model, model_config
-    optim, schedule = make_optimizer(build_model(model_config("tiny")), _stepped(QLoRASpec(lr=0.05, warmup=4)))
+    optim, schedule = make_optimizer(build_model(model_config("tiny")), QLoRASpec(step=StepSpec(lr=0.05, warmup=4)).check())
     assert schedule.base_lrs == [0.05] and optim.param_groups[0]["lr"] == 0.05 / 4
