@@ -34,7 +34,7 @@ class CPTrainerSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec."
         from fsdp_kit.cp import check_seq_len, check_sizes
         super().check(world_size)
-        for name, why in CPT_NOT_READ.items(): self.refuse_unless(name, getattr(RunSpec(), name), why)
+        self.refuse_unread(CPT_NOT_READ)
         for name in ("rows", "prompt"): require_whole(name, getattr(self, name), 1)
         if self.prompt >= self.seq_len - 1: raise bad_value("prompt", self.prompt, f"fewer than seq_len - 1 = {self.seq_len - 1} tokens")
         for cp in self.cp_sizes:

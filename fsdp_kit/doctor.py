@@ -63,7 +63,7 @@ class DoctorSpec(RunSpec):
         if self.dtype is not None and self.dtype not in STORAGE_DTYPES[1:]:
             raise bad_value("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES[1:])}")
         require_whole("nproc", self.nproc, 2), super().check(world_size), require_positive("timeout", self.timeout)
-        for name, why in DOCTOR_NOT_READ.items(): self.refuse_unless(name, getattr(RunSpec(), name), why)
+        self.refuse_unread(DOCTOR_NOT_READ)
         self.refuse_unless("step", StepSpec(gradient_checkpointing=self.step.gradient_checkpointing),
                            "the twin's step is its Trainer's: only step.gradient_checkpointing is the user's")
         if self.lora is not None: self.refuse_unless("lora", LoraSpec(base_dtype="nf4", quant_storage=self.storage()),

@@ -49,7 +49,7 @@ class HFRunSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec."
         if self.workflow not in WORKFLOWS: raise bad_value("workflow", self.workflow, f"one of {', '.join(WORKFLOWS)}")
         super().check(world_size)
-        for name, why in HF_NOT_READ.items(): self.refuse_unless(name, getattr(RunSpec(), name), why)
+        self.refuse_unread(HF_NOT_READ)
         self.refuse_unless("step", StepSpec(lr=self.step.lr), "the workflow's step is the Trainer's: AdamW at a constant step.lr")
         if self.workflow == "trainer" and self.steps < 2: raise bad_value("steps", self.steps, "2 or more for trainer: it resumes half-way")
         path = Path(self.config_path())

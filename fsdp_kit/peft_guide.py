@@ -345,7 +345,7 @@ class PeftSpec(RunSpec):
     def check(self, world_size:int=None): # processes that will run it (None: checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec."
         super().check(world_size)
-        for name, why in PEFT_NOT_READ.items(): self.refuse_unless(name, getattr(RunSpec(), name), why)
+        self.refuse_unread(PEFT_NOT_READ)
         self.refuse_unless("step", StepSpec(lr=self.step.lr), "the method runs step AdamW at a constant step.lr")
         require_whole("best_max_steps", self.best_max_steps, 4), require_positive("best_lr", self.best_lr)
         return self

@@ -32,7 +32,7 @@ class StepSpec:
         "Refuse values outside what each field allows, naming the field; return the spec."
         require_positive("lr", self.lr), require_whole("warmup", self.warmup, 0), require_whole("ce_chunks", self.ce_chunks, 0)
         if self.precision not in STEP_PRECISIONS: raise bad_value("precision", self.precision, f"one of {', '.join(STEP_PRECISIONS)}")
-        for name in ("optimizer_in_backward", "offload_activations"):
+        for name in ("optimizer_in_backward", "offload_activations", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool): raise bad_value(name, getattr(self, name), "True or False")
         return self
 
@@ -114,6 +114,12 @@ class RunSpec:
         "Refuse a shared setting this lab does not support, naming the field, the lab and why."
         value = getattr(self.mesh if name in AXES else self, name)
         if value != allowed: raise bad_value(name, value, f"{allowed!r} (what {type(self).__name__} runs)", why)
+
+    def refuse_unread(self, unread:dict # shared field (or mesh size) -> why this lab does not read it
+                     ):
+        "Refuse each setting in `unread` that differs from RunSpec's default: this lab would ignore it."
+        default = RunSpec()
+        for name, why in unread.items(): self.refuse_unless(name, getattr(default.mesh if name in AXES else default, name), why)
 
 # %% ../nbs/01b_spec.ipynb #32f60a56
 def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spellings: fp32, float32, bfloat16, float16, torch.bfloat16)

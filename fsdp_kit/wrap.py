@@ -262,8 +262,6 @@ class CompareSpec(RunSpec):
         for p in self.policies:
             if p not in POLICIES: raise bad_value("policies", p, f"one of {', '.join(POLICIES)}")
         for r in self.reshard: to_reshard("reshard_after_forward", r)
-        if not isinstance(self.step.gradient_checkpointing, bool):
-            raise bad_value("gradient_checkpointing", self.step.gradient_checkpointing, "True or False")
         return self
 
     def configs(self) -> list:
