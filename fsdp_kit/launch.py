@@ -471,8 +471,9 @@ def _stop(proc, grace:float=20):
     except subprocess.TimeoutExpired: proc.kill(); proc.wait()
 
 def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_timeout=None, every:float=10, **_):
-    "Wait for torchrun to exit; with several nodes, say every `every` s that this node still waits."
+    "Wait for torchrun to exit; with several nodes, say every `every` s (half the rendezvous timeout, if shorter) that it still waits."
     start, said = time.monotonic(), 0
+    every = min(every, rdzv_timeout / 2) if rdzv_timeout else every
     while proc.poll() is None:
         try: proc.wait(1)
         except subprocess.TimeoutExpired: pass
