@@ -108,6 +108,29 @@ def test_the_wheel_ships_every_example_file(tmp_path):
     assert "fsdp_kit/examples/fsdp_configs/transformers_fsdp_config.json" in shipped and "fsdp_kit/examples/sft_lora.py" in shipped
 
 
+OPTIONAL = {"pynvml": "GPU memory as NVML counts it, where it is installed (plan_validate)",
+            "nbconvert": "fsdp-kit docs, with the dev extra (refused in one line without it)",
+            "nbformat": "fsdp-kit docs (nbconvert's)", "pygments": "fsdp-kit docs (nbconvert's)"}
+
+
+def test_every_import_is_installed_by_pip_install():
+    "A third-party module the package imports comes from pyproject's dependencies or theirs: `pip install -e .` alone runs the kit."
+    import ast, re, sys, tomllib
+    import importlib.metadata as md
+    mods = set()
+    for path in PKG.glob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Import): mods |= {a.name.split(".")[0] for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module: mods.add(n.module.split(".")[0])
+    name = lambda req: re.split(r"[<>=!~ ;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+    direct = {name(d) for d in tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]["dependencies"]}
+    theirs = {name(r) for d in direct for r in (md.requires(d) or []) if "extra ==" not in r}
+    dists = md.packages_distributions()
+    missing = {m: dists.get(m) for m in mods - set(sys.stdlib_module_names) - {"fsdp_kit"} - set(OPTIONAL)
+               if not {name(d) for d in dists.get(m, [m])} & (direct | theirs)}
+    assert missing == {}, missing
+
+
 def _pyflakes(paths:list) -> tuple:
     "pyflakes over `paths`: (number of findings, their text)."
     import io
