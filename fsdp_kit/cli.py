@@ -409,11 +409,7 @@ def _cmd_compare(a):
 
 
 def _cmd_docs(a):
-    import importlib.util
     from fsdp_kit.docs import docs
-    if importlib.util.find_spec("nbconvert") is None and not a.quarto:
-        raise KitError("fsdp-kit docs renders the notebooks with nbconvert, which is not installed: pip install -e '.[dev]' "
-                       "(the dev extra) or pip install nbconvert")
     manifest = docs(a.out, a.nbs, a.quarto)
     pages = manifest["pages"]
     text = f"built {len(pages)} pages with {manifest['builder']} into {a.out}/ (open {a.out}/index.html)"

@@ -304,4 +304,8 @@ def docs(out: str = "site", nbs: str = None, quarto: bool = None) -> dict:
     use_quarto = shutil.which("quarto") is not None if quarto is None else quarto
     if use_quarto and not shutil.which("quarto"):
         raise KitError("quarto=True but no `quarto` on PATH: install Quarto (https://quarto.org) or build offline without --quarto")
+    import importlib.util
+    if not use_quarto and importlib.util.find_spec("nbconvert") is None:
+        raise KitError("the offline build renders the notebooks with nbconvert, which is not installed: pip install -e '.[dev]' "
+                       "(the dev extra) or pip install nbconvert")
     return build_with_quarto(out) if use_quarto else build_site(out, nbs)
