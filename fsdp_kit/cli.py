@@ -646,6 +646,7 @@ EXIT_CODES = """exit status:
   1    a check failed: a doctor FAIL (a WARN too with doctor --strict), or a rank that failed
   2    bad input: one line names the option as typed, the value and what is allowed
   130  interrupted (SIGINT, Ctrl-C); 143 SIGTERM; 129 SIGHUP: every process the command started is stopped first
+  141  stdout closed by its reader (a pipe into head): the command stops without a traceback
 
 progress (one line per finished unit of work) goes to stderr, results to stdout; --quiet silences progress."""
 
@@ -1083,5 +1084,8 @@ def main(argv=None):
     except Interrupted as e:
         print(f"fsdp-kit {args.command}: interrupted ({signal.Signals(e.signum).name}): the workers were stopped", file=sys.stderr)
         sys.exit(128 + e.signum)
+    except BrokenPipeError:  # stdout closed by its reader (`fsdp-kit train --json - | head`): the rest of the output is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the interpreter's own flush at exit finds no pipe
+        sys.exit(128 + signal.SIGPIPE)
     finally:
         for sig, handler in old.items(): signal.signal(sig, handler)

@@ -145,3 +145,12 @@ def test_json_on_a_full_disk_is_printed_not_lost(full_disk):
     assert code == 2 and "could not write it (No space left on device); the result was printed to stdout instead" in err
     assert json.loads(out[out.index("\n{") + 1:])["model"] == "tiny"  # the JSON is on stdout, after the plan's text
     assert sorted(p.name for p in full_disk.iterdir()) == ["fill"]  # no empty or partial file
+
+
+def test_a_closed_stdout_ends_the_command_without_a_traceback():
+    "`fsdp-kit plan --json - | head -c 10`: the reader goes away; the command stops with 141 (128 + SIGPIPE), no traceback."
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", "plan", "--model", "small", "--json", "-"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes: its first write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
