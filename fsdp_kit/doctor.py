@@ -6,11 +6,11 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/doctor.html.md"""
 
 # %% auto #0
 __all__ = ['METHODS', 'STORAGE_DTYPES', 'STATUSES', 'DOCTOR_NOT_READ', 'SHRINK', 'REQUIRED', 'DROP', 'CHECKS', 'STAGE_CHECK',
-           'CONTAINER_ERROR', 'FIXES', 'DoctorSpec', 'twin_config', 'Stage', 'twin_worker', 'spec_from_json', 'main',
-           'twin_command', 'file_variant', 'run_twin', 'Check', 'check_fsdp_version', 'check_wrap', 'check_tied',
-           'check_quant_storage', 'check_base_upcast', 'check_precision', 'check_loading', 'check_checkpointing',
-           'check_context_parallel', 'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks',
-           'exit_status', 'scale', 'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
+           'CONTAINER_ERROR', 'FIXES', 'DoctorSpec', 'twin_config', 'Stage', 'twin_worker', 'main', 'twin_command',
+           'file_variant', 'run_twin', 'Check', 'check_fsdp_version', 'check_wrap', 'check_tied', 'check_quant_storage',
+           'check_base_upcast', 'check_precision', 'check_loading', 'check_checkpointing', 'check_context_parallel',
+           'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks', 'exit_status', 'scale',
+           'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
 
 # %% ../nbs/12_doctor.ipynb #d0c70001
 import json, os, sys, tempfile, time
@@ -323,18 +323,11 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     stage("done")
     return seen
 
-def spec_from_json(text:str # spec.json as run_twin wrote it
-                  ) -> DoctorSpec:
-    "The DoctorSpec `run_twin` wrote as JSON (asdict), its sections rebuilt."
-    d = json.loads(text)
-    return DoctorSpec(**d | dict(fsdp=d["fsdp"] and FSDPConfig(**d["fsdp"]), step=StepSpec(**d["step"]),
-                                 lora=d["lora"] and LoraSpec(**d["lora"])))
-
 def main():
     "The twin's script, as `accelerate launch` or `torchrun` start it; rank 0 writes seen.json."
     import torch.distributed as dist
     folder = sys.argv[1]
-    spec = spec_from_json((Path(folder) / "spec.json").read_text())
+    spec = DoctorSpec.from_dict(json.loads((Path(folder) / "spec.json").read_text()))
     seen = {}
     try: twin_worker(spec, str(Path(folder) / "twin"), folder, seen)
     except Exception as e:  # upstream refused what it was given: every rank raises the same, so the finding is the message

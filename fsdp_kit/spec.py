@@ -115,6 +115,13 @@ class RunSpec:
         value = getattr(self.mesh if name in AXES else self, name)
         if value != allowed: raise bad_value(name, value, f"{allowed!r} (what {type(self).__name__} runs)", why)
 
+    @classmethod
+    def from_dict(cls, d:dict # `dataclasses.asdict` of a spec of this class, e.g. read back from JSON
+                 ):
+        "The spec `asdict` gave, its sections (mesh, fsdp, step, lora) rebuilt as their dataclasses."
+        sections = dict(mesh=MeshSpec, fsdp=FSDPConfig, step=StepSpec, lora=LoraSpec)
+        return cls(**d | {k: section(**d[k]) for k, section in sections.items() if d.get(k) is not None})
+
     def refuse_unread(self, unread:dict # shared field (or mesh size) -> why this lab does not read it
                      ):
         "Refuse each setting in `unread` that differs from RunSpec's default: this lab would ignore it."

@@ -103,3 +103,21 @@ def test_a_train_run_checks_its_fsdp_config_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     pids = count.read_text().split()
     assert len(pids) == 1, pids
+
+
+def test_a_spec_read_back_from_json_is_the_same_spec():
+    "RunSpec.from_dict rebuilds every section asdict flattened (the doctor's twin reads its spec back this way)."
+    import json
+    from dataclasses import asdict
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.doctor import DoctorSpec
+    from fsdp_kit.mesh import MeshSpec
+    from fsdp_kit.qlora import QLoRASpec, nf4
+    from fsdp_kit.spec import StepSpec, LoraSpec
+    specs = [DoctorSpec(model="tests/doctor/qwen2-0.5b/config.json", fsdp_config="x.json", method="qlora",
+                        fsdp=FSDPConfig(mixed_precision="bf16"), lora=LoraSpec(base_dtype="nf4", quant_storage="bfloat16"),
+                        step=StepSpec(gradient_checkpointing=True)),
+             QLoRASpec(mesh=MeshSpec(dp_shard=2), lora=nf4("float16", r=4), step=StepSpec(lr=1e-2, warmup=2))]
+    for spec in specs:
+        back = type(spec).from_dict(json.loads(json.dumps(asdict(spec))))
+        assert back == spec and (type(back.mesh), type(back.step)) == (MeshSpec, StepSpec), back
