@@ -8,7 +8,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 __all__ = ['PRELOAD', 'default_backend', 'environment', 'fork_traps', 'attempt', 'rank_tag', 'die_with_parent', 'run_worker',
            'collective_in', 'main_thread_stack', 'user_frames', 'Heartbeat', 'rank_files', 'diagnose', 'attempts',
            'restarts', 'WorkerError', 'collect', 'free_port', 'torchrun_command', 'own_session', 'worker_main',
-           'agent_command', 'agent_main', 'launch', 'check_arg_types', 'check_specs', 'under_torchrun',
+           'preload', 'agent_command', 'agent_main', 'launch', 'check_arg_types', 'check_specs', 'under_torchrun',
            'sweep_run_dirs']
 
 # %% ../nbs/10_launch.ipynb #60ef0adc
@@ -368,6 +368,7 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     traps = fork_traps()
     if traps: raise KitError("launch() cannot fork this process safely:\n- " + "\n- ".join(traps))
     if nprocs == 1: return _launch_here(fn, args, backend, timeout, run_dir)
+    preload()  # once per kernel: each forked rank would import them again, at every launch
     saved, tempfile.tempdir = tempfile.tempdir, str(run_dir)  # torchelastic makes its log folder here; the workers restore ours
     os.environ["FSDP_KIT_CALLER_TMPDIR"] = saved or ""
     import multiprocessing
@@ -505,8 +506,15 @@ def worker_main(run_dir:str):
     run_worker(fn, args, backend, timeout, run_dir)
 
 # %% ../nbs/10_launch.ipynb #b7c1e2a1
-# what every worker of the kit imports
-PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "transformers.modeling_utils")
+# what every worker of the kit imports: torch's FSDP2, transformers and the kit's default model family (tiny / small Llama). Not
+# transformers.trainer: it imports peft and bitsandbytes (transformers 5.25), fork traps
+PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "transformers",
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
+
+def preload():
+    "Import `PRELOAD` here, once, so that every worker forked from this process starts with it."
+    import importlib
+    for name in PRELOAD: importlib.import_module(name)
 
 def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
                   nproc:int, # processes per node
@@ -523,8 +531,7 @@ def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
 
 def agent_main(argv:list):
     "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` for the workers."
-    import importlib
-    for name in PRELOAD: importlib.import_module(name)
+    preload()
     if fork_traps(): argv[argv.index("--start-method") + 1] = "spawn"  # an import touched the device: fresh interpreters instead
     from torch.distributed.run import main
     try: main(argv); status = 0

@@ -28,7 +28,11 @@ def torchrun_started():
 
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
 def test_launch_returns_rank0_value_from_a_real_group(launcher, request):
-    out = launch(rank_info, nprocs=2, launcher=launcher) if launcher == "notebook" else request.getfixturevalue("torchrun_started")["info"]
+    if launcher == "notebook":
+        started = launch(started_with_and_rank_info, nprocs=2, launcher=launcher)
+        # forked from this process after it imported PRELOAD (once: the next launch forks it again without importing)
+        assert (started["forked"], started["preloaded"]) == (True, list(PRELOAD))
+    out = (started if launcher == "notebook" else request.getfixturevalue("torchrun_started"))["info"]
     assert out["rank"] == 0 and out["world_size"] == 2 and out["backend"] == "gloo"
     assert out["rank_sum"] == 1.0  # 0 + 1, summed by a real all_reduce
     assert out["env"] == {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
