@@ -1047,6 +1047,7 @@ def _raise_interrupted(signum, frame): raise Interrupted(signum)
 
 def main(argv=None):
     "Entry point of the `fsdp-kit` command."
+    if argv is None: os.environ["FSDP_KIT_COMMAND_PID"] = str(os.getpid())  # the command's own process: it forks no ranks (upstream)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["agent"]:  # torchrun, as a launch starts it (fsdp_kit.launch.agent_command); not a command for users
         from fsdp_kit.launch import agent_main

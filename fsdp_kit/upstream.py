@@ -7,9 +7,9 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/upstream.html.md"""
 # %% auto #0
 __all__ = ['FIELDS', 'DTYPES', 'DTYPE_NAMES', 'DTYPE_BYTES', 'UPSTREAM_ENV', 'MAX_CONFIG_BYTES', 'LAUNCH_ENV', 'NO_DEVICE',
            'is_accelerate_config', 'parse_fsdp_file', 'environ', 'clean_environ', 'quiet', 'fsdp_plugin', 'launch_args',
-           'launch_env', 'plugin_args_here', 'transformers_helper', 'serve_plugin_args', 'trainer_plugin_args',
-           'policy_name', 'dtype_name', 'reshard_reading', 'precision_reading', 'plugin_reading', 'parallelism_reading',
-           'accelerate_reading', 'trainer_reading', 'upstream_reading', 'reading_of', 'to_fsdp2']
+           'launch_env', 'plugin_args_here', 'transformers_helper', 'serve_plugin_args', 'forks_no_ranks',
+           'trainer_plugin_args', 'policy_name', 'dtype_name', 'reshard_reading', 'precision_reading', 'plugin_reading',
+           'parallelism_reading', 'accelerate_reading', 'trainer_reading', 'upstream_reading', 'reading_of', 'to_fsdp2']
 
 # %% ../nbs/03a_upstream.ipynb #d338d16b
 import contextlib, copy, dataclasses, functools, json, logging, os, tempfile, warnings
@@ -188,11 +188,21 @@ def serve_plugin_args():
         except Exception as e: answer = dict(error=type(e).__name__, message=str(e))
         answers.write(json.dumps(answer) + "\n"); answers.flush()
 
+def forks_no_ranks() -> bool:
+    "Whether this process never forks the ranks of a launch: a rank itself, or the `fsdp-kit` command's own process."
+    # the command starts torchrun as a fresh interpreter (launcher="torchrun"); `_launch_here` runs a rank inside its caller
+    if os.environ.get("RANK") is not None and not os.environ.get("FSDP_KIT_IN_PROCESS"): return True
+    return os.environ.get("FSDP_KIT_COMMAND_PID") == str(os.getpid())
+
 def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
                         mixed_precision:str="no" # TrainingArguments' own precision: "bf16" for bf16=True, "fp16" for fp16=True
                        ) -> tuple:
-    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer, from the helper process."
-    import builtins
+    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer: here where nothing forks later."
+    import builtins, contextlib, sys
+    if forks_no_ranks():  # peft and bitsandbytes harm no later fork here: no helper (one more fresh interpreter)
+        from fsdp_kit.ranks import quiet_libraries
+        quiet_libraries()
+        with contextlib.redirect_stdout(sys.stderr): return plugin_args_here(path, mixed_precision)  # stdout stays the command's
     scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # a helper of an earlier command may still be alive, its janitor not done yet
     helper = transformers_helper(scope)
     if helper.poll() is not None:  # it ended: start another
