@@ -166,11 +166,12 @@ def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
         return args.fsdp_plugin_args, args.mixed_precision
 
 @functools.cache
-def transformers_helper(scope:str=None # the command it serves (FSDP_KIT_COMMAND_DIR); its janitor ends the helper
-                       ):
-    "One helper process per kit process and command for TrainingArguments, which takes seconds to import."
+def transformers_helper():
+    "One helper process per kit process for TrainingArguments, which takes seconds to import; every later command reuses it."
     import subprocess, sys
-    env = {**clean_environ(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # a worker's helper stays out of its process group
+    scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # the mark a command's janitor ends processes by; the helper outlives the command
+    env = {k: v for k, v in clean_environ().items() if not (scope and v.startswith(scope))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # a worker's helper stays out of its process group
     # it ends when this process closes its stdin (or dies)
     return subprocess.Popen([sys.executable, "-c", "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -203,13 +204,16 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
         from fsdp_kit.ranks import quiet_libraries
         quiet_libraries()
         with contextlib.redirect_stdout(sys.stderr): return plugin_args_here(path, mixed_precision)  # stdout stays the command's
-    scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # a helper of an earlier command may still be alive, its janitor not done yet
-    helper = transformers_helper(scope)
+    helper = transformers_helper()
     if helper.poll() is not None:  # it ended: start another
         transformers_helper.cache_clear()
-        helper = transformers_helper(scope)
-    helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
-    line = helper.stdout.readline()
+        helper = transformers_helper()
+    try:
+        helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
+        line = helper.stdout.readline()
+    except BaseException:  # interrupted mid-question (Ctrl-C): its answer would reach the next question; a new helper answers that
+        helper.kill(); helper.wait(); transformers_helper.cache_clear()
+        raise
     if not line: raise ChildProcessError(f"the TrainingArguments helper process ended (exit status {helper.poll()})")
     answer = json.loads(line)
     if "error" in answer:  # upstream's refusal, raised here with its own type and words

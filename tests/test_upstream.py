@@ -142,3 +142,23 @@ def test_training_arguments_accept_what_the_kit_spells(trainer_args):
 
 def test_the_helper_keeps_peft_out_of_this_process(reports):
     assert [lib for lib in ("peft", "bitsandbytes") if lib in sys.modules] == []
+
+
+def test_commands_share_one_helper_and_an_interrupted_question_ends_it(reports):
+    "Every in-process command of this process asked the same helper; a question interrupted before its answer ends that helper."
+    from fsdp_kit import upstream
+    path = str(ROOT / "examples" / "fsdp_configs" / "transformers_fsdp_config.json")
+    import psutil, time
+    began = time.time()
+    helpers = lambda: [p.pid for p in psutil.Process().children() if "serve_plugin_args" in " ".join(p.cmdline())]
+    helper = upstream.transformers_helper()
+    # one for every command the reports ran, left alive by their janitors
+    assert helpers() == [helper.pid] and psutil.Process(helper.pid).create_time() < began and upstream.trainer_plugin_args(path) == upstream.trainer_plugin_args(path)
+    assert upstream.transformers_helper() is helper and helpers() == [helper.pid]
+
+    class Interrupted:
+        def readline(self): raise KeyboardInterrupt  # Ctrl-C while the helper computes
+    with mock.patch.object(helper, "stdout", Interrupted()), pytest.raises(KeyboardInterrupt):
+        upstream.trainer_plugin_args(path)
+    assert helper.poll() is not None  # ended: its answer can reach no later question
+    assert upstream.trainer_plugin_args(path)[0]["fsdp_version"] == 2 and upstream.transformers_helper() is not helper
