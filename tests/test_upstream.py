@@ -153,7 +153,8 @@ def test_commands_share_one_helper_and_an_interrupted_question_ends_it(reports):
     helpers = lambda: [p.pid for p in psutil.Process().children() if "serve_plugin_args" in " ".join(p.cmdline())]
     helper = upstream.transformers_helper()
     # one for every command the reports ran, left alive by their janitors
-    assert helpers() == [helper.pid] and psutil.Process(helper.pid).create_time() < began and upstream.trainer_plugin_args(path) == upstream.trainer_plugin_args(path)
+    assert helpers() == [helper.pid] and psutil.Process(helper.pid).create_time() < began
+    assert upstream.trainer_plugin_args(path) == upstream.trainer_plugin_args(path)
     assert upstream.transformers_helper() is helper and helpers() == [helper.pid]
 
     class Interrupted:
