@@ -290,6 +290,7 @@ class RunResult:
     ac:str="none" # the activation checkpointing policy (fsdp_kit.ac)
     flops:int=None # FLOPs of one step on this rank, recomputation included
     loss:float=None # the loss of the last step run (every config runs the same steps on the same data)
+    first_loss:float=None # the loss of the first step, before any optimizer step: the same parameters in every config
 
 # %% ../nbs/04_wrap.ipynb #21658179
 def _thin(timeline:list, points:int=400) -> list:
@@ -322,12 +323,13 @@ def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
     saver = StepSpec(lr=1e-3, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations)
     optim = step_optimizer(model, saver)
     tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
-    last = {}
-    def step(): last["loss"] = train_step(model, optim, tokens, saver).item()  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
+    losses = []
+    def step(): losses.append(train_step(model, optim, tokens, saver).item())  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
     m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world,
                        [dict(module=u.module, parameters=u.parameters) for u in units],
-                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, last["loss"])
+                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, losses[-1],
+                       losses[0])
     model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
 
