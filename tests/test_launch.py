@@ -1,8 +1,8 @@
 """launch(): real process groups from a script, failures that name the rank, hangs that end, nothing left behind."""
-import inspect, os, pickle, re, subprocess, sys, time
+import inspect, os, pickle, re, signal, subprocess, sys, time
 import psutil, pytest
 from fsdp_kit.errors import KitError
-from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment, agent_command, PRELOAD
+from fsdp_kit.launch import WorkerError, launch, torchrun_command, fork_traps, environment, agent_command, PRELOAD, STOP_SIGNALS
 from tests.helpers import rank_info, fails_on_rank, hangs_on_rank_0, started_with, started_with_and_rank_info
 from tests.conftest import ROOT
 
@@ -29,7 +29,10 @@ def torchrun_started():
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
 def test_launch_returns_rank0_value_from_a_real_group(launcher, request):
     if launcher == "notebook":
+        handlers = {s: signal.getsignal(getattr(signal, s)) for s in STOP_SIGNALS}
         started = launch(started_with_and_rank_info, nprocs=2, launcher=launcher)
+        # this process keeps its own handlers (torch's launcher installs its own): Ctrl-C here still raises KeyboardInterrupt
+        assert {s: signal.getsignal(getattr(signal, s)) for s in STOP_SIGNALS} == handlers
         # forked from this process after it imported PRELOAD (once: the next launch forks it again without importing)
         assert (started["forked"], started["preloaded"]) == (True, list(PRELOAD))
     out = (started if launcher == "notebook" else request.getfixturevalue("torchrun_started"))["info"]
