@@ -14,7 +14,7 @@
     fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
 """
-import argparse, functools, json, math, os, re, signal, sys, tempfile
+import argparse, errno, functools, json, math, os, re, signal, sys, tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -86,9 +86,25 @@ def _write_atomically(path: Path, text: str):
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        print(text)
-        raise KitError(f"json={str(path)!r}: could not write it ({e.strerror or e}); the result was printed to stdout instead") from None
+        where = f"--json={str(path)!r}: could not write it ({_output_why(e)})"
+        try: print(text, flush=True)
+        except BrokenPipeError: raise
+        except OSError as out: raise OutputError(f"{where}, nor print it to stdout ({_output_why(out)})") from None
+        raise OutputError(f"{where}; the result was printed to stdout instead") from None
     print(f"wrote {path}")
+
+
+class OutputError(Exception):
+    "The command's result could not be written (stdout, or the --json file): a full disk, a file-size limit. Exit 74."
+
+
+OUTPUT_ERRNOS = {errno.EFBIG: "the file-size limit, ulimit -f", errno.ENOSPC: "no space left on the disk",
+                 errno.EDQUOT: "the disk quota", errno.EIO: "an I/O error"}
+
+
+def _output_why(e: OSError) -> str:
+    "Why a write failed, in words: the errno's text and what it means here."
+    return f"{e.strerror or e}: {OUTPUT_ERRNOS[e.errno]}" if e.errno in OUTPUT_ERRNOS else str(e.strerror or e)
 
 
 def _rank() -> int:
@@ -151,7 +167,7 @@ def _cmd_train(a):
     from fsdp_kit.train import TrainSpec
     from fsdp_kit.spec import StepSpec, LoraSpec
     from fsdp_kit.mesh import MeshSpec
-    from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir
+    from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir, refuse_other_runs
     from fsdp_kit.scale import FaultSpec, scale_train_worker
     mixed, reduce, precision = _train_precision(a)
     cfg = fsdp_config(a, **fsdp_given(a, "train") | dict(mixed_precision=mixed, reduce_dtype=reduce))
@@ -160,9 +176,12 @@ def _cmd_train(a):
         state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
         if a.state_dict and a.fsdp_config and not cfg.state_dict_type.lower().startswith(a.state_dict.lower()):
             _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
-        ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep)
-    elif a.resume or a.save_every:
-        raise KitError(f"--{'resume' if a.resume else 'save-every'} needs --ckpt DIR: the folder checkpoints go to")
+        if not (a.resume or a.overwrite_ckpt): refuse_other_runs(a.ckpt, "--resume", "--overwrite-ckpt")  # in the flags' words
+        ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep,
+                              overwrite=a.overwrite_ckpt)
+    elif a.resume or a.save_every or a.overwrite_ckpt:
+        given = "resume" if a.resume else "save-every" if a.save_every else "overwrite-ckpt"
+        raise KitError(f"--{given} needs --ckpt DIR: the folder checkpoints go to")
     lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
     spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed,
                      mesh=MeshSpec(a.dp_replicate, a.dp_shard),
@@ -369,7 +388,7 @@ def _cmd_ckpt(a):
         found = [c for c in list_checkpoints(step.resolve().parent) if c["name"] == step.name]
     else: found = list_checkpoints(a.dir)
     rows = [f"{c['name']}{' (latest)' if c['latest'] else ''}: " + (f"complete, {c['state_dict']}, {c['world_size']} ranks, {c['bytes']:,} "
-                                                                    "bytes" if c["ok"]
+                                                                    f"bytes, run {c['run'] or '?'}" if c["ok"]
             else "DAMAGED: " + "; ".join(c["problems"])) for c in found]
     emit(dict(dir=a.dir, checkpoints=found), a.json, "\n".join(rows) or f"no checkpoints in {a.dir}")
 
@@ -645,6 +664,7 @@ EXIT_CODES = """exit status:
   0    all clear
   1    a check failed: a doctor FAIL (a WARN too with doctor --strict), or a rank that failed
   2    bad input: one line names the option as typed, the value and what is allowed
+  74   the result could not be written (stdout or --json on a full disk, or past ulimit -f): one line says where and why
   130  interrupted (SIGINT, Ctrl-C); 143 SIGTERM; 129 SIGHUP: every process the command started is stopped first
   141  stdout closed by its reader (a pipe into head): the command stops without a traceback
 
@@ -719,6 +739,18 @@ def fsdp_flags(s):
         g.add_argument(*flags, dest=name, default=None, metavar=name.upper(), help=f"{doc} (FSDPConfig's default: {shown})", **kw)
 
 
+LIST_OPTIONS = ("policies", "lora_targets", "settings")  # comma lists, as are the FSDP group's list fields and compare's --reshard
+
+
+def refuse_blank_lists(a, command:str):
+    "Refuse an empty or blank comma list, or one with an empty item, as typed: '' is a bad value, not an option left out."
+    lists = [*LIST_OPTIONS, *(name for name, (default, _) in _fsdp_fields().items() if isinstance(default, list))]
+    for dest in lists + (["reshard_after_forward"] if command == "compare" else []):
+        value = getattr(a, dest, None)
+        if isinstance(value, str) and any(not part.strip() for part in value.split(",")):
+            raise bad_value(dest, value, "one or more values joined by commas, none of them empty")
+
+
 def fsdp_given(a, command:str) -> dict:
     "The FSDP group's values given, as FSDPConfig's types; a field `command` cannot run is refused, naming the flag and command."
     from fsdp_kit.config import to_bool, to_reshard
@@ -790,7 +822,10 @@ def parser() -> argparse.ArgumentParser:
                    help="sharded (DCP, one file per rank) or full (a transformers folder); default: the config's state_dict_type with "
                         "--fsdp-config, else sharded")
     s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
-    s.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
+    s.add_argument("--overwrite-ckpt", action="store_true",
+                   help="replace the checkpoints another run left in --ckpt (removed once this run saves its first); without it, or "
+                        "--resume, such a folder is refused")
+    s.add_argument("--keep", type=int, default=2, help="complete checkpoints of this run to keep (another run's are never removed)")
     s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each")
     s.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
     s.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous (on the first node), needed with --nnodes > 1")
@@ -956,7 +991,7 @@ def parser() -> argparse.ArgumentParser:
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
 OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
                 "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run",
-                "ce_chunks": "chunked-ce", "fsdp_config_file": "fsdp-config"}
+                "ce_chunks": "chunked-ce", "fsdp_config_file": "fsdp-config", "overwrite": "overwrite-ckpt"}
 
 
 def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = ()) -> str:
@@ -980,6 +1015,9 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
         for opt in a.option_strings:
             if typed.get(a.dest, opt) != opt: text = re.sub(rf"(?<![-\w]){re.escape(opt)}=", f"{typed[a.dest]}=", text)
     return text
+
+
+EXIT_OUTPUT = 74  # sysexits.h's EX_IOERR: the result could not be written
 
 
 class CheckFailed(Exception):
@@ -1064,9 +1102,11 @@ def main(argv=None):
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         check_json_dest(getattr(args, "json", None))
+        refuse_blank_lists(args, args.command)
         for field in ("model", "fsdp_config"):
             if isinstance(getattr(args, field, None), str): setattr(args, field, example_path(field, getattr(args, field)))
         with CommandScope(): args.fn(args)
+        sys.stdout.flush()  # a result stdout cannot take fails here, inside the command, not in the interpreter's exit
     except KitError as e:
         print(f"fsdp-kit {args.command}: error: {option_message(e, sub, argv)}", file=sys.stderr)
         sys.exit(2)
@@ -1088,5 +1128,12 @@ def main(argv=None):
     except BrokenPipeError:  # stdout closed by its reader (`fsdp-kit train --json - | head`): the rest of the output is not wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the interpreter's own flush at exit finds no pipe
         sys.exit(128 + signal.SIGPIPE)
+    except (OutputError, OSError) as e:  # the result could not be written: a full disk or `ulimit -f` under stdout or --json
+        if isinstance(e, OSError) and e.errno not in OUTPUT_ERRNOS: raise
+        try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left in stdout's buffer has nowhere to go
+        except (OSError, ValueError): pass  # a stdout that is no file (io.UnsupportedOperation is a ValueError)
+        why = e if isinstance(e, OutputError) else f"could not write {e.filename or 'the result to stdout'} ({_output_why(e)})"
+        print(f"fsdp-kit {args.command}: error: {why}", file=sys.stderr)
+        sys.exit(EXIT_OUTPUT)
     finally:
         for sig, handler in old.items(): signal.signal(sig, handler)

@@ -16,6 +16,7 @@ class Case:
     phrase:str # a phrase the message must contain (case-sensitive)
     files:dict = field(default_factory=dict) # {path under {tmp}: contents} written before the run
     chmod:dict = field(default_factory=dict) # {path under {tmp}: mode} applied after writing
+    fsize:int = None # bytes: run the command in a subprocess under this file-size limit (`ulimit -f`), its stdout a file in {tmp}
 
 
 def write_files(tmp, files:dict, chmod:dict=None):
@@ -30,10 +31,11 @@ def write_files(tmp, files:dict, chmod:dict=None):
 
 
 def run_case(case:Case, tmp) -> tuple:
-    "Run one row in this process: (exit code, stdout, stderr)."
+    "Run one row in this process (with `fsize`, in a subprocess): (exit code, stdout, stderr)."
     from fsdp_kit.cli import main
     write_files(tmp, case.files, case.chmod)
     argv = [str(a).format(tmp=tmp) for a in case.argv]
+    if case.fsize is not None: return _run_limited(argv, case.fsize, tmp)
     out, err, code = io.StringIO(), io.StringIO(), 0
     with redirect_stdout(out), redirect_stderr(err):
         try: main(argv)
@@ -46,9 +48,21 @@ def check_case(case:Case, tmp):
     code, out, err = run_case(case, tmp)
     assert "Traceback" not in out + err, f"{case.id}: a traceback reached the user:\n{err[-2000:]}"
     assert code == case.code, f"{case.id}: exit {code}, expected {case.code}; stderr:\n{err[-2000:]}"
-    assert case.phrase in err, f"{case.id}: {case.phrase!r} not in the message:\n{err[-2000:]}"
+    phrase = case.phrase.replace("{tmp}", str(tmp))
+    assert phrase in err, f"{case.id}: {phrase!r} not in the message:\n{err[-2000:]}"
+    if case.fsize is not None: assert len(err.strip().splitlines()) == 1, f"{case.id}: more than one line:\n{err[-2000:]}"
 
 
 def refused(argv:list, phrase:str, tmp, code:int=2):
     "Assert that `fsdp-kit ARGV`, run in this process, exits `code` with `phrase` in its one-line message and no traceback."
     check_case(Case(" ".join(map(str, argv))[:60], [str(a) for a in argv], code, phrase), tmp)
+
+
+def _run_limited(argv:list, fsize:int, tmp) -> tuple:
+    "`fsdp-kit ARGV` in a subprocess whose files may grow to `fsize` bytes, stdout redirected to {tmp}/stdout: (code, stdout, stderr)."
+    import resource, subprocess, sys
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    with open(tmp / "stdout", "w") as out:
+        res = subprocess.run([sys.executable, "-m", "fsdp_kit", *argv], stdout=out, stderr=subprocess.PIPE, text=True, timeout=120,
+                             preexec_fn=limit)
+    return res.returncode, (tmp / "stdout").read_text(), res.stderr

@@ -145,6 +145,27 @@ def rows():
           Case("no-command", [], 2, "the following arguments are required: command"),
           Case("unknown-command", ["trian"], 2, "invalid choice: 'trian'"),
           Case("env-unknown-option", ["env", "--nproc", "2"], 2, "unrecognized arguments: --nproc")]
+    # an empty or blank comma list is a bad value, not an option left out (plan --lora-targets '' planned all-linear)
+    P = ["plan", "--model", "llama-3-8b", "--gpus", "8", "--method", "lora"]
+    c += [Case(f"{name}-{kind}", [*argv, value], 2, f"{argv[-1]}={value!r} is not allowed: one or more values joined by commas, none")
+          for name, argv in (("plan-lora-targets", [*P, "--lora-targets"]), ("plan-settings", ["plan", "--validate", "--settings"]),
+                             ("compare-policies", ["compare", "--policies"]),
+                             ("compare-reshard-list", ["compare", "--reshard-after-forward"]),
+                             ("train-layer-classes", [*TRAIN, "--transformer-layer-cls-to-wrap"]))
+          for kind, value in (("empty", ""), ("blank", "  "), ("empty-item", "a,,b"))]
+    # a checkpoint folder another run left checkpoints in: refused without --resume or --overwrite-ckpt (it lost them before)
+    c += [Case("train-ckpt-another-run", [*TRAIN, "--ckpt", "{tmp}/ck"], 2,
+               "holds 2 checkpoint(s) of another run (step-000002, step-000004): a new run there would put its own among them. Continue "
+               "that run with --resume, replace its checkpoints with --overwrite-ckpt",
+               files={"ck/step-000002": None, "ck/step-000004": None}),
+          Case("train-overwrite-and-resume", [*TRAIN, "--ckpt", "{tmp}/ck", "--resume", "--overwrite-ckpt"], 2,
+               "--overwrite-ckpt=True is not allowed: False with --resume=True"),
+          Case("train-overwrite-no-ckpt", [*TRAIN, "--overwrite-ckpt"], 2, "--overwrite-ckpt needs --ckpt DIR")]
+    # a result that cannot be written: one line and exit 74, not a traceback (the plan's text raised OSError under ulimit -f)
+    c += [Case("plan-stdout-past-ulimit", ["plan", "--model", "llama-3-8b", "--gpus", "8"], 74,
+               "plan: error: could not write the result to stdout (File too large: the file-size limit, ulimit -f)", fsize=1024),
+          Case("plan-json-past-ulimit", ["plan", "--model", "tiny", "--gpus", "2", "--json", "{tmp}/p.json"], 74,
+               "--json='{tmp}/p.json': could not write it (File too large: the file-size limit, ulimit -f)", fsize=2048)]
     c += file_rows()
     return c
 

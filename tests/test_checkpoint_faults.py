@@ -345,3 +345,37 @@ def test_rotation_keeps_the_checkpoint_that_loads(cli, tmp_path):
     res = cli(*TRAIN[:-2], "--steps", 5, "--save-every", 5, "--ckpt", ck, "--resume")  # resumes from step 2, saves step 5 alone
     assert res.returncode == 0 and "skipped step-000004" in res.stderr + res.stdout, res.stderr[-2000:]
     assert sorted(p.name for p in ck.glob("step-*")) == ["step-000002", "step-000005"] and os.readlink(ck / "latest") == "step-000005"
+
+
+@pytest.mark.timeout(240)
+def test_a_new_run_never_deletes_another_runs_checkpoints(cli, tmp_path):
+    """`train --steps 4 --save-every 2` then, without --resume and with another seed, `train --steps 2 --save-every 1` into the same
+    folder deleted the first run's step-000004. Now the second run is refused before launch; rotation removes only the saving run's
+    own checkpoints (another run's, put beside them, stays); --overwrite-ckpt replaces the other run's once it publishes its first."""
+    from fsdp_kit.checkpoint import list_checkpoints, verify
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    base = ["train", "--nproc", 2, "--model", "tiny", "--quiet"]
+    res = cli(*base, "--steps", 4, "--ckpt", ck, "--save-every", 2)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first = {c["name"]: c["run"] for c in list_checkpoints(ck)}
+    assert sorted(first) == ["step-000002", "step-000004"] and len(set(first.values())) == 1 and None not in first.values()
+    res = cli(*base, "--steps", 2, "--ckpt", ck, "--save-every", 1, "--seed", 3)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
+    assert ("holds 2 checkpoint(s) of another run (step-000002, step-000004)" in res.stderr and "--resume" in res.stderr
+            and "--overwrite-ckpt" in res.stderr)
+    assert {c["name"]: c["run"] for c in list_checkpoints(ck)} == first and all(verify(ck / n) == [] for n in first)
+    # another run's checkpoint beside this run's: resuming this run rotates its own away (keep 2), never the other's
+    res = cli(*base, "--steps", 1, "--ckpt", other, "--seed", 5)
+    assert res.returncode == 0, res.stderr[-2000:]
+    shutil.copytree(other / "step-000001", ck / "step-000001")
+    res = cli(*base, "--steps", 8, "--ckpt", ck, "--save-every", 2, "--resume")
+    assert res.returncode == 0, res.stderr[-2000:]
+    after = {c["name"]: c["run"] for c in list_checkpoints(ck)}
+    assert sorted(after) == ["step-000001", "step-000006", "step-000008"], after
+    assert after["step-000006"] == after["step-000008"] == first["step-000004"] and after["step-000001"] != first["step-000004"]
+    # --overwrite-ckpt: the earlier runs' checkpoints go when this run publishes its first, and only then
+    res = cli(*base, "--steps", 3, "--ckpt", ck, "--save-every", 1, "--seed", 3, "--overwrite-ckpt", "--json", tmp_path / "r.json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    run = json.loads((tmp_path / "r.json").read_text())["checkpoint"]["run"]
+    assert {c["name"]: c["run"] for c in list_checkpoints(ck)} == {"step-000002": run, "step-000003": run}
+    assert run not in after.values()

@@ -140,9 +140,10 @@ def full_disk(tmp_path):
 
 def test_json_on_a_full_disk_is_printed_not_lost(full_disk):
     from tests.badinput import Case, run_case
-    code, out, err = run_case(Case("json-full-disk", ["plan", "--model", "tiny", "--gpus", "2", "--json", f"{full_disk}/plan.json"], 2, ""),
-                              full_disk)
-    assert code == 2 and "could not write it (No space left on device); the result was printed to stdout instead" in err
+    code, out, err = run_case(Case("json-full-disk", ["plan", "--model", "tiny", "--gpus", "2", "--json", f"{full_disk}/plan.json"], 74,
+                                   ""), full_disk)
+    assert code == 74 and ("could not write it (No space left on device: no space left on the disk); the result was printed to stdout "
+                           "instead") in err
     assert json.loads(out[out.index("\n{") + 1:])["model"] == "tiny"  # the JSON is on stdout, after the plan's text
     assert sorted(p.name for p in full_disk.iterdir()) == ["fill"]  # no empty or partial file
 

@@ -121,3 +121,26 @@ def test_a_spec_read_back_from_json_is_the_same_spec():
     for spec in specs:
         back = type(spec).from_dict(json.loads(json.dumps(asdict(spec))))
         assert back == spec and (type(back.mesh), type(back.step)) == (MeshSpec, StepSpec), back
+
+
+MOVED = [  # a setting given to a spec where it no longer lives: (the spec, the keyword, a phrase of its KitError)
+    ("train.TrainSpec", dict(mixed_precision="bf16"), "mixed_precision='bf16' is not a field of TrainSpec: it lives in the fsdp section, "
+                                                      "as fsdp.mixed_precision: TrainSpec(fsdp=FSDPConfig(mixed_precision='bf16'))"),
+    ("train.TrainSpec", dict(lr=1e-3), "lr=0.001 is not a field of TrainSpec: it lives in the step section, as step.lr"),
+    ("train.TrainSpec", dict(dp_shard=2), "it lives in the mesh section, as mesh.dp_shard: TrainSpec(mesh=MeshSpec(dp_shard=2))"),
+    ("qlora.QLoRASpec", dict(quant_storage="bfloat16"), "it lives in the lora section, as lora.quant_storage"),
+    ("cp.CPSpec", dict(reshard_after_forward=False), "it lives in the fsdp section, as fsdp.reshard_after_forward"),
+    ("plan.PlanSpec", dict(cpu_offload=True), "as fsdp.cpu_offload: PlanSpec(fsdp=FSDPConfig(cpu_offload=True))"),
+    ("train.TrainSpec", dict(stepz=3), "stepz=3 is not a field of TrainSpec: its fields are model, seed, batch, seq_len, steps, mesh"),
+]
+
+
+@pytest.mark.parametrize("spec, given, phrase", MOVED, ids=[f"{s}-{next(iter(g))}" for s, g, _ in MOVED])
+def test_a_moved_field_names_its_section(spec, given, phrase):
+    "TrainSpec(mixed_precision=...) raised Python's own TypeError; now the kit's KitError names where the setting lives."
+    import importlib
+    from fsdp_kit.errors import KitError
+    module, name = spec.split(".")
+    cls = getattr(importlib.import_module(f"fsdp_kit.{module}"), name)
+    with pytest.raises(KitError) as e: cls(**given)
+    assert phrase in str(e.value)
