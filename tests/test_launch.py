@@ -207,6 +207,60 @@ def test_one_process_still_gets_a_process_group():
     assert info.value.rank == 0
 
 
+def test_one_rank_then_two_in_one_process():
+    "Issue 50: a one-rank launch ran its backward in the launching process, and on a CUDA build of torch every later fork failed."
+    # ("Unable to handle autograd's threading in combination with fork-based multiprocessing"). Now one rank is forked too.
+    from fsdp_kit.launch import autograd_threads
+    from fsdp_kit.train import TrainSpec, train_worker
+    assert launch(rank_info, nprocs=1)["pid"] != os.getpid()  # the rank ran in a child
+    one = launch(train_worker, TrainSpec(model="tiny", steps=2, batch=8), nprocs=1)
+    assert autograd_threads() == 0  # this process ran no backward: it can still fork ranks that do
+    two = launch(train_worker, TrainSpec(model="tiny", steps=2, batch=4), nprocs=2)  # the same global batches of 8
+    assert (one.world_size, two.world_size, len(one.losses), len(two.losses)) == (1, 2, 2, 2)
+    assert one.losses == pytest.approx(two.losses, abs=1e-4) and 4 < one.losses[0] < 7
+    assert _children() == []
+
+
+_BACKWARD_FIRST = """
+import sys, time, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from fsdp_kit import launch as L
+from fsdp_kit.errors import KitError
+from fsdp_kit.train import TrainSpec, train_worker
+with FakeTensorMode(): pass  # as DTensor does in every FSDP2 step; on a CUDA build without a GPU it makes the backward start threads
+a = torch.ones(2, requires_grad=True); (a * 2).sum().backward()  # on a GPU machine any backward does
+time.sleep(0.2)
+print("threads", L.autograd_threads(), "cuda build", torch.backends.cuda.is_built(), flush=True)
+if not L.autograd_threads(): L.autograd_threads = lambda: 8  # a CPU-only build never starts them: take the same path anyway
+two = L.launch(train_worker, TrainSpec(model="tiny", steps=2, batch=4), nprocs=2)
+one = L.launch(train_worker, TrainSpec(model="tiny", steps=2, batch=8), nprocs=1)
+print("sizes", two.world_size, one.world_size, "losses", two.losses, one.losses, flush=True)
+def mine(): return 1
+try: L.launch(mine, nprocs=2)
+except KitError as e: print("REFUSED", e, flush=True)
+"""
+
+
+def test_a_process_that_ran_a_backward_starts_its_ranks_unforked():
+    "Where autograd's threads already run, a fork could not run a backward: torchrun's fresh interpreters (or this process) instead."
+    out = subprocess.run([sys.executable, "-c", _BACKWARD_FIRST], capture_output=True, text=True, timeout=150, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    threads, cuda_build = re.search(r"threads (\d+) cuda build (\w+)", out.stdout).groups()
+    if cuda_build == "True": assert int(threads) > 0  # the state that broke every later fork
+    said = [l for l in out.stderr.splitlines() if l.startswith("launch: ")]
+    assert len(said) == 2, out.stderr[-3000:]  # one line a launch that started anything
+    assert said[0].startswith("launch: starting the 2 ranks with launcher='torchrun' (fresh interpreters), not by fork: autograd's threads")
+    assert said[1].startswith("launch: running the 1 rank in this process, not a forked one: autograd's threads")
+    sizes, losses = re.search(r"sizes (\d+ \d+) losses (.*)", out.stdout).groups()
+    assert sizes == "2 1"
+    two, one = (eval(l) for l in re.findall(r"\[[^\]]*\]", losses))
+    assert len(two) == 2 and two == pytest.approx(one, abs=1e-4)
+    assert "REFUSED launch() cannot start 2 ranks of mine: autograd's threads already run" in out.stdout
+    assert "fresh interpreters cannot import mine" in out.stdout and "Restart the kernel" in out.stdout
+    assert "Unable to handle autograd's threading" not in out.stdout + out.stderr
+
+
 def test_many_forked_launches_in_a_row_never_hang():
     "Forking next to torchelastic's store thread once hung a worker in glibc's resolver; workers now start together first."
     for i in range(25):
