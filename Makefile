@@ -1,7 +1,13 @@
 # The checks CI runs (.ci/run calls `make test`). Each target is one step, runnable alone.
-.PHONY: test export sync nbdev-test pytest nbval tour
+.PHONY: test test-torch-newest export sync nbdev-test pytest nbval tour
 
 test: sync pytest nbval
+
+test-torch-newest: ## the whole suite again on the newest torch pip installs here (2.14.1 on 2026-12-07), in a virtual environment of its own
+	python3 -m venv .venv-torch-newest
+	.venv-torch-newest/bin/pip install -q --upgrade torch -e ".[dev]"
+	.venv-torch-newest/bin/python -c "import torch; print('torch', torch.__version__)"
+	PATH="$(CURDIR)/.venv-torch-newest/bin:$$PATH" VIRTUAL_ENV="$(CURDIR)/.venv-torch-newest" $(MAKE) test
 
 export:            ## notebooks -> fsdp_kit/ (then commit both)
 	nbdev-export && nbdev-clean

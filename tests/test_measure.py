@@ -43,6 +43,9 @@ def test_comm_counter_counts_what_comm_debug_mode_counts_and_survives_a_module_c
     # each gathered / reduced buffer is one whole Linear in fp32
     assert nbytes == {"all_gather": 4 * (16 * 16 + 16) * 4, "reduce_scatter": 2 * (16 * 16 + 16) * 4}
     assert r["kit_twice"] == r["kit_once"]  # the same collectives with the module called twice
-    # its module tracker pops its stack once too often, which is why the kit counts on its own; if torch fixes it, this line fails and says
-    # so
-    assert r["torch_twice"].startswith("IndexError: "), r["torch_twice"]
+    # torch 2.13.0's module tracker pops its stack once too often, which is why the kit counts on its own; 2.14.1 counts such a step
+    # (measured on both; 04a_measure says so). A release that behaves otherwise fails here and says so.
+    import re, torch
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 14):
+        assert isinstance(r["torch_twice"], str) and r["torch_twice"].startswith("IndexError: "), r["torch_twice"]
+    else: assert r["torch_twice"][0] == r["kit_twice"][0], r["torch_twice"]
