@@ -210,8 +210,11 @@ def test_one_process_still_gets_a_process_group():
 def test_one_rank_then_two_in_one_process():
     "Issue 50: a one-rank launch ran its backward in the launching process, and on a CUDA build of torch every later fork failed."
     # ("Unable to handle autograd's threading in combination with fork-based multiprocessing"). Now one rank is forked too.
+    import torch
     from fsdp_kit.launch import autograd_threads
     from fsdp_kit.train import TrainSpec, train_worker
+    torch.set_num_threads(2)  # OpenMP's pool started here, as a notebook's ops start it: a forked rank on 2 threads then hung
+    (torch.randn(512, 512) @ torch.randn(512, 512)).sum()
     assert launch(rank_info, nprocs=1)["pid"] != os.getpid()  # the rank ran in a child
     one = launch(train_worker, TrainSpec(model="tiny", steps=2, batch=8), nprocs=1)
     assert autograd_threads() == 0  # this process ran no backward: it can still fork ranks that do
