@@ -3,7 +3,8 @@
 import json, re
 import pytest
 from fsdp_kit.versions import (LIBS, PROBES, STATUS, CHANGES, grid, minors, supported_oldest, load_matrix, versions_verdict, make_env,
-                               installed, change_of, differences)
+                               installed, change_of, differences, merge, matrix_table, findings, plot_matrix, release, error_line,
+                               measured_on, _distance)
 from tests.conftest import ROOT
 
 M = load_matrix()
@@ -12,10 +13,12 @@ NEWEST = M["combos"][0]["versions"]
 
 def test_the_stored_matrix_has_ten_combinations_each_with_every_probe():
     assert len(M["combos"]) >= 10 and M["probes"] == [p.name for p in PROBES]
-    assert M["runs"][0]["command"].startswith("versions.py") and len(M["runs"][0]["combos"]) == len(M["combos"]) and M["date"]
-    assert M["runs"][0]["seconds"] < 45 * 60 and M["seconds"] < 45 * 60  # the whole grid in one run, and the stored combinations' time
+    libraries = [c["name"] for c in M["combos"] if c["varied"] != "torch"]  # the first run measured the whole grid of libraries
+    assert M["runs"][0]["command"].startswith("versions.py") and M["runs"][0]["combos"] == libraries and M["date"]
+    assert {c["name"] for c in M["combos"]} <= {n for r in M["runs"] for n in r["combos"]}  # each stored row by a run it lists
+    assert M["runs"][0]["seconds"] < 45 * 60 and M["seconds"] < 45 * 60  # the grid of libraries in one run, the stored combinations' time
     for c in M["combos"]:
-        assert set(c["versions"]) == set(LIBS) and c["install_seconds"] >= 0
+        assert set(c["versions"]) == set(LIBS) and c["install_seconds"] >= 0 and c["torch"]  # each row the torch it ran on
         for name in M["probes"]:
             p = c["probes"][name]
             assert p["status"] in STATUS and p["seconds"] > 0
@@ -48,6 +51,16 @@ def test_every_change_is_measured_on_the_releases_it_names_and_explains_accelera
     assert differences(dict(a=dict(x_mib=1.0, y=2)), dict(a=dict(x_mib=3.0, y=2))) == []
 
 
+def test_a_failure_names_where_it_was_raised_from_its_package_on():
+    tb = 'Traceback (most recent call last):\n  File "{}", line 7, in track\n    x\nAttributeError: no attribute\n'
+    assert error_line(tb.format("/any/checkout/fsdp_kit/measure.py"), 1) == "AttributeError: no attribute (in fsdp_kit/measure.py:7, track)"
+    assert error_line(tb.format("/v/lib/python3.11/site-packages/torch/a.py"), 1) == "AttributeError: no attribute (in torch/a.py:7, track)"
+    kit = ("fsdp-kit train: rank 1 failed (then rank(s) 0 failed too): AttributeError: 'FSDPState' object has no attribute 'x'\n"
+           "  /any/checkout/fsdp_kit/train.py:88 in train_loop\n  /any/checkout/fsdp_kit/measure.py:53 in hook\n"
+           "(--debug prints the whole trace)\n")  # the kit's own report: the error, then its frames, innermost last
+    assert error_line(kit, 1) == "AttributeError: 'FSDPState' object has no attribute 'x' (in fsdp_kit/measure.py:53, hook)"
+
+
 def test_the_doctor_verdict_names_the_fix_for_a_release_with_a_known_diff():
     v = versions_verdict(dict(NEWEST, accelerate="1.15.0"), M)
     assert v["status"] == "WARN" and v["covered"] and v["combination"] == "accelerate 1.15.0"
@@ -60,8 +73,105 @@ def test_the_doctor_verdict_names_the_fix_for_a_release_with_a_known_diff():
 @pytest.mark.timeout(180)
 def test_an_environment_sees_the_base_behind_its_own_packages(tmp_path):
     mine = {k: v for k, v in installed().items() if k in LIBS}
-    py, seconds, error = make_env(tmp_path / "env", mine)  # nothing to download: every release is already in the base
-    assert error is None and py.exists() and seconds < 120
+    py, seconds, error, torch = make_env(tmp_path / "env", mine)  # nothing to download: every release is already in the base
+    assert error is None and py.exists() and seconds < 120 and torch == installed()["torch"]  # the base's torch, seen from the env
+
+
+TORCH = ("torch 2.14.1", "torch 2.12.1")  # the torch releases the stored matrix measured besides the base's 2.13.0
+
+
+def test_the_stored_matrix_measured_torch_releases_with_the_newest_libraries():
+    rows = {c["name"]: c for c in M["combos"]}
+    assert M["combos"][-1]["name"] == "oldest supported" and [c["name"] for c in M["combos"] if c["varied"] == "torch"] == list(TORCH)
+    assert release(M["base"]["torch"]) == "2.13.0" and all(rows[c]["versions"] == NEWEST for c in TORCH)
+    assert [release(rows[c]["torch"]) for c in TORCH] == ["2.14.1", "2.12.1"]  # the torch each environment imported, its own
+    assert {release(c["torch"]) for c in M["combos"] if c["varied"] != "torch"} == {"2.13.0"}  # the others: the base's
+    assert any(p["status"] == "FAIL" and "_cast_output_dtype" in p["reason"] for p in rows["torch 2.12.1"]["probes"].values())
+    on_2141 = versions_verdict(dict(NEWEST, torch="2.14.1+cu130"), M)  # a local tag is no other release
+    assert on_2141["covered"] and on_2141["combination"] == "torch 2.14.1" and on_2141["torch"] == "2.14.1"
+    assert versions_verdict(dict(NEWEST, torch="2.13.0+cpu"), M)["combination"] == "newest"
+    old = versions_verdict(dict(NEWEST, torch="2.12.1"), M)
+    assert old["status"] == "FAIL" and old["combination"] == "torch 2.12.1" and "train FAIL" in old["reason"]
+    assert "| torch 2.12.1 | 2.12.1" in matrix_table(M) and all(f["status"] for c in M["combos"] for f in findings(c, NEWEST))
+
+
+def _row(name, torch=None, varied=None, versions=None, **statuses):
+    probes = {p: dict(status=s, values=dict(x=1)) if s != "FAIL" else dict(status=s, reason="AttributeError: x") for p, s in
+              (dict(a="PASS", b="PASS") | statuses).items()}
+    return dict(name=name, versions=versions or SMALL, varied=varied, probes=probes, seconds=1) | (dict(torch=torch) if torch else {})
+
+
+SMALL = dict(accelerate="1.16.0", transformers="5.25.0", peft="0.21.2", trl="1.16.0", bitsandbytes="0.50.2")
+BASE = dict(torch="2.13.0+cpu")
+
+
+def small_matrix():
+    return dict(base=BASE, date="today", probes=["a", "b"], runs=[dict(command="versions.py")],
+                combos=[_row("newest", "2.13.0+cpu"),
+                        _row("accelerate 1.15.0", "2.13.0+cpu", "accelerate", dict(SMALL, accelerate="1.15.0")),
+                        _row("torch 2.14.1", "2.14.1+cu130", "torch"), _row("torch 2.12.1", "2.12.1+cu130", "torch", b="FAIL")])
+
+
+def test_the_grid_has_a_combination_per_torch_release_with_the_newest_libraries():
+    releases = dict(accelerate=["1.16.0", "1.15.0"], transformers=["5.25.0"], peft=["0.21.2"], trl=["1.16.0"], bitsandbytes=["0.50.2"])
+    combos = grid(releases, dict(SMALL, accelerate="1.15.0", peft="0.20.0"), ["2.14.1", "2.12.1"])
+    assert [c["name"] for c in combos] == ["newest", "accelerate 1.15.0", "torch 2.14.1", "torch 2.12.1", "oldest supported"]
+    assert [c.get("torch") for c in combos] == [None, None, "2.14.1", "2.12.1", None]  # None: the base's torch
+    assert combos[2]["versions"] == combos[3]["versions"] == SMALL and combos[2]["varied"] == "torch"
+    assert [c["name"] for c in grid(releases, SMALL)] == ["newest", "accelerate 1.15.0"]  # no torch releases: none
+
+
+def test_merge_keeps_the_torch_rows_in_the_grids_order_and_stamps_each_row_with_its_torch():
+    old = dict(base=BASE, probes=["a", "b"], runs=[dict(command="versions.py")],
+               combos=[dict(_row("newest"), seconds=5), dict(_row("accelerate 1.15.0", versions=dict(SMALL, accelerate="1.15.0")),
+                                                          seconds=5)])  # rows written before they recorded torch
+    new = dict(base=BASE, probes=["a", "b"], runs=[dict(command="versions.py --only torch 2.12.1")],
+               combos=[_row("torch 2.12.1", "2.12.1+cu130", "torch", b="FAIL")])
+    m = merge(old, new, ["newest", "accelerate 1.15.0", "torch 2.14.1", "torch 2.12.1"])
+    assert [(c["name"], c["torch"]) for c in m["combos"]] == [("newest", "2.13.0+cpu"), ("accelerate 1.15.0", "2.13.0+cpu"),
+                                                              ("torch 2.12.1", "2.12.1+cu130")]
+    assert m["combos"][2]["probes"]["b"]["status"] == "FAIL" and m["seconds"] == 11 and len(m["runs"]) == 2
+    assert [c["name"] for c in merge(m, new, ["newest", "torch 2.12.1"])["combos"]] == ["newest", "torch 2.12.1"]  # grid's names only
+
+
+def test_the_table_has_a_torch_column():
+    lines = matrix_table(small_matrix()).splitlines()
+    assert lines[0] == "| combination | torch | accelerate | transformers | peft | trl | bitsandbytes | a | b |"
+    assert lines[1] == "|" + "---|" * 9
+    assert lines[4] == "| torch 2.14.1 | 2.14.1+cu130 | 1.16.0 | 5.25.0 | 0.21.2 | 1.16.0 | 0.50.2 | PASS | PASS |"
+    assert lines[5].endswith("| PASS | FAIL |") and lines[5].startswith("| torch 2.12.1 | 2.12.1+cu130 |")
+
+
+def test_the_verdict_matches_a_combination_on_its_torch_release_too():
+    m = small_matrix()
+    v = versions_verdict(dict(SMALL, torch="2.14.1+cu130"), m)  # the local tag is ignored
+    assert (v["status"], v["combination"], v["covered"], v["torch"], v["installed"]) == ("PASS", "torch 2.14.1", True, "2.14.1", SMALL)
+    assert v["reason"] == ("torch 2.14.1, accelerate 1.16.0, transformers 5.25.0, peft 0.21.2, trl 1.16.0, bitsandbytes 0.50.2: "
+                           "measured as 'torch 2.14.1' on today: every probe as on the newest releases")
+    assert versions_verdict(dict(SMALL, torch="2.13.0"), m)["combination"] == "newest"
+    assert versions_verdict(SMALL, m)["combination"] == "newest"  # no torch named: the base's
+    old = versions_verdict(dict(SMALL, torch="2.12.1+cpu"), m)
+    assert (old["status"], old["combination"], old["covered"]) == ("FAIL", "torch 2.12.1", True)
+    assert old["findings"][0]["probe"] == "b" and old["findings"][0]["reason"] == "AttributeError: x"
+    assert old["fix"] == "torch 2.13.0 or 2.14.1: no probe failed with it and these libraries"
+    far = versions_verdict(dict(SMALL, torch="2.11.0"), m)  # not measured: the nearest torch release's row
+    assert (far["status"], far["combination"], far["covered"]) == ("FAIL", "torch 2.12.1", False)
+    assert "the nearest measured combination is 'torch 2.12.1' (torch 2.12.1)" in far["reason"]
+    tie = versions_verdict(dict(SMALL, accelerate="1.15.0", torch="2.14.1"), m)  # one release off either way: the grid's first
+    assert tie["combination"] == "accelerate 1.15.0" and not tie["covered"] and "(torch 2.13.0)" in tie["reason"]
+    assert _distance(dict(SMALL, torch="2.14.1+cu130"), dict(SMALL, torch="2.12.1")) == (1, 2) and _distance(SMALL, SMALL) == (0, 0)
+    runs = [dict(date="12-04", combos=["newest", "torch 2.14.1"]), dict(date="12-07", combos=["torch 2.14.1"])]
+    assert [measured_on(c, dict(m, runs=runs)) for c in m["combos"]] == ["12-04", "today", "12-07", "today"]  # unlisted: the matrix's
+    assert "measured as 'newest' on 12-04" in versions_verdict(SMALL, dict(m, runs=runs))["reason"]
+
+
+def test_the_plot_has_a_row_per_combination_torch_rows_too():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plot_matrix(small_matrix())
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["newest", "accelerate 1.15.0", "torch 2.14.1", "torch 2.12.1"]
+    plt.close(fig)
 
 
 VERSION = re.compile(r"\b(accelerate|transformers|peft|trl|bitsandbytes)\s*(>=|<=|<|>|==|≥|≤)?\s*\d+\.\d+")
