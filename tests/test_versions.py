@@ -74,7 +74,8 @@ def test_the_doctor_verdict_names_the_fix_for_a_release_with_a_known_diff():
 def test_an_environment_sees_the_base_behind_its_own_packages(tmp_path):
     mine = {k: v for k, v in installed().items() if k in LIBS}
     py, seconds, error, torch = make_env(tmp_path / "env", mine)  # nothing to download: every release is already in the base
-    assert error is None and py.exists() and seconds < 120 and torch == installed()["torch"]  # the base's torch, seen from the env
+    assert error is None and py.exists() and seconds < 120  # the base's torch, seen from the env (a wheel's metadata may drop +cu130)
+    assert release(torch) == release(installed()["torch"]) and torch.startswith(installed()["torch"])
 
 
 TORCH = ("torch 2.14.1", "torch 2.12.1")  # the torch releases the stored matrix measured besides the base's 2.13.0
