@@ -258,9 +258,9 @@ def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tupl
     os.symlink(name, link)
     os.replace(link, root/"latest")  # atomic: `latest` always names a complete checkpoint
     others = sorted(p for p in root.glob("step-*") if p.name != name)
-    run = manifest.get("run")
-    drop = [p for p in others if p.name in broken and _run_of(p) in (None, run)]  # failed to verify or load: not one of the `keep`
-    own = [p for p in others if p not in drop and run and _run_of(p) == run]  # another run's are never rotated away
+    run, runs = manifest.get("run"), {p: _run_of(p) for p in others}  # each manifest read once
+    drop = [p for p in others if p.name in broken and runs[p] in (None, run)]  # failed to verify or load: not one of the `keep`
+    own = [p for p in others if p not in drop and run and runs[p] == run]  # another run's are never rotated away
     drop += [p for p in own if p.name > name]  # left by this run before it resumed from an earlier step: another history
     older = [p for p in own if p.name < name]
     drop += older[:max(0, len(older) - (keep - 1))]

@@ -1083,6 +1083,12 @@ class Interrupted(BaseException):
 def _raise_interrupted(signum, frame): raise Interrupted(signum)
 
 
+def _drop_stdout():
+    "Point stdout at /dev/null, so that what is left in its buffer goes nowhere at the interpreter's exit (a closed pipe, a full disk)."
+    try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError): pass  # a stdout that is no file (io.UnsupportedOperation is a ValueError)
+
+
 def main(argv=None):
     "Entry point of the `fsdp-kit` command."
     if argv is None: os.environ["FSDP_KIT_COMMAND_PID"] = str(os.getpid())  # the command's own process: it forks no ranks (upstream)
@@ -1126,12 +1132,11 @@ def main(argv=None):
         print(f"fsdp-kit {args.command}: interrupted ({signal.Signals(e.signum).name}): the workers were stopped", file=sys.stderr)
         sys.exit(128 + e.signum)
     except BrokenPipeError:  # stdout closed by its reader (`fsdp-kit train --json - | head`): the rest of the output is not wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the interpreter's own flush at exit finds no pipe
+        _drop_stdout()
         sys.exit(128 + signal.SIGPIPE)
     except (OutputError, OSError) as e:  # the result could not be written: a full disk or `ulimit -f` under stdout or --json
         if isinstance(e, OSError) and e.errno not in OUTPUT_ERRNOS: raise
-        try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left in stdout's buffer has nowhere to go
-        except (OSError, ValueError): pass  # a stdout that is no file (io.UnsupportedOperation is a ValueError)
+        _drop_stdout()
         why = e if isinstance(e, OutputError) else f"could not write {e.filename or 'the result to stdout'} ({_output_why(e)})"
         print(f"fsdp-kit {args.command}: error: {why}", file=sys.stderr)
         sys.exit(EXIT_OUTPUT)

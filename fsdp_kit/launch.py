@@ -396,7 +396,7 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     from accelerate import notebook_launcher
     traps = fork_traps()
     if traps: raise KitError("launch() cannot fork this process safely:\n- " + "\n- ".join(traps))
-    if autograd_threads(): return _launch_unforked(fn, args, nprocs, backend, timeout, run_dir)
+    if threads := autograd_threads(): return _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads)
     preload()  # once per kernel: each forked rank would import them again, at every launch
     if nprocs == 1: return _launch_one(fn, args, backend, timeout, run_dir)
     saved, tempfile.tempdir = tempfile.tempdir, str(run_dir)  # torchelastic makes its log folder here; the workers restore ours
@@ -415,11 +415,15 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     return ""
 
 # %% ../nbs/10_launch.ipynb #5a7c2e10
+def _world_of_one(**more) -> dict:
+    "The environment a launcher gives the one rank of a process group of size 1 (on a free port), and `more`."
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                **more)
+
 def _launch_one(fn, args, backend, timeout, run_dir):
     "Fork one worker, in a process group of size 1: the rank's backward (and autograd's threads) stay out of this process."
     import multiprocessing
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               FSDP_KIT_CALLER_TMPDIR=tempfile.tempdir or "", **{FORKED: "1"})  # the caller's temporary folder; forked
+    env = _world_of_one(FSDP_KIT_CALLER_TMPDIR=tempfile.tempdir or "", **{FORKED: "1"})  # the caller's temporary folder; forked
     proc = multiprocessing.get_context("fork").Process(target=_one_rank, args=(env, fn, args, backend, timeout, str(run_dir)))
     proc.start()
     try: proc.join()
@@ -437,8 +441,7 @@ def _one_rank(env, fn, args, backend, timeout, run_dir):
 def _launch_here(fn, args, backend, timeout, run_dir):
     "Run one rank in this process, in a process group of size 1."
     import torch
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               FSDP_KIT_IN_PROCESS="1")  # a watchdog here interrupts the function instead of ending the caller's process
+    env = _world_of_one(FSDP_KIT_IN_PROCESS="1")  # a watchdog here interrupts the function instead of ending the caller's process
     saved, threads = {k: os.environ.get(k) for k in env}, torch.get_num_threads()
     os.environ.update(env)
     try: run_worker(fn, args, backend, timeout, str(run_dir))
@@ -595,9 +598,9 @@ def agent_main(argv:list):
     os._exit(status)
 
 # %% ../nbs/10_launch.ipynb #5a7c2e12
-def _launch_unforked(fn, args, nprocs, backend, timeout, run_dir):
-    "Where autograd's threads already run here, so no fork could run a backward: one rank in this process, more under torchrun."
-    why = (f"autograd's threads already run in this process ({autograd_threads()} pt_autograd_* threads, started by a backward here), "
+def _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads:int):
+    "Where autograd's `threads` already run here, so no fork could run a backward: one rank in this process, more under torchrun."
+    why = (f"autograd's threads already run in this process ({threads} pt_autograd_* threads, started by a backward here), "
            "and a forked rank could not run a backward")
     if nprocs == 1:
         print(f"launch: running the 1 rank in this process, not a forked one: {why}", file=sys.stderr, flush=True)

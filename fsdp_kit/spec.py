@@ -81,7 +81,8 @@ class RunSpec:
 
     def __new__(cls, *args, **kwargs):
         "Refuse a keyword that is not a field as a KitError, naming the section a setting moved to (mixed_precision -> fsdp)."
-        if unknown := [k for k in kwargs if k not in {f.name for f in fields(cls)}]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
+        names = {f.name for f in fields(cls)}  # once, not once per keyword
+        if unknown := [k for k in kwargs if k not in names]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
         return super().__new__(cls)
 
     @property
