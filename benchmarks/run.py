@@ -10,41 +10,11 @@ between runs than the kit could add, step by step inside one job (`same_window.p
 (`step_cost.py`). Where CUDA is available it adds tokens/s and MFU in bf16. Writes the machine it ran on, and a
 summary of every ratio against its target. About 9 minutes on 2 CPU cores (4 without --skip-labs' part).
 """
-import argparse, datetime, json, os, platform, random, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, statistics, sys, tempfile, time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def machine() -> dict:
-    "What the numbers were measured on."
-    import torch
-    cpu = (next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")),
-                platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor())
-    mem = (next((int(l.split()[1]) // 1024 // 1024 for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")),
-                None) if Path("/proc/meminfo").exists() else None)
-    return dict(cpu=cpu, cores=os.cpu_count(), memory_gib=mem, python=platform.python_version(), torch=torch.__version__,
-                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, date=datetime.date.today().isoformat())
-
-
-def run(cmd, **kw):
-    cmd = [str(c) for c in cmd]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{out.stderr[-3000:]}")
-    return out
-
-
-def median_ci(values, level=0.95, draws=2000, seed=0) -> list:
-    "A bootstrap confidence interval for the median of `values` (resampled with a fixed seed, so the same values give the same interval)."
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return [meds[int(draws * (1 - level) / 2)], meds[int(draws * (1 + level) / 2) - 1]]
+sys.path.insert(0, str(Path(__file__).parent))
+from common import ROOT, PY, log, machine, run, median_ci
 
 
 def bench_train(pairs: int) -> dict:

@@ -12,7 +12,7 @@ import argparse, json, os, statistics, sys, tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import PY, run, log, median_ci, machine
+from common import PY, run, log, median_ci, machine
 
 MODEL = "benchmarks/llama-4x256.json"  # Llama-shaped: 4 layers, hidden 256, untied embeddings
 SHAPE = dict(model=MODEL, batch=4, seq_len=128, steps=30)  # per rank; 2 gloo ranks

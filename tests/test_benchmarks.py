@@ -6,6 +6,7 @@ from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import run as bench  # benchmarks/run.py
+import common  # benchmarks/common.py
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,10 +46,43 @@ def test_plain_loop_units_are_the_kits(layout):
 
 def test_median_ci():
     values = [0.9, 1.0, 1.1, 0.95, 1.05, 1.2, 0.8]
-    lo, hi = bench.median_ci(values)
+    lo, hi = common.median_ci(values)
     assert min(values) <= lo <= 1.0 <= hi <= max(values)
-    assert bench.median_ci(values) == [lo, hi]  # seeded: the same values give the same interval
-    assert bench.median_ci([1.5] * 5) == [1.5, 1.5]
+    assert common.median_ci(values) == [lo, hi]  # seeded: the same values give the same interval
+    assert common.median_ci([1.5] * 5) == [1.5, 1.5]
+
+
+def _script_imports(path) -> set:
+    "The benchmarks/ scripts that `path` imports, at any depth (a function's own import counts)."
+    import ast
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import): found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module: found.add(node.module.split(".")[0])
+    return found & scripts - {path.stem}
+
+
+def _cycles(graph: dict) -> list:
+    "Every import cycle of `graph` ({script: scripts it imports}), each as the path that closes it."
+    cycles, state = [], {}
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open": cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state: visit(dep, path + [dep])
+        state[node] = "done"
+    for node in sorted(graph):
+        if node not in state: visit(node, [node])
+    return cycles
+
+
+def test_no_import_cycle_in_benchmarks():
+    "No script under benchmarks/ imports one that imports it back, directly or through others (the shared helpers live in common.py)."
+    graph = {p.stem: _script_imports(p) for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+    assert graph["step_cost"] >= {"common"} and "run" not in graph["step_cost"] and "step_cost" in graph["run"]
+    assert _cycles(graph) == []
+    assert _cycles(dict(run={"step_cost"}, step_cost={"common", "run"}, common=set())) == [["run", "step_cost", "run"]]
 
 
 def test_flops_per_token_and_peaks():
