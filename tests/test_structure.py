@@ -181,3 +181,147 @@ def test_allowed_long_lines_are_still_there():
     long_files = {x.split(":")[0] for x in _long_lines(_python_files(), root)}
     done = sorted(set(LONG_LINES_ALLOWED) - long_files)
     assert not done, f"no line over {WIDTH} characters any more, remove from LONG_LINES_ALLOWED: {done}"
+
+
+# Lessons in nbdev's rhythm: an export cell holds one idea, each section shows a check, the package reads at 120 characters.
+NBS = PKG.parent/"nbs"
+EXPORTS = {"export", "exporti", "exports"}  # nbdev's directives that send a cell to the module
+HIDDEN = {"hide", "exporti", "include: false", "echo: false", "eval: false"}  # a check in such a cell is not seen, or not run
+CHECKS = {"test", "test_eq", "test_ne", "test_close", "test_fail", "test_is", "test_eq_type", "test_shuffled", "test_stdout",
+          "test_warns", "test_fig_exists", "is_close", "ExceptionExpected"}  # fastcore.test's checks
+CELL_MAX, CELL_MEAN = 60, 15  # non-blank lines of one export cell, and the mean over every export cell of every notebook
+PACKAGE_WIDTH = 120  # ../shared/STYLE.md: lines stay under 120 characters
+ALL_WIDTH = 130  # nbdev wraps `__all__`'s names at 120 characters, then writes `__all__ = ` in front of the first line
+FRAGMENT = 25  # a string of at most this many characters alone on its line is a leftover of rewrapping
+
+def _cells(nb:Path) -> list:
+    "(cell type, directives, source lines) for every cell of `nb`; directives are the `#|` lines heading a code cell."
+    import json
+    out = []
+    for cell in json.loads(nb.read_text())["cells"]:
+        src = "".join(cell["source"]).splitlines()
+        heads = []
+        for line in src if cell["cell_type"] == "code" else []:
+            if line.strip().startswith("#|"): heads.append(line.strip()[2:].strip())
+            elif line.strip(): break
+        out.append((cell["cell_type"], heads, src))
+    return out
+
+def _directive(head:str) -> str: return " ".join(head.replace(":", ": ").split())  # `echo:false` as `echo: false`
+
+def _is_export(heads:list) -> bool: return any(h.split()[0] in EXPORTS for h in heads if h)
+
+def _export_sizes(nb:Path) -> list:
+    "Non-blank lines but the directives, for every export cell of `nb`."
+    return [sum(1 for line in src if line.strip() and not line.strip().startswith("#|"))
+            for kind, heads, src in _cells(nb) if kind == "code" and _is_export(heads)]
+
+def _has_check(src:list) -> bool:
+    "Whether code `src` asserts: an `assert` statement or a call to one of fastcore.test's checks."
+    import re
+    code = "\n".join(line for line in src if not line.lstrip().startswith(("!", "%")))
+    try: tree = ast.parse(code)
+    except SyntaxError: return bool(re.search(r"^\s*assert\b|\b(" + "|".join(CHECKS) + r")\(", code, re.M))
+    name = lambda f: f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+    return any(isinstance(n, ast.Assert) or isinstance(n, ast.Call) and name(n.func) in CHECKS for n in ast.walk(tree))
+
+def _unchecked_sections(nb:Path) -> list:
+    "The `##` headings of `nb` whose section (up to the next `#` or `##` heading) has no visible check."
+    sections, current = [], None  # [heading, checked]
+    for kind, heads, src in _cells(nb):
+        if kind == "markdown":
+            for line in src:
+                if line.startswith("## ") or line.startswith("# "):
+                    current = [line[3:].strip(), False] if line.startswith("## ") else None
+                    if current: sections.append(current)
+        elif kind == "code" and current and not _is_export(heads) and not {_directive(h) for h in heads} & HIDDEN:
+            current[1] = current[1] or _has_check(src)
+    return [h for h, checked in sections if not checked]
+
+def _lessons() -> list: return sorted(NBS.glob("[0-9][0-9]*.ipynb"))
+
+def _package_files() -> list:
+    "Every .py under fsdp_kit/ but _modidx.py, nbdev's index of names, which it writes with pprint at its own width."
+    return [p for p in sorted(PKG.rglob("*.py")) if p.name != "_modidx.py" and "__pycache__" not in p.parts]
+
+def _too_wide(paths:list, root:Path) -> list:
+    "`file:line (n characters)` for every line over PACKAGE_WIDTH (ALL_WIDTH for the first line of `__all__`)."
+    return [f"{p.relative_to(root)}:{i} ({len(line)} characters)" for p in paths
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if len(line) > (ALL_WIDTH if line.startswith("__all__ = ") else PACKAGE_WIDTH)]
+
+def _strings_and_others(text:str):
+    "The significant tokens of `text`, an f-string as one STRING token (3.12 splits it), `__all__`'s names left out."
+    import io, tokenize
+    skip = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    depth, start, in_all, line_start = 0, None, False, True
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.NEWLINE: in_all, line_start = False, True
+        if tok.type in skip: continue
+        if line_start and tok.string == "__all__": in_all = True  # nbdev wraps its names one or more to a line
+        line_start = False
+        if fstring_start is not None and tok.type == fstring_start:
+            depth, start = depth + 1, start if depth else tok
+        elif fstring_start is not None and tok.type == tokenize.FSTRING_END:
+            depth -= 1
+            if not depth and not in_all: yield tokenize.TokenInfo(tokenize.STRING, "", start.start, tok.end, "")
+        elif not depth and not in_all: yield tok
+
+def _fragments(paths:list, root:Path) -> list:
+    "`file:line: text` for every string of at most FRAGMENT characters alone on its line (but brackets, commas, `+`)."
+    import tokenize
+    out = []
+    for p in paths:
+        text, by_line = p.read_text(), {}
+        lines = text.splitlines()
+        for tok in _strings_and_others(text):
+            if tok.type == tokenize.OP and tok.string in "()[]{},+": continue
+            for line in {tok.start[0], tok.end[0]}: by_line.setdefault(line, []).append(tok)
+        for line, toks in sorted(by_line.items()):
+            (tok, *more) = toks
+            if more or tok.type != tokenize.STRING or tok.start[0] != tok.end[0]: continue
+            literal = lines[line - 1][tok.start[1]:tok.end[1]]
+            if len(literal) <= FRAGMENT: out.append(f"{p.relative_to(root)}:{line}: {literal}")
+    return out
+
+def test_export_cells_hold_one_idea():
+    "nbdev's own export cells average 12 non-blank lines, fastcore's 8: split a long one at its definitions."
+    sizes = {nb.name: _export_sizes(nb) for nb in sorted(NBS.glob("*.ipynb"))}
+    big = [f"{name}: export cell {i} of {n} lines" for name, ns in sizes.items()
+           for i, n in enumerate(ns, 1) if n > CELL_MAX]
+    every = [n for ns in sizes.values() for n in ns]
+    mean = sum(every) / len(every)
+    assert not big and mean < CELL_MEAN, (f"mean {mean:.1f} lines per export cell (under {CELL_MEAN} wanted); "
+                                          f"over {CELL_MAX}:\n" + "\n".join(big))
+
+def test_every_section_shows_a_check():
+    "A lesson asserts what it teaches where the reader sees it, not only in hidden cells or tests/."
+    bad = [f"{nb.name}: ## {h}" for nb in _lessons() for h in _unchecked_sections(nb)]
+    assert not bad, f"{len(bad)} section(s) with no visible assert or fastcore.test check:\n" + "\n".join(bad)
+
+def test_no_package_line_is_over_120_characters():
+    "Shorten the line; a module's docstring is its notebook's one-line description, which stays under 117 characters."
+    bad = _too_wide(_package_files(), PKG.parent)
+    assert not bad, f"{len(bad)} line(s) over {PACKAGE_WIDTH} characters:\n" + "\n".join(bad)
+
+def test_no_orphan_string_fragment():
+    "A sentence split into strings of a few words each reads worse than one longer line: join them."
+    bad = _fragments(_package_files(), PKG.parent)
+    assert not bad, f"{len(bad)} string fragment(s) alone on a line:\n" + "\n".join(bad)
+
+def test_the_rhythm_checks_can_fail(tmp_path):
+    import json
+    code = lambda s: {"cell_type": "code", "source": s, "metadata": {}, "outputs": [], "execution_count": None}
+    md = lambda s: {"cell_type": "markdown", "source": s, "metadata": {}}
+    cells = [md("# T\n> d"), md("## Seen"), code("#| export\ndef f(): return 1\n\nassert f()"), code("test_eq(f(), 1)"),
+             md("## Hidden"), code("#| hide\nassert f() == 1"), md("## Exported only"), code("#| export\nassert True"),
+             md("## Said"), code("x = 1"), md("### Sub"), code("%time y = 2\nassert x + 1 == 2")]
+    (tmp_path/"01_t.ipynb").write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert _export_sizes(tmp_path/"01_t.ipynb") == [2, 1]
+    assert _unchecked_sections(tmp_path/"01_t.ipynb") == ["Hidden", "Exported only"]
+    (tmp_path/"m.py").write_text('x = ("a long sentence that was "\n     "cut here"\n     "and here, "\n     "then")\n'
+                                 'y = f("ok", "alone but long enough to be a real line of text")\nw = (f"{x}:g"\n     f"{y}")\n'
+                                 + "__all__ = ['" + "a" * 116 + "',\n           'short_name']\n" + "z = '" + "b" * 115 + "'\n")
+    assert [x.split(": ")[1] for x in _fragments([tmp_path/"m.py"], tmp_path)] == ['"cut here"', '"and here, "', '"then"', 'f"{y}"']
+    assert _too_wide([tmp_path/"m.py"], tmp_path) == ["m.py:10 (121 characters)"]  # __all__'s 130 pass
