@@ -16,7 +16,7 @@
 """
 import argparse, errno, functools, json, math, os, re, signal, sys, tempfile
 from contextlib import nullcontext
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 from fsdp_kit.errors import KitError, bad_value
@@ -188,8 +188,7 @@ def _cmd_train(a):
                      check_parity=a.check_parity, lora=lora,
                      step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
                                    optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
-                     fsdp=cfg, ckpt=ckpt,
-                     layout=_layout(a)).checked(a.nnodes * a.nproc)  # once: launch does not check it again
+                     fsdp=replace(cfg, layout=_layout(a)), ckpt=ckpt).checked(a.nnodes * a.nproc)  # once: launch does not check it again
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
@@ -696,7 +695,7 @@ def _layout_flag(s):
     for old, (dest, const) in ALIASES.items():
         if dest == "layout":
             s.add_argument(old, dest=dest, action="store_const", const=const, help=f"old spelling of --layout {const} (default: off)")
-FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source")  # FSDPConfig fields that are not settings: the mesh has its own flags
+FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source", "layout")  # FSDPConfig fields that are not settings: the mesh has its own flags
 FSDP_COMMANDS = ("train", "compare", "qlora", "cp-eval", "plan")  # the commands that run or plan the kit's recipe: one FSDP group each
 FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag is shown, and refused when given)
     "train": dict(state_dict_type="train writes checkpoints as --state-dict says"),

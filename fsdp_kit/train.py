@@ -26,7 +26,6 @@ class TrainSpec(RunSpec):
     _:KW_ONLY
     check_parity:bool=False # also train one process on the same global batches and compare
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
-    layout:str="accelerate" # FSDP units (wrap.LAYOUTS): "accelerate" (embeddings, a [norm, lm_head] tail apart), "layers" (per layer)
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
@@ -36,7 +35,6 @@ class TrainSpec(RunSpec):
         if self.lora is not None: lora_targets(self.lora.targets)
         if self.lora is not None and self.lora.base_dtype not in (None, "fp32"):
             raise bad_value("base_dtype", self.lora.base_dtype, "None or fp32 for training (a bf16 or 4-bit base is the QLoRA lab's)")
-        if self.layout not in LAYOUTS: raise bad_value("layout", self.layout, f"one of {', '.join(LAYOUTS)}")
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
             raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec",
@@ -148,7 +146,7 @@ def train_worker(spec:TrainSpec,
         from fsdp_kit.lora import add_lora
         model = add_lora(model, spec.lora.r, spec.seed, spec.lora.targets)
     mesh = fsdp_mesh(build_mesh(spec.mesh))
-    model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.layout])  # on the mesh's device: fully_shard moves it there
+    model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.config.layout])  # on the mesh's device: fully_shard moves it there
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver

@@ -4,6 +4,7 @@ import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.models import model_config, build_model, count_params, decoder_layers, synthetic_tokens, rank_rows
 from fsdp_kit.train import TrainSpec
+from fsdp_kit.config import FSDPConfig
 from fsdp_kit.mesh import MeshSpec
 from fsdp_kit.spec import StepSpec
 from fsdp_kit.scale import FaultSpec
@@ -111,14 +112,17 @@ def test_train_spec_check():
 
 
 def test_layout_layers_shards_per_layer_and_trains_the_same_losses():
-    "TrainSpec(layout='layers'): a unit per decoder layer and the root (edge_units=False), the same losses as accelerate's units."
+    "FSDPConfig(layout='layers'): a unit per decoder layer and the root (edge_units=False), the same losses as accelerate's units."
     from fsdp_kit.launch import launch
     from fsdp_kit.train import train_worker
-    runs = {layout: launch(train_worker, TrainSpec(model="tiny", steps=3, batch=2, seq_len=32, layout=layout), nprocs=2, timeout=120)
+    runs = {layout: launch(train_worker, TrainSpec(model="tiny", steps=3, batch=2, seq_len=32,
+                                                                fsdp=FSDPConfig(layout=layout)), nprocs=2, timeout=120)
             for layout in ("accelerate", "layers")}
     units = [(u["module"], u["reshard_after_forward"]) for u in runs["layers"].units]
     assert units == [("model.layers.1", True), ("model.layers.0", True), ("", True)]
     assert [u["module"] for u in runs["accelerate"].units][-3:] == ["model.embed_tokens", "model.norm+lm_head", ""]
     assert runs["layers"].losses == pytest.approx(runs["accelerate"].losses, abs=1e-6)
     with pytest.raises(KitError, match="layout='fsdp1' is not allowed: one of accelerate, layers"):
-        TrainSpec(layout="fsdp1").check()
+        TrainSpec(fsdp=FSDPConfig(layout="fsdp1")).check()
+    with pytest.raises(KitError, match="it lives in the fsdp section, as fsdp.layout"):  # the field's old place
+        TrainSpec(layout="layers")
