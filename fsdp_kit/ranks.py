@@ -1,4 +1,4 @@
-"""Small process-group helpers the labs share: a decision on rank 0, a barrier, a shared temporary folder, means, gathers, quiet logs.
+"""Process-group helpers the labs share: a decision on rank 0, a barrier, a shared folder, means, gathers, quiet logs.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ranks.html.md"""
 
@@ -80,9 +80,9 @@ def progress(what:str, # the work, e.g. 'hf --check'
              total:int, # units in all
              start:float, # `time.time()` when the work began
              unit:str='', # what was just finished
-             say=None # a function given the line (None: print it on stdout, which a launch puts on the command's stderr)
+             say=None # called with the line (None: print on stdout, which a launch puts on the command's stderr)
             ) -> str:
-    "Print, on rank 0, `what n/N unit`, the time since `start` and an estimate of what is left at this pace; return the line."
+    "Print, on rank 0, `what n/N unit`, the time since `start` and the time left at this pace; return the line."
     import time
     elapsed = time.time() - start
     import torch.distributed as dist
