@@ -1,4 +1,4 @@
-"""One exception type, `KitError`, for every mistake in what a user asked for: its message names the field, the value and what is allowed.
+"""One exception, `KitError`, for every bad request: its message names the field, the value and what is allowed.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/errors.html.md"""
 
@@ -23,11 +23,14 @@ def bad_value(field:str, # the field or option that was wrong
     err.field = field  # the front end may rename it to the option the user typed
     return err
 
+# %% ../nbs/10b_errors.ipynb #56ef83ce
 def require_whole(field:str, value, low:int=0) -> int:
     "`value` if it is a whole number >= `low` (an int; True is not 1), else a `KitError` naming `field`."
-    if isinstance(value, bool) or not isinstance(value, int) or value < low: raise bad_value(field, value, f"a whole number >= {low}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise bad_value(field, value, f"a whole number >= {low}")
     return value
 
+# %% ../nbs/10b_errors.ipynb #8ba34138
 def require_positive(field:str, value) -> float:
     "`value` if it is a finite number > 0 (not a bool, not a string), else a `KitError` naming `field`."
     import math
@@ -35,13 +38,14 @@ def require_positive(field:str, value) -> float:
         raise bad_value(field, value, "a finite number > 0")
     return value
 
-
+# %% ../nbs/10b_errors.ipynb #beca8ea3
 def require_seed(field:str, value) -> int:
-    "`value` if it is a seed torch and the kit's data pools accept (a whole number in 0 .. 2**32 - 1), else a `KitError`."
+    "`value` if torch and the kit's data pools take it as a seed (a whole number in 0 .. 2**32 - 1), else a `KitError`."
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
         raise bad_value(field, value, "a whole number in 0 .. 4294967295")
     return value
 
+# %% ../nbs/10b_errors.ipynb #bc053c30
 def require_model(field:str, value) -> str:
     "`value` if it can name a model (a preset name or a config.json path, a str or a path), else a `KitError`."
     import os
