@@ -1,4 +1,4 @@
-"""A small Mixtral sharded two ways and measured on 2 CPU ranks; then transformers' `DistributedConfig` with fsdp, ep and tp sizes.
+"""A small Mixtral sharded two ways and measured on 2 CPU ranks; then transformers' `DistributedConfig` with ep and tp.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/moe.html.md"""
 
@@ -15,15 +15,17 @@ from .config import FSDPConfig, EXAMPLES
 from .models import model_config, build_model, expert_modules
 
 # %% ../nbs/09b_moe.ipynb #1cea572e
-MOE_MODEL = str(EXAMPLES / "configs" / "mixtral-tiny" / "config.json")  # a Mixtral of 2 layers, 8 experts each, top-2 routing (no weights)
-LAYOUTS = ("experts in their layer", "experts as their own units")  # how the experts of a layer are grouped into FSDP units
+# a Mixtral of 2 layers, 8 experts each, top-2 routing (no weights)
+MOE_MODEL = str(EXAMPLES / "configs" / "mixtral-tiny" / "config.json")
+LAYOUTS = ("experts in their layer", "experts as their own units")  # how a layer's experts are grouped into FSDP units
 
 # %% ../nbs/09b_moe.ipynb #ac832b05
 def moe_configs(model) -> dict:
     "One FSDPConfig per layout: the decoder layer as the unit, or the experts' module as a unit of its own inside it."
     layer = list(model._no_split_modules)
     experts = sorted({type(m).__name__ for _, m in expert_modules(model)})
-    if not experts: raise bad_value("model", type(model).__name__, "a mixture-of-experts model (a module with 3-D expert weights)")
+    if not experts:
+        raise bad_value("model", type(model).__name__, "a mixture-of-experts model (a module with 3-D expert weights)")
     return {LAYOUTS[0]: FSDPConfig(transformer_layer_cls_to_wrap=layer).check(),
             LAYOUTS[1]: FSDPConfig(transformer_layer_cls_to_wrap=layer + experts).check()}
 
@@ -36,6 +38,7 @@ def expert_placement(model) -> dict:
     return dict(parameter=f"{name}.{pname}", placements=str(getattr(p, "placements", "not a DTensor")),
                 shape=list(p.shape), local_shape=list(local.shape))
 
+# %% ../nbs/09b_moe.ipynb #21d060f3
 def moe_worker(spec) -> dict:
     "Shard the MoE model of `spec` in each layout, measure one step of each; rank 0's results and placement."
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
@@ -47,9 +50,11 @@ def moe_worker(spec) -> dict:
     return dict(runs=runs, placement=expert_placement(model))
 
 # %% ../nbs/09b_moe.ipynb #5022a586
+# the DistributedConfig keywords tried, in order
 NATIVE_SETTINGS = (dict(fsdp_size=2), dict(fsdp_size=2, ep_size=2), dict(tp_size=2), dict(tp_size=2, ep_size=2),
-                   dict(fsdp_size=2, tp_size=2, ep_size=2), dict(fsdp_size=2, ep_size=3))  # DistributedConfig keywords tried, in order
+                   dict(fsdp_size=2, tp_size=2, ep_size=2), dict(fsdp_size=2, ep_size=3))
 
+# %% ../nbs/09b_moe.ipynb #d8a6ccd7
 def native_run(base:str, # a saved MoE model
                settings:dict, # DistributedConfig keywords
                tokens # (batch, seq) token ids, the same on every rank
@@ -61,7 +66,8 @@ def native_run(base:str, # a saved MoE model
     from fsdp_kit.measure import comm_counter, quiet_hook_warnings
     from fsdp_kit.hf_run import unit_table
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, distributed_config=DistributedConfig(**settings))
+        config = DistributedConfig(**settings)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, distributed_config=config)
         with quiet_hook_warnings(), comm_counter() as counter:
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
@@ -87,4 +93,5 @@ def native_moe_worker(spec, # a CompareSpec: the model, seed, batch and seq_len
     tokens = synthetic_tokens(model_config(spec.model).vocab_size, spec.batch, spec.seq_len, 0, spec.seed)
     one = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad(): reference = one(input_ids=tokens, labels=tokens).loss.item()
-    return dict(world_size=dist.get_world_size(), reference_loss=reference, runs=[native_run(base, s, tokens) for s in settings])
+    runs = [native_run(base, s, tokens) for s in settings]
+    return dict(world_size=dist.get_world_size(), reference_loss=reference, runs=runs)
