@@ -1,4 +1,4 @@
-"""Small transformers causal LMs built from a config, on a real or the meta device, and deterministic synthetic token batches per rank.
+"""Small transformers causal LMs built from a config, on a real or the meta device; seeded token batches per rank.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/models.html.md"""
 
@@ -25,7 +25,8 @@ PRESETS = {
 def read_config_json(path:Path) -> dict:
     "The dict in a config.json, with errors that name the file."
     if path.is_dir(): path = path/"config.json"
-    if not path.is_file(): raise bad_value("model", str(path), f"a preset ({', '.join(PRESETS)}) or an existing config.json path")
+    if not path.is_file():
+        raise bad_value("model", str(path), f"a preset ({', '.join(PRESETS)}) or an existing config.json path")
     try: d = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise bad_value("model", str(path), "a config.json in UTF-8 text",
@@ -33,16 +34,20 @@ def read_config_json(path:Path) -> dict:
     except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e}") from None
     except OSError as e: raise bad_value("model", str(path), "a readable config.json", e.strerror or str(e)) from None
     if not isinstance(d, dict):
-        raise bad_value("model", str(path), "a config.json holding one JSON object of config keys", f"it holds a {type(d).__name__}")
-    if "model_type" not in d: raise KitError(f"{path} has no 'model_type': transformers needs it to pick the architecture")
+        raise bad_value("model", str(path), "a config.json holding one JSON object of config keys",
+                        f"it holds a {type(d).__name__}")
+    if "model_type" not in d:
+        raise KitError(f"{path} has no 'model_type': transformers needs it to pick the architecture")
     return d
 
+# %% ../nbs/01a_models.ipynb #15ec011d
 def _config_error(model, d:dict, e:Exception, what:str, blame:tuple=()) -> KitError:
     "A one-line KitError from exception `e`: the model, the config keys to blame, and the text."
     text = " ".join(f"{type(e).__name__}: {e}".split())
     named = [k for k in d if k in blame or re.search(rf"(?<!\w){re.escape(k)}(?!\w)", text)]
-    valued = [k for k, v in d.items() if k not in named and isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 1
-              and re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w]|\.\d)", text)]  # 0 and 1 are in too many messages to point at a key
+    # a number in the text points at the key holding it; 0 and 1 are in too many messages to point at a key
+    valued = [k for k, v in d.items() if k not in named and isinstance(v, (int, float)) and not isinstance(v, bool)
+              and abs(v) > 1 and re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w]|\.\d)", text)]
     keys = ", ".join(f"{k}={d[k]!r}" for k in named + valued)
     where = f"key{'s' if len(named + valued) > 1 else ''} {keys} of the config.json" if keys else "the config"
     return KitError(f"model={str(model)!r}: {where} {'are' if len(named + valued) > 1 else 'is'} not allowed: "
@@ -53,15 +58,18 @@ def model_config(model:str # a preset name, a config.json path, or a folder with
                 ):
     "The transformers config for `model`, checked to be a causal LM transformers can build."
     is_path = str(model).endswith(".json") or "/" in str(model) or Path(model).exists()
-    if not is_path and model not in PRESETS: raise bad_value("model", model, f"a preset ({', '.join(PRESETS)}) or a path to a config.json")
+    if not is_path and model not in PRESETS:
+        raise bad_value("model", model, f"a preset ({', '.join(PRESETS)}) or a path to a config.json")
     d = dict(PRESETS[model]) if not is_path else read_config_json(Path(model))
     from transformers import AutoConfig, AutoModelForCausalLM  # after the cheap refusals: importing it takes seconds
     try: config = AutoConfig.for_model(d.pop("model_type"), **d)
     except Exception as e: raise _config_error(model, d, e, "transformers' config validation") from None
     if type(config) not in AutoModelForCausalLM._model_mapping:
-        raise bad_value("model", model, "a causal language model", f"{type(config).__name__} has no causal-LM head in transformers")
+        raise bad_value("model", model, "a causal language model",
+                        f"{type(config).__name__} has no causal-LM head in transformers")
     return try_config(config, model, d) if is_path else config
 
+# %% ../nbs/01a_models.ipynb #1f51d766
 _TRIED = set()  # configs (as JSON) that already passed try_config in this process
 
 def try_config(config, # a transformers config
@@ -77,17 +85,20 @@ def try_config(config, # a transformers config
         if hasattr(config, "validate"): config.validate()
     except Exception as e: raise _config_error(model, keys, e, "transformers' config validation") from None
     try: tokens = synthetic_tokens(config.vocab_size, 1, 8)
-    except Exception as e: raise _config_error(model, keys, e, "drawing token ids in [0, vocab_size)", ("vocab_size",)) from None
+    except Exception as e:
+        raise _config_error(model, keys, e, "drawing token ids in [0, vocab_size)", ("vocab_size",)) from None
     try:
         # leaves the RNG and config as they were
         with torch.random.fork_rng(devices=[]): meta = build_model(copy.deepcopy(config), device="meta")
-        if not expert_modules(meta):  # MoE routes each token by its values, which the meta device does not hold: built, not run
+        # MoE routes each token by its values, which the meta device does not hold: built, not run
+        if not expert_modules(meta):
             with torch.no_grad():  # a cache skips the packed-sequence check, which reads values
                 meta(input_ids=tokens.to("meta"), labels=tokens.to("meta"), use_cache=True)
-    except Exception as e: raise _config_error(model, keys, e, "building the model and a 1 x 8-token forward on the meta device") from None
+    except Exception as e:
+        raise _config_error(model, keys, e, "building the model and a 1 x 8-token forward on the meta device") from None
     if not decoder_layers(meta):
-        raise _config_error(model, keys, KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard"),
-                            "looking for decoder layers", ("num_hidden_layers",))
+        missing = KitError(f"{type(meta).__name__} has no decoder layers (_no_split_modules) for FSDP to shard")
+        raise _config_error(model, keys, missing, "looking for decoder layers", ("num_hidden_layers",))
     _TRIED.add(key)
     return config
 
@@ -122,15 +133,19 @@ def decoder_layers(model) -> list:
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if names & {c.__name__ for c in type(m).__mro__}]
 
+# %% ../nbs/01a_models.ipynb #ea4f99a2
 def expert_modules(model) -> list:
     "(qualified name, module) of each module holding a mixture-of-experts layer's experts."
     return [(n, m) for n, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
 
+# %% ../nbs/01a_models.ipynb #39868a03
 def model_checkpointing(model) -> bool:
     "Whether the model's own (transformers') gradient checkpointing is on."
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    name = "is_activation_checkpointing"  # transformers 5's name; is_gradient_checkpointing before it
+    if not hasattr(type(model), name): name = "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
 
+# %% ../nbs/01a_models.ipynb #a12ff62f
 def count_params(model) -> int:
     "Number of parameters in `model`."
     return sum(p.numel() for p in model.parameters())
