@@ -1,4 +1,4 @@
-"""The 1-D, HSDP and context-parallel meshes FSDP2 shards over, sized as accelerate's `ParallelismConfig` takes them; who sits where.
+"""The 1-D, HSDP and context-parallel meshes FSDP2 shards over, sized the way accelerate takes them; who sits where.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/mesh.html.md"""
 
@@ -31,10 +31,11 @@ class MeshSpec:
         if list(sizes.values()).count(-1) > 1: raise KitError(f"only one mesh size may be -1, got {told}")
         known = math.prod(v for v in sizes.values() if v != -1)
         if -1 in sizes.values():
-            if world_size % known: raise KitError(f"mesh sizes {told} cannot fill world size {world_size}: {known} does not divide it")
+            if world_size % known:
+                raise KitError(f"mesh sizes {told} cannot fill world size {world_size}: {known} does not divide it")
             sizes = {a: (world_size // known if v == -1 else v) for a, v in sizes.items()}
-        if math.prod(sizes.values()) != world_size:
-            raise KitError(f"mesh sizes {told} multiply to {math.prod(sizes.values())}, but the world size is {world_size}. "
+        if (product := math.prod(sizes.values())) != world_size:
+            raise KitError(f"mesh sizes {told} multiply to {product}, but the world size is {world_size}. "
                            "Choose sizes whose product is the number of processes, or set one of them to -1.")
         return MeshSpec(**sizes)
 
@@ -69,7 +70,8 @@ def fsdp_mesh(mesh):
     shard = "dp_shard_cp" if "cp" in names else "dp_shard"
     if "dp_replicate" not in names: return axis_mesh(mesh, shard)
     axis_mesh(mesh, shard)
-    with warnings.catch_warnings():  # torch warns on slicing a flattened axis; a 2-D HSDP mesh over it has no other route
+    # torch warns on slicing a flattened axis; a 2-D HSDP mesh over it has no other route
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return mesh["dp_replicate", shard]
 
@@ -88,7 +90,8 @@ class MeshLayout:
         "A plain-text table: each axis, its size and its groups."
         rows = [f"{'axis':<13} {'size':>4}  groups"] + [
             f"{a:<13} {len(g[0]):>4}  {g}" for a, g in self.groups.items()]
-        return f"grid {self.grid}  ({' x '.join(map(str, self.shape))}: {', '.join(self.axis_names)})\n" + "\n".join(rows)
+        shape = " x ".join(map(str, self.shape))
+        return f"grid {self.grid}  ({shape}: {', '.join(self.axis_names)})\n" + "\n".join(rows)
 
 # %% ../nbs/02_mesh.ipynb #9a0cf3be
 def _groups_from_grid(mesh) -> dict:
@@ -123,7 +126,8 @@ def describe_mesh(mesh) -> MeshLayout:
     expected = _groups_from_grid(mesh)
     for n in names:
         assert measured[n] == expected[n], f"axis {n}: collectives saw {measured[n]}, mesh promised {expected[n]}"
-    return MeshLayout(names, list(mesh.mesh.shape), mesh.mesh.tolist(), measured, dist.get_world_size(), dist.get_backend())
+    return MeshLayout(names, list(mesh.mesh.shape), mesh.mesh.tolist(), measured,
+                      dist.get_world_size(), dist.get_backend())
 
 # %% ../nbs/02_mesh.ipynb #c891bd3e
 def mesh_worker(spec:MeshSpec) -> MeshLayout:
@@ -137,15 +141,20 @@ def plot_mesh(layout:MeshLayout, ax=None):
     grid = np.array(layout.grid).reshape(-1, layout.shape[-1]) if len(layout.shape) > 1 else np.array([layout.grid])
     cell = min(1.2, 5 / grid.shape[1])  # inches per column: a wide mesh gets narrower cells, not a wider figure
     own = ax is None
-    if own: _, ax = plt.subplots(figsize=(min(9.5, cell * grid.shape[1] + 4.5), 1.0 * grid.shape[0] + 1), layout="constrained")
+    if own:
+        size = (min(9.5, cell * grid.shape[1] + 4.5), 1.0 * grid.shape[0] + 1)
+        _, ax = plt.subplots(figsize=size, layout="constrained")
     ax.imshow(np.arange(grid.shape[0])[:, None].repeat(grid.shape[1], 1), cmap="Pastel1", vmin=0, vmax=8)
+    wide = cell >= 0.9  # room for "rank 3" in a cell
     for (i, j), r in np.ndenumerate(grid):
-        ax.text(j, i, f"rank {r}" if cell >= 0.9 else str(r), ha="center", va="center", fontsize=11 if cell >= 0.9 else 9)
-    ax.set_xticks(range(grid.shape[1]), [f"{layout.axis_names[-1]} {j}" if cell >= 0.9 else str(j) for j in range(grid.shape[1])])
+        ax.text(j, i, f"rank {r}" if wide else str(r), ha="center", va="center", fontsize=11 if wide else 9)
+    columns = range(grid.shape[1])
+    ax.set_xticks(columns, [f"{layout.axis_names[-1]} {j}" if wide else str(j) for j in columns])
     row_axis = layout.axis_names[0] if len(layout.shape) == 2 else "row"
     ax.set_yticks(range(grid.shape[0]), [f"{row_axis} {i}" for i in range(grid.shape[0])])
-    if cell < 0.9: ax.set_xlabel(layout.axis_names[-1])
-    ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True); ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
+    if not wide: ax.set_xlabel(layout.axis_names[-1])
+    ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
     ax.grid(which="minor", color="white", linewidth=3); ax.tick_params(which="minor", length=0)
     # a big mesh's groups would run off the page
     short = lambda g: str(g) if len(str(g)) <= 40 else f"{len(g)} groups of {len(g[0])}: {str(g)[:28]}..."
