@@ -20,6 +20,8 @@ from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 from fsdp_kit.errors import KitError, bad_value
+from fsdp_kit.flags import add_flags, flag_of, given, spec_from_flags
+from fsdp_kit.spec import SECTIONS
 
 FAULTS = ("crash", "hang")  # fsdp_kit.scale.FAULTS, repeated so building the parser imports nothing heavy
 
@@ -162,38 +164,35 @@ def _cmd_mesh(a):
     emit(layout, a.json, layout.table())
 
 
+def train_spec(a):
+    "The TrainSpec `fsdp-kit train` runs: its flags laid over TrainSpec() (and --fsdp-config's file), checked for the world size."
+    from fsdp_kit.train import TrainSpec
+    from fsdp_kit.checkpoint import CheckpointSpec, refuse_other_runs
+    spec = spec_from_flags(a, TrainSpec(), TRAIN_READS, SECTIONS, a.fsdp_config, say=_say)
+    if spec.lora is not None and spec.lora.r == 0: spec = replace(spec, lora=None)  # --lora-r 0: a full fine-tune
+    ckpt = given(a, CheckpointSpec, CKPT_READS)
+    if "dir" in ckpt:
+        cfg = spec.config  # the config's format, unless --state-dict says
+        state_dict = ckpt.get("state_dict") or (cfg.state_dict_type if a.fsdp_config else "sharded")
+        if ckpt.get("state_dict") and a.fsdp_config and not cfg.state_dict_type.lower().startswith(ckpt["state_dict"].lower()):
+            _override("--state-dict", ckpt["state_dict"], "state_dict_type", cfg.state_dict_type, a.fsdp_config)
+        if not (ckpt.get("resume") or ckpt.get("overwrite")): refuse_other_runs(ckpt["dir"], "--resume", "--overwrite-ckpt")
+        spec = replace(spec, ckpt=CheckpointSpec(**ckpt | dict(state_dict=state_dict)))
+    elif needs := [k for k in ("resume", "save_every", "overwrite") if ckpt.get(k)]:
+        raise KitError(f"{flag_of(needs[0])} needs --ckpt DIR: the folder checkpoints go to")
+    return spec.checked(a.nnodes * a.nproc)  # once: launch does not check it again
+
+
 def _cmd_train(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.train import TrainSpec
-    from fsdp_kit.spec import StepSpec, LoraSpec
-    from fsdp_kit.mesh import MeshSpec
-    from fsdp_kit.checkpoint import CheckpointSpec, check_resume, lock_checkpoint_dir, refuse_other_runs
+    from fsdp_kit.checkpoint import check_resume, lock_checkpoint_dir
     from fsdp_kit.scale import FaultSpec, scale_train_worker
-    mixed, reduce, precision = _train_precision(a)
-    cfg = fsdp_config(a, **fsdp_given(a, "train") | dict(mixed_precision=mixed, reduce_dtype=reduce))
-    ckpt = None
-    if a.ckpt:
-        state_dict = a.state_dict or (cfg.state_dict_type if a.fsdp_config else "sharded")  # the config's format, unless --state-dict says
-        if a.state_dict and a.fsdp_config and not cfg.state_dict_type.lower().startswith(a.state_dict.lower()):
-            _override("--state-dict", a.state_dict, "state_dict_type", cfg.state_dict_type, a.fsdp_config)
-        if not (a.resume or a.overwrite_ckpt): refuse_other_runs(a.ckpt, "--resume", "--overwrite-ckpt")  # in the flags' words
-        ckpt = CheckpointSpec(a.ckpt, save_every=a.save_every, state_dict=state_dict, resume=a.resume, keep=a.keep,
-                              overwrite=a.overwrite_ckpt)
-    elif a.resume or a.save_every or a.overwrite_ckpt:
-        given = "resume" if a.resume else "save-every" if a.save_every else "overwrite-ckpt"
-        raise KitError(f"--{given} needs --ckpt DIR: the folder checkpoints go to")
-    lora = LoraSpec(r=a.lora_r) if a.lora_r else None  # 0: a full fine-tune
-    spec = TrainSpec(model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len, seed=a.seed,
-                     mesh=MeshSpec(a.dp_replicate, a.dp_shard),
-                     check_parity=a.check_parity, lora=lora,
-                     step=StepSpec(lr=a.lr, warmup=a.warmup, precision=precision, ce_chunks=a.chunked_ce,
-                                   optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations),
-                     fsdp=replace(cfg, layout=_layout(a)), ckpt=ckpt).checked(a.nnodes * a.nproc)  # once: launch does not check it again
+    spec = train_spec(a)
     fits = check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, nnodes=a.nnodes,
                                     method="lora" if spec.lora else "full", lora_r=spec.lora.r if spec.lora else 8))
     fault = FaultSpec(a.inject_fault, a.fault_rank, a.fault_step).check(a.nnodes * a.nproc, spec.steps)
-    with lock_checkpoint_dir(a.ckpt) if a.ckpt else nullcontext():  # one run per checkpoint folder: a second one is refused
-        if a.resume:
+    with lock_checkpoint_dir(spec.ckpt.dir) if spec.ckpt else nullcontext():  # one run per checkpoint folder: a second is refused
+        if spec.ckpt and spec.ckpt.resume:
             folder, notes = check_resume(spec)  # refuse damaged checkpoints, or another run's, before launching
             for note in notes: print(f"  {note}", file=sys.stderr)
         result = launch(fits_then, fits, scale_train_worker, spec, fault, a.timeout, not a.quiet, nprocs=a.nproc, launcher="torchrun",
@@ -240,6 +239,11 @@ def _cmd_train(a):
         text += (f"\nLoRA adapter: {d['tensors']} tensors, every rank's rows saved: {d['every_rank_share_saved']}, "
                  f"reloaded with peft: loss diff {d['reload_loss_diff']:.1e}" + (f", in {d['path']}" if d["path"] else ""))
     emit(asdict(result) | dict(mesh=asdict(mesh)), a.json, text)  # the mesh sizes it ran on, -1 filled in
+
+
+def _say(line: str):
+    "A note for the user: on stderr, beside the progress lines."
+    print(line, file=sys.stderr)
 
 
 def _override(flag: str, value, field: str, was, source: str):
@@ -555,16 +559,26 @@ def _cmd_plan(a):
     a.lora_targets, offload = a.lora_targets or "all-linear", given.get("cpu_offload", False)
     if a.grad_ckpt and a.ac not in (None, "full"):
         raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
-    # the setting, built once
-    spec = plan_gpu.gpu_spec(a.model, a.gpus, a.method, a.lora_r, a.batch, a.seq_len, a.grad_ckpt, offload, cp=a.cp, ac=a.ac,
-                             reshard=given.get("reshard_after_forward", True), lora_targets=a.lora_targets, ce_chunks=a.chunked_ce,
-                             optimizer_in_backward=a.optimizer_in_backward, offload_activations=a.offload_activations,
-                             fp8_all_gather=a.fp8_all_gather, edge_units=_layout(a) == "accelerate", **_plan_precision(a))
+    # the setting, built once: each flag into the section of the spec it belongs to
+    from fsdp_kit.plan import PlanSpec, METHODS
+    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.spec import StepSpec, LoraSpec
+    from fsdp_kit.mesh import MeshSpec
+    if a.method not in METHODS: raise bad_value("method", a.method, "full, lora or qlora")
+    precision_fields, precision, base_dtype = _plan_precision(a)
+    fsdp = FSDPConfig(reshard_after_forward=given.get("reshard_after_forward", True), cpu_offload=offload,
+                      ac=a.ac or ("full" if a.grad_ckpt else "none"), layout=_layout(a), **precision_fields)
+    step = StepSpec(precision=precision, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
+                    offload_activations=a.offload_activations)
+    base = "nf4" if a.method == "qlora" else base_dtype or "bf16"  # LoRA's base: bf16 unless --base-dtype fp32
+    lora = METHODS[a.method] and LoraSpec(a.lora_r, a.lora_targets, base)
+    spec = PlanSpec(a.model, a.gpus, batch=a.batch, seq_len=a.seq_len, mesh=MeshSpec(cp=a.cp), fsdp=fsdp, step=step,
+                    lora=lora, fp8_all_gather=a.fp8_all_gather, compile=a.compile)
     if a.recommend:
         r = plan_gpu.recommend(spec, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
         return
-    p = plan_gpu.plan_gpu(spec, gpu_mem_gb=a.gpu_mem_gb, compile=a.compile)
+    p = plan_gpu.plan_gpu(spec, gpu_mem_gb=a.gpu_mem_gb)
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
 
 
@@ -602,11 +616,15 @@ def _settings(text: str, count: int) -> list:
     return sorted(set(out))
 
 
-def _plan_precision(a) -> dict:
-    "plan_gpu's mixed_precision and base_dtype: from --precision, else --mixed-precision and --base-dtype; contradictions refused."
+def _plan_precision(a) -> tuple:
+    "(FSDP precision fields, the step's precision, the base's dtype): from --precision, else --mixed-precision, --base-dtype."
     from fsdp_kit.plan_gpu import PRECISIONS
     mixed = _precision(a.mixed_precision)
-    if a.precision is None: return dict(mixed_precision=mixed or "bf16", base_dtype=a.base_dtype)
+    if a.base_dtype not in (None, "bf16", "fp32"):
+        raise bad_value("base_dtype", a.base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
+    if a.precision is None:  # a full fine-tune with --base-dtype bf16 is pure bf16
+        pure = a.method == "full" and a.base_dtype == "bf16"
+        return dict(mixed_precision=mixed or "bf16"), "pure-bf16" if pure else "fp32", a.base_dtype
     if a.precision not in PRECISIONS: raise KitError(f"--precision={a.precision!r} is not allowed: one of {', '.join(PRECISIONS)}.")
     new = PRECISIONS[a.precision]
     if mixed is not None and mixed != new["mixed_precision"]:
@@ -618,7 +636,7 @@ def _plan_precision(a) -> dict:
     if a.method == "full" and a.base_dtype is not None:
         raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} "
                        "already says the weights' dtype")
-    return dict(base_dtype=a.base_dtype) | new
+    return dict(new), "pure-bf16" if a.precision == "pure-bf16" else "fp32", a.base_dtype
 
 
 def _cmd_tour(a):
@@ -770,6 +788,50 @@ def fsdp_given(a, command:str) -> dict:
     return out
 
 
+# what each command reads of its spec (section -> fields; "" the spec's own), the spec it starts from, and its other options
+FSDP_SETTINGS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload",
+                 "mixed_precision", "reduce_dtype", "ac", "state_dict_type", "cpu_ram_efficient_loading", "layout")
+TRAIN_READS = {"": ("model", "steps", "batch", "seq_len", "seed", "check_parity"), "mesh": ("dp_replicate", "dp_shard"),
+               "fsdp": tuple(f for f in FSDP_SETTINGS if f != "state_dict_type"),  # train writes checkpoints as --state-dict says
+               "step": ("lr", "warmup", "precision", "ce_chunks", "optimizer_in_backward", "offload_activations"), "lora": ("r",)}
+CKPT_READS = ("dir", "save_every", "state_dict", "resume", "overwrite", "keep")
+GROUPS = {"": "run", "mesh": "mesh", "fsdp": "FSDP", "step": "step", "lora": "LoRA"}  # each section's group in --help
+FSDP_FILE = ("--fsdp-config", dict(metavar="FILE", help="the FSDP config to run: a transformers fsdp_config .json or an accelerate "
+                                   ".yaml; the FSDP flags given are laid over it (default: a unit per decoder layer, fp32)"))
+TRAIN_OPTIONS = (
+    FSDP_FILE,
+    ("--nnodes", dict(type=_nproc, default=1, help="nodes of the job; run this command on each")),
+    ("--node-rank", dict(type=int, default=0, help="this node's rank, 0 .. nnodes-1")),
+    ("--rdzv-endpoint", dict(metavar="HOST:PORT", help="the c10d rendezvous (on the first node), needed with --nnodes > 1")),
+    ("--rdzv-id", dict(default="fsdp_kit", help="a name every node of the job shares (e.g. $SLURM_JOB_ID)")),
+    ("--rdzv-timeout", dict(type=_nproc, default=180, help="seconds this node waits at the rendezvous for the others before it fails")),
+    ("--max-restarts", dict(type=int, default=0, help="times torchrun restarts the workers after a failure; they resume from --ckpt")),
+    ("--inject-fault", dict(choices=FAULTS, help="make --fault-rank crash (SIGKILL) or hang after --fault-step, once")),
+    ("--fault-rank", dict(type=int, default=1, help="the rank that fails")),
+    ("--fault-step", dict(type=int, default=1, help="it fails after this step")))
+
+
+def spec_flags(s, command: str):
+    "The flag groups of what `command` reads of its spec (TRAIN_READS...), each made from the fields' declarations (fsdp_kit.flags)."
+    from fsdp_kit.train import TrainSpec
+    from fsdp_kit.checkpoint import CheckpointSpec
+    base = TrainSpec()
+    for section, names in TRAIN_READS.items():
+        kind = type(base) if section == "" else SECTIONS[section]
+        add_flags(s, GROUPS[section], kind, names, base if section == "" else getattr(base, section) or _unset(kind))
+    add_flags(s, "checkpoint", CheckpointSpec, CKPT_READS, None)
+
+
+def _unset(kind):
+    "A section the spec leaves out (lora None: no adapters), shown in --help as its class's defaults."
+    return kind()
+
+
+def options(s, table):
+    "The command's options that are not fields of its spec (launch and output settings): one add_argument per row of `table`."
+    for flag, kw in table: s.add_argument(flag, **kw)
+
+
 def parser() -> argparse.ArgumentParser:
     "The `fsdp-kit` argument parser."
     p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.", epilog=EXIT_CODES,
@@ -797,45 +859,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     s = add("train", _cmd_train,
             "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and the root)")
-    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    _mesh_flags(s)
-    s.add_argument("--fsdp-config", metavar="FILE",
-                   help="the FSDP config to run: a transformers fsdp_config .json or an accelerate .yaml (default: a unit per decoder "
-                        "layer, fp32)")
-    s.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
-    s.add_argument("--check-parity", action="store_true", help="compare with one process trained on the same data")
-    _layout_flag(s)
-    s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
-    _step_flags(s)
-    fsdp_flags(s)
-    s.add_argument("--lora-r", "--lora", dest="lora_r", type=int, default=0, metavar="R",
-                   help="train LoRA adapters of rank R instead of every parameter (0: full fine-tune; --lora is the old spelling, kept for "
-                        "this release)")
-    s.add_argument("--ckpt", metavar="DIR", help="checkpoint folder (a step-NNNNNN folder per checkpoint, and DIR/latest)")
-    s.add_argument("--save-every", type=int, default=0, metavar="K", help="save every K steps (default: only at the end)")
-    s.add_argument("--state-dict", default=None,
-                   help="sharded (DCP, one file per rank) or full (a transformers folder); default: the config's state_dict_type with "
-                        "--fsdp-config, else sharded")
-    s.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --ckpt")
-    s.add_argument("--overwrite-ckpt", action="store_true",
-                   help="replace the checkpoints another run left in --ckpt (removed once this run saves its first); without it, or "
-                        "--resume, such a folder is refused")
-    s.add_argument("--keep", type=int, default=2, help="complete checkpoints of this run to keep (another run's are never removed)")
-    s.add_argument("--nnodes", type=_nproc, default=1, help="nodes of the job; run this command on each")
-    s.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
-    s.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous (on the first node), needed with --nnodes > 1")
-    s.add_argument("--rdzv-id", default="fsdp_kit", help="a name every node of the job shares (e.g. $SLURM_JOB_ID)")
-    s.add_argument("--rdzv-timeout", type=_nproc, default=180,
-                   help="seconds this node waits at the rendezvous for the others before it fails")
-    s.add_argument("--max-restarts", type=int, default=0,
-                   help="times torchrun restarts the workers after a failure; they resume from --ckpt")
-    s.add_argument("--inject-fault", choices=FAULTS, help="make --fault-rank crash (SIGKILL) or hang after --fault-step, once")
-    s.add_argument("--fault-rank", type=int, default=1, help="the rank that fails")
-    s.add_argument("--fault-step", type=int, default=1, help="it fails after this step")
+    spec_flags(s, "train")
+    options(s, TRAIN_OPTIONS)
     s = add("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node",
             launches=False)
     s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
@@ -988,7 +1013,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
-OPTION_NAMES = {"rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
+OPTION_NAMES = {"lora_r": "r", "rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
                 "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run",
                 "ce_chunks": "chunked-ce", "fsdp_config_file": "fsdp-config", "overwrite": "overwrite-ckpt"}
 

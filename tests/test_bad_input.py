@@ -50,7 +50,7 @@ def rows():
     for opt, values in (("--steps", ("0", "-1")), ("--batch", ("0", "-3")), ("--seq-len", ("0",)), ("--lr", ("0", "-1", "inf", "nan")),
                         ("--seed", ("-1", str(2**70))), ("--warmup", ("-1",)), ("--lora", ("-1",))):
         c += [Case(f"train{opt}-{v}", [*TRAIN, opt, v], 2, f"{opt}=") for v in values]
-    c += [Case("train-steps-text", [*TRAIN, "--steps", "ten"], 2, "argument --steps"),
+    c += [Case("train-steps-text", [*TRAIN, "--steps", "ten"], 2, "--steps='ten' is not allowed: a whole number"),
           Case("train-mixed-precision-fp8", [*TRAIN, "--mixed-precision", "fp8"], 2, "--mixed-precision='fp8'"),
           Case("train-parity-bf16", [*TRAIN, "--check-parity", "--mixed-precision", "bf16"], 2, "--check-parity=True"),
           Case("train-parity-lora", [*TRAIN, "--check-parity", "--lora", "4"], 2, "--check-parity=True"),

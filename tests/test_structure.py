@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parent.parent/"fsdp_kit"
 # bottom up (../shared/DESIGN.md, "Owners"): a module may import its own layer or a lower one, never a higher one
 LAYERS = [
     # foundations (upstream: what accelerate and transformers read), the run spec and the process-group helpers
-    ("errors", "upstream", "config", "models", "mesh", "spec", "launch", "ranks"),
+    ("errors", "upstream", "config", "models", "mesh", "spec", "flags", "launch", "ranks"),
     ("measure", "ac", "wrap", "lora"),  # instruments, activation checkpointing, the sharding recipe, adapters
     ("train", "qlora", "cp", "checkpoint", "plan", "plan_validate", "plan_gpu", "hf", "hf_run", "peft_guide", "cp_trainer", "moe",
      "versions", "doctor",
