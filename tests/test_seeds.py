@@ -35,3 +35,14 @@ def test_a_pending_item_loses_its_mark_once_its_section_exists():
 def test_mentioned_items_give_a_reason():
     mentioned = [r for r in COVERAGE if r["status"] == "mentioned"]
     assert mentioned and all(r["reason"] and "measured" in r["reason"] for r in mentioned)
+
+
+def test_the_table_is_data_the_package_ships(tmp_path):
+    "COVERAGE is read from fsdp_kit/examples/seeds/coverage.json; a bad row in such a file is refused, naming the field."
+    from fsdp_kit.config import EXAMPLES
+    from fsdp_kit.errors import KitError
+    from fsdp_kit.seeds import COVERAGE_FILE, load_coverage
+    assert COVERAGE_FILE == EXAMPLES / "seeds" / "coverage.json" and load_coverage(COVERAGE_FILE) == COVERAGE
+    bad = tmp_path / "coverage.json"
+    bad.write_text(json.dumps([dict(seed="peft", kind="tip", item="x", notebook="05a_lora", section="y", status="mentioned")]))
+    with pytest.raises(KitError, match="reason=None is not allowed: a measured reason"): load_coverage(bad)
