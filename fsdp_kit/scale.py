@@ -1,4 +1,4 @@
-"""Nodes meeting through torchrun's rendezvous and SLURM, restarted workers that resume, injected faults that fail fast naming the rank.
+"""Nodes meeting through torchrun's rendezvous and SLURM, restarted workers that resume, faults that name the rank.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/scale.html.md"""
 
@@ -11,7 +11,7 @@ __all__ = ['FAULTS', 'FaultSpec', 'inject_fault', 'StepWatch', 'loss_log', 'scal
 import json, os, shlex, signal, time
 from dataclasses import dataclass, asdict, replace
 from pathlib import Path
-from .errors import bad_value
+from .errors import bad_value, require_whole
 from .launch import Heartbeat, attempt, restarts, torchrun_command, rank_files, rank_tag
 from .train import TrainSpec, train_worker
 
@@ -43,9 +43,10 @@ def inject_fault(kind:str):
 
 # %% ../nbs/11_scale.ipynb #6eb52381
 def _loss_of(out):
-    "The loss of a forward's output: `loss`, or under chunked cross-entropy the `logits` slot that carries it (`ac.causal_lm_loss`)."
+    "A forward's loss: `loss`, or under chunked cross-entropy the `logits` slot that carries it (`ac.causal_lm_loss`)."
     return (out.loss if out.loss is not None else out.logits).detach()
 
+# %% ../nbs/11_scale.ipynb #3d47e162
 class StepWatch:
     "Heartbeats for the watchdog, each step's loss in the run folder, and the injected fault, around `train_loop`."
     def __init__(self, timeout:float, # seconds a step may take before the watchdog ends the run
@@ -61,13 +62,14 @@ class StepWatch:
         self.beat.beat(started=first_step, done=first_step)
         self.log = open(self.beat.run_dir/f"losses-{rank_tag()}.jsonl", "a")
         # prepend: the step counts as started before FSDP's own pre-forward hook all-gathers
-        self.hooks = [model.register_forward_pre_hook(lambda m, a: self.beat.beat(started=self.beat.state["done"] + 1), prepend=True),
+        started = lambda m, a: self.beat.beat(started=self.beat.state["done"] + 1)
+        self.hooks = [model.register_forward_pre_hook(started, prepend=True),
                       model.register_forward_hook(lambda m, a, out: setattr(self, "loss", _loss_of(out)))]
         def after_step(done:int):
             if saver is not None: saver(done)
             self.log.write(json.dumps(dict(step=done, loss=self.loss.item())) + "\n"); self.log.flush()
-            # the command's stderr
-            if self.steps and self.rank == 0: print(f"step {done}/{self.steps}: loss {self.loss.item():.4f} (rank 0's)", flush=True)
+            if self.steps and self.rank == 0:  # to the command's stderr
+                print(f"step {done}/{self.steps}: loss {self.loss.item():.4f} (rank 0's)", flush=True)
             self.beat.beat(done=done)
             f = self.fault
             if f.kind and self.rank == f.rank and done == f.after_step and attempt() == 0: inject_fault(f.kind)
@@ -82,9 +84,9 @@ class StepWatch:
 # %% ../nbs/11_scale.ipynb #11811a39
 def loss_log(run_dir) -> list:
     "Per attempt in `run_dir`: dict(attempt, steps, losses, last_step), the losses averaged over the ranks' logs."
-    out = []
+    out, read = [], lambda text: {r["step"]: r["loss"] for r in map(json.loads, text.splitlines())}
     for a in range(max((int(p.name.split("-")[1][1:]) for p in Path(run_dir).glob("losses-a*")), default=-1) + 1):
-        logs = rank_files(Path(run_dir), "losses", a, lambda t: {r["step"]: r["loss"] for r in map(json.loads, t.splitlines())})
+        logs = rank_files(Path(run_dir), "losses", a, read)
         steps = sorted(set.intersection(*(set(l) for l in logs.values()))) if logs else []
         out.append(dict(attempt=a, steps=steps, losses=[sum(l[s] for l in logs.values()) / len(logs) for s in steps],
                         last_step=max((max(l, default=0) for l in logs.values()), default=0)))
@@ -94,7 +96,7 @@ def loss_log(run_dir) -> list:
 def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to survive restarts)
                        fault:FaultSpec=None, # a fault to inject in the first attempt
                        timeout:float=120, # seconds a step may take before the watchdog ends the run
-                       progress:bool=False # print `step n/N, loss` on rank 0 after each step (a launch puts it on the command's stderr)
+                       progress:bool=False # print `step n/N, loss` on rank 0 after each step (on the command's stderr)
                       ):
     "`train_worker` with heartbeats, a watchdog, an optional fault, and resuming after a torchrun restart."
     now = attempt()
@@ -105,14 +107,29 @@ def scale_train_worker(spec:TrainSpec, # the training run (with `ckpt` to surviv
     try: result = train_worker(spec, watch)
     finally: watch.stop()  # an exception in the loop must not leave the watchdog armed
     run_dir = os.environ["FSDP_KIT_RUN_DIR"]
-    result.scale = dict(nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    result.scale = dict(nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+                        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         attempt=now, fault=asdict(fault) if fault and fault.kind else None,
-                        restarts=[dict(r, traceback=None) for r in restarts(run_dir, before=now)], attempts=loss_log(run_dir))
+                        restarts=[dict(r, traceback=None) for r in restarts(run_dir, before=now)],
+                        attempts=loss_log(run_dir))
     return result
 
 # %% ../nbs/11_scale.ipynb #8fe06793
 _NODE_OPTIONS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--nproc")
 
+def _slurm_args(nodes:int, gpus_per_node:int, args:list) -> list:
+    "`args` as strings, once the sizes are whole numbers and the command is a `train` without node options."
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)): require_whole(name, value, 1)
+    args = list(map(str, args))
+    if not args or args[0] != "train":
+        raise bad_value("command", " ".join(args) or None, "train ... (the subcommand that runs on several nodes)",
+                        "Put it after --")
+    if given := [a for a in args if a.split("=")[0] in _NODE_OPTIONS]:
+        raise bad_value("command", " ".join(given),
+                        "no node options: the script sets --nnodes, --node-rank, --nproc and the rendezvous")
+    return args
+
+# %% ../nbs/11_scale.ipynb #c6f49848
 def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
                  gpus_per_node:int, # GPUs per node: one rank each
                  args:list, # the fsdp-kit command every node runs, e.g. ["train", "--steps", "100"]
@@ -121,23 +138,19 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
                  job_name:str="fsdp-kit" # #SBATCH --job-name
                 ) -> str:
     "An sbatch script: one srun task per node, each running `fsdp-kit ARGS` through torchrun."
-    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1: raise bad_value(name, value, "a whole number >= 1")
-    args = list(map(str, args))
-    if not args or args[0] != "train":
-        raise bad_value("command", " ".join(args) or None, "train ... (the subcommand that runs on several nodes)", "Put it after --")
-    if given := [a for a in args if a.split("=")[0] in _NODE_OPTIONS]:
-        raise bad_value("command", " ".join(given), "no node options: the script sets --nnodes, --node-rank, --nproc and the rendezvous")
-    command = " ".join(["python -m fsdp_kit", *map(shlex.quote, args), "--nnodes", str(nodes), "--nproc", str(gpus_per_node),
-                        '--node-rank "$SLURM_NODEID" --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID"'])
+    args = _slurm_args(nodes, gpus_per_node, args)
+    meet = '--node-rank "$SLURM_NODEID" --rdzv-endpoint "$head_node:$rdzv_port" --rdzv-id "$SLURM_JOB_ID"'
+    command = " ".join(["python -m fsdp_kit", *map(shlex.quote, args),
+                        "--nnodes", str(nodes), "--nproc", str(gpus_per_node), meet])
     runs = " ".join(torchrun_command("fsdp_kit", ["worker", "RUN_DIR"], nproc=gpus_per_node, nnodes=nodes, node_rank=0,
                                      rdzv_endpoint="$head_node:$rdzv_port", rdzv_id="$SLURM_JOB_ID"))
     runs = runs.replace("--node-rank 0", "--node-rank $SLURM_NODEID")
     header = [f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
               f"#SBATCH --gpus-per-node={gpus_per_node}"]
-    header += [f"#SBATCH --partition={partition}"] * bool(partition) + [f"#SBATCH --time={time_limit}"] * bool(time_limit)
-    return "\n".join(["#!/bin/bash", f"# fsdp-kit on {nodes} node(s) x {gpus_per_node} GPU(s): sbatch this file", *header,
-                      "set -euo pipefail", "",
+    header += [f"#SBATCH --partition={partition}"] * bool(partition)
+    header += [f"#SBATCH --time={time_limit}"] * bool(time_limit)
+    title = f"# fsdp-kit on {nodes} node(s) x {gpus_per_node} GPU(s): sbatch this file"
+    return "\n".join(["#!/bin/bash", title, *header, "set -euo pipefail", "",
         "# the c10d rendezvous lives on the first node of the allocation",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "rdzv_port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}", "export head_node rdzv_port", "",
@@ -149,22 +162,25 @@ def slurm_script(nodes:int, # nodes to allocate (#SBATCH --nodes)
 def plot_restart(result, # a `TrainResult` from `scale_train_worker` that was restarted
                  reference:list=None, # an uninterrupted run's losses, for comparison
                  ax=None):
-    "Loss per step of each attempt, with the restart and the checkpoint it resumed from marked; the legend beside the axes."
+    "Each attempt's loss per step, the restart and the checkpoint it resumed from marked; the legend beside the axes."
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
     from fsdp_kit.measure import check_figure
     own = ax is None
     if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
-    if reference: ax.plot(range(1, len(reference) + 1), reference, color="0.8", lw=8, label="uninterrupted run", zorder=0)
+    if reference:
+        ax.plot(range(1, len(reference) + 1), reference, color="0.8", lw=8, label="uninterrupted run", zorder=0)
     for a in result.scale["attempts"][:-1]:
         ax.plot(a["steps"], a["losses"], "o-", label=f"attempt {a['attempt']} (killed after step {a['last_step']})")
     steps = range(result.first_step + 1, result.first_step + len(result.losses) + 1)
-    ax.plot(steps, result.losses, "s-", label=f"attempt {result.scale['attempt']} (resumed from step {result.first_step})")
+    resumed = f"attempt {result.scale['attempt']} (resumed from step {result.first_step})"
+    ax.plot(steps, result.losses, "s-", label=resumed)
     for r in result.scale["restarts"]:
         ax.axvline(result.scale["attempts"][r["attempt"]]["last_step"] + 0.5, color="red", ls="--",
                    label=f"restart: rank {r['rank']} {r['kind']}")
     if result.first_step:
-        ax.axvline(result.first_step, color="green", ls=":", label=f"checkpoint it resumed from (step {result.first_step})")
+        ax.axvline(result.first_step, color="green", ls=":",
+                   label=f"checkpoint it resumed from (step {result.first_step})")
     ax.set(xlabel="step", ylabel="loss", title=f"{result.world_size} ranks, torchrun --max-restarts")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
