@@ -1048,57 +1048,6 @@ class CheckFailed(Exception):
     "The command ran, and what it checked did not hold (a doctor FAIL, or a WARN under --strict): exit 1."
 
 
-# Everything a command starts (torchrun's agent and its workers, `accelerate launch`, the TrainingArguments helper) inherits TMPDIR
-# pointing into the command's own temporary folder, which also holds every temporary file of the command. A small janitor process,
-# started first, waits for the command to end, however it ends (SIGKILL included: the pipe it reads closes), then SIGKILLs every
-# process whose environment names that folder and removes it. Processes left to themselves took up to 8.6 s to die (torchrun's agent
-# waiting on its workers), and a helper reparented to PID 1 outlived the command.
-JANITOR = """import os, shutil, signal, sys, time
-for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)
-sys.stdin.buffer.read()  # returns when the command ends, by any means
-folder = sys.argv[1]
-def scoped():
-    mark, out = folder.encode(), []
-    for pid in filter(str.isdigit, os.listdir('/proc')):
-        try: env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\\0')
-        except OSError: continue
-        if pid != str(os.getpid()) and any(v.split(b'=', 1)[-1].startswith(mark) for v in env): out.append(int(pid))
-    return out
-end = time.monotonic() + 2
-while (pids := scoped()) and time.monotonic() < end:
-    for pid in pids:
-        try: os.kill(pid, signal.SIGKILL)
-        except OSError: pass
-    time.sleep(0.02)
-shutil.rmtree(folder, ignore_errors=True)
-"""
-
-
-class CommandScope:
-    "A temporary folder for one command and everything it starts, and a janitor that removes it and ends those processes with the command."
-    def __enter__(self):
-        import subprocess
-        self.saved = {k: os.environ.get(k) for k in ("TMPDIR", "FSDP_KIT_COMMAND_DIR")}
-        self.folder = tempfile.mkdtemp(prefix="fsdp_kit_cmd_")
-        read, self.pipe = os.pipe()  # the janitor reads `read` until every copy of `self.pipe` is closed: this process's, at its end
-        self.janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR, self.folder], stdin=read, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "TMPDIR"},
-                                        start_new_session=True)  # a signal to the command's process group leaves it to clean up
-        os.close(read)
-        os.environ.update(TMPDIR=self.folder, FSDP_KIT_COMMAND_DIR=self.folder)  # the mark the janitor finds descendants by
-        self.tempdir, tempfile.tempdir = tempfile.tempdir, self.folder
-        return self.folder
-
-    def __exit__(self, *exc):
-        tempfile.tempdir = self.tempdir
-        for k, v in self.saved.items():
-            if v is None: os.environ.pop(k, None)
-            else: os.environ[k] = v
-        os.close(self.pipe)  # the janitor ends what is left and removes the folder
-        try: self.janitor.wait(5)
-        except Exception: pass
-
-
 class Interrupted(BaseException):
     "SIGTERM or SIGHUP reached the command: unwind (stopping torchrun and its workers) and exit 128 + the signal number."
     def __init__(self, signum): self.signum = signum
@@ -1128,7 +1077,7 @@ def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     sub = p._subparsers._group_actions[0].choices[args.command]
-    from fsdp_kit.launch import WorkerError
+    from fsdp_kit.launch import WorkerError, CommandScope
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         check_json_dest(getattr(args, "json", None))

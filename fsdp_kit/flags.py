@@ -9,9 +9,9 @@ __all__ = ['FLAG_NAMES', 'BARE', 'OLD_FLAGS', 'OLD_VALUES', 'flag_of', 'field_do
            'spec_from_flags']
 
 # %% ../nbs/01c_flags.ipynb #011f2753
-import argparse, functools, sys, types
+import argparse, functools, sys
 from dataclasses import fields, is_dataclass, replace, MISSING
-from .errors import KitError, bad_value
+from .errors import bad_value
 
 # %% ../nbs/01c_flags.ipynb #ec9bec88
 # the one flag whose name is not its field's (--field-name); sections are flattened: a field's name is its flag
