@@ -2,9 +2,9 @@
  "lessons naming its version.")
 import json, re
 import pytest
-from fsdp_kit.versions import (LIBS, PROBES, STATUS, CHANGES, grid, minors, supported_oldest, load_matrix, versions_verdict, make_env,
-                               installed, change_of, differences, merge, matrix_table, findings, plot_matrix, release, error_line,
-                               measured_on, _distance)
+from fsdp_kit.versions import (LIBS, PROBES, STATUS, CHANGES, CHANGES_FILE, load_changes, grid, minors, supported_oldest, load_matrix,
+                               versions_verdict, make_env, installed, change_of, differences, merge, matrix_table, findings,
+                               plot_matrix, release, error_line, measured_on, _distance)
 from tests.conftest import ROOT
 
 M = load_matrix()
@@ -49,6 +49,23 @@ def test_every_change_is_measured_on_the_releases_it_names_and_explains_accelera
     unexplained = [(name, k) for c, name, k in diffs if c is old and k != "losses" and not change_of(k, name, old["versions"])]
     assert unexplained == []  # every 1.15 / 1.16 difference but the losses it causes has its entry, what and fix
     assert differences(dict(a=dict(x_mib=1.0, y=2)), dict(a=dict(x_mib=3.0, y=2))) == []
+
+
+def test_changes_are_data_in_the_package_and_a_bad_entry_is_seen(tmp_path):
+    "CHANGES is read from fsdp_kit/examples/versions/changes.json (shipped with the package), not written in the module."
+    import inspect
+    import fsdp_kit.versions as versions
+    from fsdp_kit.config import EXAMPLES
+    assert CHANGES_FILE == EXAMPLES / "versions" / "changes.json" and load_changes() == CHANGES and len(CHANGES) >= 7
+    fields = {"lib", "old", "since", "key", "words", "what", "fix"}
+    for c in json.loads(CHANGES_FILE.read_text()):
+        assert fields <= set(c) <= fields | {"probe"} and c["lib"] in LIBS, c
+        assert all(re.fullmatch(r"\d+\.\d+", v) for v in c["old"]) and c["what"] and c["fix"], c
+    assert all(isinstance(c["old"], tuple) and isinstance(c["words"], tuple) for c in CHANGES)  # as the module once wrote them
+    assert "dict(lib=" not in inspect.getsource(versions)
+    other = tmp_path / "changes.json"
+    other.write_text(json.dumps([dict(lib="peft", old=["0.20"], since="0.21.0", key="k", words=["w"], what="w", fix="f")]))
+    assert load_changes(other) == [dict(lib="peft", old=("0.20",), since="0.21.0", key="k", words=("w",), what="w", fix="f")]
 
 
 def test_a_failure_names_where_it_was_raised_from_its_package_on():
