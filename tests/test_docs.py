@@ -151,6 +151,44 @@ def test_readme_commands_are_on_the_landing_page():
     assert missing == []
 
 
+README_CHARACTERS, PARAGRAPH_CHARACTERS = 12_000, 600  # the front page stays a front page: the rest lives on the docs site
+
+
+def paragraphs(markdown: str) -> list:
+    "Each run of non-blank lines that are not table rows, headings or inside a code fence, joined."
+    found, run, fenced = [], [], False
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("```"): fenced = not fenced
+        if fenced or line.startswith(("```", "#", "|")) or not line.strip():
+            if run: found.append("\n".join(run))
+            run = []
+        else: run.append(line)
+    return found
+
+
+def test_readme_is_a_front_page():
+    "At most 12,000 characters and no paragraph over 600; dated measurements, CI and guarantees live on the docs pages."
+    readme = (ROOT / "README.md").read_text()
+    longest = max(paragraphs(readme), key=len)
+    assert len(readme) <= README_CHARACTERS, f"README.md has {len(readme):,} characters (at most {README_CHARACTERS:,})"
+    assert len(longest) <= PARAGRAPH_CHARACTERS, f"a paragraph of {len(longest)} characters: {longest[:200]!r}"
+    for page in ("nbs/command_line.ipynb", "nbs/benchmarks.ipynb", "nbs/03b_versions.ipynb"):
+        assert f"]({page})" in readme and (ROOT / page).exists(), page
+    sample = "# T\n\nline one\nline two\n\n| a | b |\n|---|---|\n\n```sh\nx\n\ny\n```\n- item\n\n## H\nlast"
+    assert paragraphs(sample) == ["line one\nline two", "- item", "last"]
+
+
+def test_moved_material_is_on_the_built_pages(site):
+    "What left the README is on the offline site: guarantees, dated timings and CI, the version decisions."
+    out, manifest = site
+    assert "command_line.html" in {p["page"] for p in manifest["pages"]}
+    text = lambda page: re.sub(r"<[^>]+>", "", (out / page).read_text())
+    tool, bench, versions = text("command_line.html"), text("benchmarks.html"), text("versions.html")
+    assert "Exit status" in tool and "--overwrite-ckpt" in tool and "janitor" in tool and "billion laughs" in tool
+    assert "a clean .ci/run took 673 s and 743 s" in bench and "What each command costs" in bench and "2026-12-07" in bench
+    assert "Which torch" in versions and "accelerate &gt;= 1.14" in versions and "torch 2.12.1 fails" in versions
+
+
 def test_pages_follow_the_course(tmp_path):
     "The sidebar is the reading order: the landing page, the lessons by number then letter, then the unnumbered pages."
     names = ["benchmarks", "10_launch", "index", "9_x", "01a_models", "10b_errors", "01_train", "10a_ranks", "_private"]
