@@ -1,4 +1,4 @@
-"""One `FSDPConfig` as `TrainingArguments` and as an accelerate YAML, and a check that the model really is FSDP2 (on CPU it may not be).
+"""One `FSDPConfig` as `TrainingArguments` and accelerate YAML, and a check that the model really is FSDP2.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/hf.html.md"""
 
@@ -15,23 +15,27 @@ from .errors import KitError, bad_value
 from .config import FSDPConfig, from_transformers
 
 # %% ../nbs/09_hf.ipynb #631ee77a
-MIXED_PRECISION_FLAGS = {"no": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}  # FSDPConfig.mixed_precision -> TrainingArguments
+# FSDPConfig.mixed_precision -> TrainingArguments
+MIXED_PRECISION_FLAGS = {"no": {}, "bf16": {"bf16": True}, "fp16": {"fp16": True}}
 
 def _expressible(cfg:FSDPConfig):
     "Refuse what transformers and accelerate cannot spell, naming the field."
     if not isinstance(cfg.reshard_after_forward, bool):
-        raise bad_value("reshard_after_forward", cfg.reshard_after_forward, "true or false for transformers and accelerate",
-                        "They read it as a boolean; resharding to groups of a given size is set with fully_shard directly (the kit's "
-                        "apply_fsdp)")
+        raise bad_value("reshard_after_forward", cfg.reshard_after_forward,
+                        "true or false for transformers and accelerate",
+                        "They read it as a boolean; resharding to groups of a given size is set with fully_shard "
+                        "directly (the kit's apply_fsdp)")
     if cfg.auto_wrap_policy == "PER_LINEAR":
-        raise bad_value("auto_wrap_policy", cfg.auto_wrap_policy, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP upstream",
+        raise bad_value("auto_wrap_policy", cfg.auto_wrap_policy,
+                        "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP upstream",
                         "PER_LINEAR is the kit's own policy for the wrap lab")
     if cfg.ac not in ("none", "full"):
         raise bad_value("ac", cfg.ac, "none or full upstream (activation_checkpointing false or true)",
                         "Selective policies are the kit's own (fsdp_kit.ac)")
 
 # %% ../nbs/09_hf.ipynb #894085f0
-SPELLINGS = {  # FSDPConfig field -> (transformers fsdp_config key, accelerate YAML key, FullyShardedDataParallelPlugin keyword)
+# FSDPConfig field -> (transformers fsdp_config key, accelerate YAML key, FullyShardedDataParallelPlugin keyword)
+SPELLINGS = {
     "auto_wrap_policy": ("auto_wrap_policy", "fsdp_auto_wrap_policy", "auto_wrap_policy"),
     "transformer_layer_cls_to_wrap": ("transformer_layer_cls_to_wrap", "fsdp_transformer_layer_cls_to_wrap",
                                       "transformer_cls_names_to_wrap"),
@@ -39,11 +43,14 @@ SPELLINGS = {  # FSDPConfig field -> (transformers fsdp_config key, accelerate Y
     "reshard_after_forward": ("reshard_after_forward", "fsdp_reshard_after_forward", "reshard_after_forward"),
     "cpu_offload": ("cpu_offload", "fsdp_offload_params", "cpu_offload"),
     "state_dict_type": ("state_dict_type", "fsdp_state_dict_type", "state_dict_type"),
-    "cpu_ram_efficient_loading": ("cpu_ram_efficient_loading", "fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
-    "activation_checkpointing": ("activation_checkpointing", "fsdp_activation_checkpointing", "activation_checkpointing"),
+    "cpu_ram_efficient_loading": ("cpu_ram_efficient_loading", "fsdp_cpu_ram_efficient_loading",
+                                  "cpu_ram_efficient_loading"),
+    "activation_checkpointing": ("activation_checkpointing", "fsdp_activation_checkpointing",
+                                 "activation_checkpointing"),
 }
 TRANSFORMERS, ACCELERATE, PLUGIN = range(3)  # columns of SPELLINGS
 
+# %% ../nbs/09_hf.ipynb #d0e00395
 def _spell(cfg:FSDPConfig, column:int) -> dict:
     "`cfg`'s settings under the names of one spelling (only the keys that apply)."
     _expressible(cfg.check())
@@ -59,7 +66,8 @@ def _spell(cfg:FSDPConfig, column:int) -> dict:
 def training_arguments(cfg:FSDPConfig # the kit's config
                       ) -> dict:
     "The `TrainingArguments` keywords (`fsdp`, `fsdp_config`, `bf16`/`fp16`) that mean what `cfg` means."
-    return dict(fsdp=True, fsdp_config=dict(version=2, **_spell(cfg, TRANSFORMERS)), **MIXED_PRECISION_FLAGS[cfg.mixed_precision])
+    keys = dict(version=2, **_spell(cfg, TRANSFORMERS))
+    return dict(fsdp=True, fsdp_config=keys, **MIXED_PRECISION_FLAGS[cfg.mixed_precision])
 
 # %% ../nbs/09_hf.ipynb #d8cdce2c
 def accelerate_config(cfg:FSDPConfig, # the kit's config
@@ -72,6 +80,7 @@ def accelerate_config(cfg:FSDPConfig, # the kit's config
     return dict(compute_environment="LOCAL_MACHINE", distributed_type="FSDP", mixed_precision=cfg.mixed_precision,
                 num_machines=1, machine_rank=0, num_processes=num_processes, fsdp_config=fsdp)
 
+# %% ../nbs/09_hf.ipynb #c4fb7343
 def accelerate_yaml(cfg:FSDPConfig, num_processes:int=2) -> str:
     "`accelerate_config` as the YAML text `accelerate launch --config_file` reads."
     import yaml
@@ -83,15 +92,18 @@ def from_training_arguments(args # a transformers TrainingArguments, or a dict o
     "The `FSDPConfig` a Trainer with these arguments asks for."
     get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
     if not get("fsdp"):
-        raise bad_value("fsdp", get("fsdp"), "True (or an FSDP option string)", "Without it the Trainer does not use FSDP at all")
+        raise bad_value("fsdp", get("fsdp"), "True (or an FSDP option string)",
+                        "Without it the Trainer does not use FSDP at all")
     # defaults TrainingArguments fills in
     keys = {k: v for k, v in (get("fsdp_config") or {}).items() if not (k.startswith("xla") and not v)}
-    return from_transformers(keys, source="TrainingArguments", mixed_precision="bf16" if get("bf16") else "fp16" if get("fp16") else "no")
+    precision = "bf16" if get("bf16") else "fp16" if get("fp16") else "no"
+    return from_transformers(keys, source="TrainingArguments", mixed_precision=precision)
 
 # %% ../nbs/09_hf.ipynb #b61743c5
 def _same(a:FSDPConfig, b:FSDPConfig) -> bool:
     "Equal in every setting (notes and source aside)."
-    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(FSDPConfig) if f.name not in ("notes", "source"))
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(FSDPConfig)
+               if f.name not in ("notes", "source"))
 
 # %% ../nbs/09_hf.ipynb #09de7006
 def fsdp_report(model, # what accelerator.prepare returned, or trainer.model_wrapped
@@ -104,16 +116,18 @@ def fsdp_report(model, # what accelerator.prepare returned, or trainer.model_wra
     units = sum(isinstance(m, FSDPModule) for m in inner.modules())
     params = sum(p.numel() for p in inner.parameters())
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in inner.parameters())
-    kind = "FSDP2" if units else "DistributedDataParallel" if isinstance(model, DistributedDataParallel) else "not wrapped"
-    verdict = (f"{where}: FSDP2, {units} FSDP units; this rank holds {local:,} of {params:,} parameters" if units else
-               f"{where} did NOT shard the model: it is {type(model).__name__}{'' if kind == type(model).__name__ else f' ({kind})'}; this "
-               f"rank holds all {params:,} parameters. "
-               + ("DDP replicates the model on every rank." if kind != "not wrapped" else "Each process trains alone, on its own copy.")
-               + " On CPU, accelerate and the Trainer fall back without a warning; fsdp_kit.hf.enable_cpu_fsdp() opens their FSDP branch "
-                 "there"
-               " (or shard with fsdp_kit.wrap.apply_fsdp, or run on GPUs).")
-    return dict(where=where, kind=kind, wrapper=type(model).__name__, fsdp_units=units, parameters=params, local_parameters=local,
-                sharded=bool(units), verdict=verdict)
+    ddp = isinstance(model, DistributedDataParallel)
+    kind = "FSDP2" if units else "DistributedDataParallel" if ddp else "not wrapped"
+    if units: verdict = f"{where}: FSDP2, {units} FSDP units; this rank holds {local:,} of {params:,} parameters"
+    else:
+        what = type(model).__name__ + ("" if kind == type(model).__name__ else f" ({kind})")
+        copies = "DDP replicates the model on every rank." if ddp else "Each process trains alone, on its own copy."
+        verdict = (f"{where} did NOT shard the model: it is {what}; this rank holds all {params:,} parameters. "
+                   f"{copies} On CPU, accelerate and the Trainer fall back without a warning; "
+                   "fsdp_kit.hf.enable_cpu_fsdp() opens their FSDP branch there "
+                   "(or shard with fsdp_kit.wrap.apply_fsdp, or run on GPUs).")
+    return dict(where=where, kind=kind, wrapper=type(model).__name__, fsdp_units=units, parameters=params,
+                local_parameters=local, sharded=bool(units), verdict=verdict)
 
 # %% ../nbs/09_hf.ipynb #01d4de16
 def require_fsdp2(model, where:str="the model"):
@@ -126,10 +140,12 @@ def require_fsdp2(model, where:str="the model"):
 CPU_FSDP_LINE = "fsdp_kit: opening accelerate's FSDP branch on CPU (a no-op on GPU)"
 
 def _fsdp_asked(bound) -> bool:
-    "Whether an `AcceleratorState(...)` call asks for FSDP: a plugin given, or `accelerate launch`'s ACCELERATE_USE_FSDP."
+    "Whether an `AcceleratorState(...)` call asks for FSDP: a plugin, or `accelerate launch`'s ACCELERATE_USE_FSDP."
     import os
-    return bound.arguments.get("fsdp_plugin") is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    launched = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return bound.arguments.get("fsdp_plugin") is not None or launched
 
+# %% ../nbs/09_hf.ipynb #233894bd
 def _open_fsdp_branch(init):
     "`AcceleratorState.__init__`, then what its accelerator branch does for FSDP where it left a CPU run on MULTI_CPU."
     import functools, inspect
@@ -139,7 +155,8 @@ def _open_fsdp_branch(init):
     @functools.wraps(init)
     def wrapped(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
-        fresh = "_mixed_precision" not in type(self)._shared_state  # a state already set up is left as it is, as accelerate does
+        # a state already set up is left as it is, as accelerate does
+        fresh = "_mixed_precision" not in type(self)._shared_state
         init(self, *args, **kwargs)
         if not (fresh and _fsdp_asked(bound) and self.distributed_type == DistributedType.MULTI_CPU): return
         plugin = bound.arguments.get("fsdp_plugin")
@@ -198,6 +215,7 @@ def _with_accelerate(cfg:FSDPConfig, model, cpu:bool=False) -> dict:
     return fsdp_report(prepared, "accelerator.prepare") | dict(distributed_type=str(accelerator.distributed_type),
                                                               processes_seen=accelerator.num_processes)
 
+# %% ../nbs/09_hf.ipynb #93f76684
 def _with_trainer(cfg:FSDPConfig, model, out_dir:str) -> dict:
     "Two Trainer steps with TrainingArguments(**training_arguments(cfg)); what it did."
     import torch
@@ -205,20 +223,21 @@ def _with_trainer(cfg:FSDPConfig, model, out_dir:str) -> dict:
     from transformers import Trainer, TrainingArguments
     AcceleratorState._reset_state(True)
     from transformers.trainer_callback import PrinterCallback
-    args = TrainingArguments(output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, report_to=[], save_strategy="no",
-                             disable_tqdm=True, logging_strategy="no", use_cpu=not torch.cuda.is_available(),
-                             ddp_find_unused_parameters=False, **training_arguments(cfg))
+    args = TrainingArguments(output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, report_to=[],
+                             save_strategy="no", disable_tqdm=True, logging_strategy="no",
+                             use_cpu=not torch.cuda.is_available(), ddp_find_unused_parameters=False,
+                             **training_arguments(cfg))
     trainer = Trainer(model=model, args=args, train_dataset=TokenRows(model.config.vocab_size, 16, 32, 1, 1))
     trainer.remove_callback(PrinterCallback)  # its end-of-training dict would be printed by every rank
     loss = trainer.train().training_loss
-    return fsdp_report(trainer.model_wrapped, "Trainer") | dict(distributed_type=str(trainer.accelerator.distributed_type),
-                                                                 processes_seen=args.world_size, is_fsdp_enabled=trainer.is_fsdp_enabled,
-                                                                 training_loss=loss)
+    return fsdp_report(trainer.model_wrapped, "Trainer") | dict(
+        distributed_type=str(trainer.accelerator.distributed_type), processes_seen=args.world_size,
+        is_fsdp_enabled=trainer.is_fsdp_enabled, training_loss=loss)
 
 # %% ../nbs/09_hf.ipynb #b3e58210
 def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
               model:str="tiny", # a preset or config.json path
-              progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per path it finished (None: no lines)
+              progress_from:float=None # the command's start time: rank 0 prints a line per path done (None: none)
              ) -> dict:
     "Give `cfg` to accelerate, to the Trainer and to the kit; report what each did (rank 0 returns)."
     import tempfile, warnings
@@ -230,14 +249,16 @@ def hf_worker(cfg:FSDPConfig, # the settings all three paths are given
     quiet_libraries(); warnings.filterwarnings("ignore")  # before the Trainer imports peft and bitsandbytes
     config = model_config(model)
     out = dict(world_size=dist.get_world_size(), backend=dist.get_backend())
-    done = lambda key: progress_from is not None and progress("hf --check", len(out) - 2, 5, progress_from, key)  # a line per finished path
+    # a line per finished path
+    done = lambda key: progress_from is not None and progress("hf --check", len(out) - 2, 5, progress_from, key)
     out["accelerate"] = _with_accelerate(cfg, build_model(config)); done("accelerate")
     with tempfile.TemporaryDirectory() as tmp: out["trainer"] = _with_trainer(cfg, build_model(config), tmp)
     done("trainer")
     with enable_cpu_fsdp(say=False):  # the same two calls with accelerate's FSDP branch open on CPU
         out["accelerate_cpu_fsdp"] = _with_accelerate(cfg, build_model(config), cpu=not torch.cuda.is_available())
         done("accelerate_cpu_fsdp")
-        with tempfile.TemporaryDirectory() as tmp: out["trainer_cpu_fsdp"] = _with_trainer(cfg, build_model(config), tmp)
+        with tempfile.TemporaryDirectory() as tmp:
+            out["trainer_cpu_fsdp"] = _with_trainer(cfg, build_model(config), tmp)
         done("trainer_cpu_fsdp")
     kit, _ = apply_fsdp(build_model(config), cfg, fsdp_mesh(build_mesh()))
     out["kit"] = fsdp_report(kit, "fsdp_kit.wrap.apply_fsdp"); done("kit")
