@@ -1,4 +1,4 @@
-"""Adapters added before `fully_shard`, saved whole in peft's format, reloaded at the same loss, switched and merged while sharded.
+"""Adapters added before `fully_shard`, saved whole in peft's format, reloaded, switched and merged while sharded.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/lora.html.md"""
 
@@ -7,7 +7,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/lora.html.md"""
 # %% auto #0
 __all__ = ['LINEARS', 'MERGE_LAYOUTS', 'lora_targets', 'lora_config', 'add_lora', 'plain_key', 'save_adapter', 'check_adapter',
            'global_loss', 'adapter_round_trip', 'base_shards', 'train_steps', 'merge_probe', 'merge_and_save',
-           'merge_worker', 'plot_merge_layouts']
+           'two_adapter_model', 'merge_worker', 'plot_merge_layouts']
 
 # %% ../nbs/05a_lora.ipynb #c1f0fe4d
 import os, shutil, tempfile
@@ -17,7 +17,8 @@ from .models import model_config, build_model, synthetic_tokens, rank_rows
 from .ranks import quiet_libraries, barrier, shared_tempdir, decide_on_rank0, mean_over_ranks
 
 # %% ../nbs/05a_lora.ipynb #716743cc
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # a decoder layer's Linears, in call order
+# a decoder layer's Linears, in call order
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 def lora_targets(value:str="all-linear", # peft's "all-linear", or Linear names joined by commas ("q_proj,v_proj")
                  field:str="lora_targets" # the field or option being read, named in the error
@@ -26,17 +27,21 @@ def lora_targets(value:str="all-linear", # peft's "all-linear", or Linear names 
     if value == "all-linear": return LINEARS
     names = tuple(n.strip() for n in str(value).split(",")) if isinstance(value, str) else ()
     if not names or any(n not in LINEARS for n in names) or len(set(names)) != len(names):
-        raise bad_value(field, value, f"all-linear, or distinct names from {', '.join(LINEARS)} joined by commas (q_proj,v_proj)")
+        raise bad_value(field, value,
+                        f"all-linear, or distinct names from {', '.join(LINEARS)} joined by commas (q_proj,v_proj)")
     return tuple(n for n in LINEARS if n in names)
 
+# %% ../nbs/05a_lora.ipynb #65033345
 def lora_config(r:int, # LoRA rank (lora_alpha = 2 * r)
                 targets:str="all-linear" # see `lora_targets`
                ):
     "peft's LoraConfig for the kit's adapters: rank `r`, alpha 2r, no dropout, on `targets`."
     from peft import LoraConfig
     names = lora_targets(targets)
-    return LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear" if names == LINEARS else list(names), lora_dropout=0.0)
+    target_modules = "all-linear" if names == LINEARS else list(names)
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=target_modules, lora_dropout=0.0)
 
+# %% ../nbs/05a_lora.ipynb #50d4b6e8
 def add_lora(model, # a transformers causal LM, not yet sharded
              r:int, # LoRA rank
              seed:int=0, # seed for the adapters' initial values (the same on every rank)
@@ -83,14 +88,16 @@ def check_adapter(adapter_dir:str, shards:list) -> dict:
         parts = [s[name] for s in shards]
         matches &= key in saved and torch.equal(saved[key], torch.cat(parts))
         rows[key] = [len(t) for t in parts]
-    return dict(files=sorted(os.listdir(adapter_dir)), tensors=len(saved), shapes={k: list(v.shape) for k, v in saved.items()},
+    shapes = {k: list(v.shape) for k, v in saved.items()}
+    return dict(files=sorted(os.listdir(adapter_dir)), tensors=len(saved), shapes=shapes,
                 rows_per_rank=rows, every_rank_share_saved=bool(matches) and len(saved) == len(shards[0]))
 
 # %% ../nbs/05a_lora.ipynb #2a36c5f3
 def global_loss(model, tokens, rank:int, world_size:int) -> float:
     "The model's loss on the whole of `tokens`, each rank computing its rows (every rank calls this)."
     import torch
-    with torch.no_grad(): loss = model(input_ids=rank_rows(tokens, rank, world_size), labels=rank_rows(tokens, rank, world_size)).loss
+    rows = rank_rows(tokens, rank, world_size)
+    with torch.no_grad(): loss = model(input_ids=rows, labels=rows).loss
     return mean_over_ranks([loss])[0]
 
 # %% ../nbs/05a_lora.ipynb #e9a6967b
@@ -98,14 +105,15 @@ def adapter_round_trip(model, # a sharded PeftModel
                        spec, # the run's TrainSpec
                        adapter_dir:str=None # where to save the adapter; None: a temporary folder, removed afterwards
                       ) -> dict:
-    "Save the adapter gathered from every rank, reload it with peft in one process, compare losses (every rank calls this)."
+    "Save the adapter gathered from every rank, reload it with peft in one process and compare losses (on every rank)."
     import torch.distributed as dist
     rank, world_size = dist.get_rank(), dist.get_world_size()
     target = adapter_dir or os.path.join(shared_tempdir(), "adapter")
     if rank == 0 and os.path.exists(target): shutil.rmtree(target)
     barrier()
     shards = save_adapter(model, target)
-    tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, spec.seq_len, step=10_000, seed=spec.seed)  # held out
+    # held out
+    tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, spec.seq_len, step=10_000, seed=spec.seed)
     sharded = global_loss(model, tokens, rank, world_size)
     with model.disable_adapter(): disabled = global_loss(model, tokens, rank, world_size)
     out = None
@@ -126,10 +134,11 @@ def adapter_round_trip(model, # a sharded PeftModel
 
 # %% ../nbs/05a_lora.ipynb #750951ab
 def base_shards(model) -> dict:
-    "A copy of this rank's part of every base weight a LoRA adapter is on (`...base_layer.weight`), in a sharded PeftModel."
+    "A copy of this rank's part of each base weight under a LoRA adapter (`...base_layer.weight`), sharded PeftModel."
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()
             if n.endswith("base_layer.weight")}
 
+# %% ../nbs/05a_lora.ipynb #883dde68
 def train_steps(model, # a sharded model
                 steps:int, # optimizer steps
                 seed:int=0, # data seed
@@ -141,7 +150,8 @@ def train_steps(model, # a sharded model
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for step in range(steps):
-        rows = rank_rows(synthetic_tokens(model.config.vocab_size, 2 * world_size, 32, step=step, seed=seed), rank, world_size)
+        batch = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32, step=step, seed=seed)
+        rows = rank_rows(batch, rank, world_size)
         loss = model(input_ids=rows, labels=rows).loss
         loss.backward(); optim.step(); optim.zero_grad()
         losses.append(loss.detach())
@@ -150,17 +160,35 @@ def train_steps(model, # a sharded model
 
 # %% ../nbs/05a_lora.ipynb #a5e75467
 MERGE_LAYOUTS = {  # how the model is sharded when merge_adapter runs, right after set_adapter and a forward
-    "fully_shard": "FSDP2, reshard_after_forward=True: between forwards each Linear's weight is a DTensor, this rank's rows",
-    "fully_shard, kept": "FSDP2, reshard_after_forward=False: after a forward the weight stays gathered, a plain tensor",
+    "fully_shard": "FSDP2, reshard_after_forward=True: "
+                   "between forwards each Linear's weight is a DTensor, this rank's rows",
+    "fully_shard, kept": "FSDP2, reshard_after_forward=False: "
+                         "after a forward the weight stays gathered, a plain tensor",
     "FSDP1": "FullyShardedDataParallel, use_orig_params=False (the seed's setting), peft's fsdp_auto_wrap_policy",
     "FSDP1, orig params": "FullyShardedDataParallel, use_orig_params=True",
 }
 
+# %% ../nbs/05a_lora.ipynb #f0bfb6c1
+def _shard_for_merge(model, layout:str) -> tuple:
+    "`model` sharded as `layout` (a key of MERGE_LAYOUTS) says: (the module a forward runs, the PeftModel inside it)."
+    import torch
+    if layout.startswith("fully_shard"):
+        from fsdp_kit.mesh import build_mesh, fsdp_mesh
+        from fsdp_kit.wrap import apply_fsdp
+        model = apply_fsdp(model, FSDPConfig(reshard_after_forward=layout == "fully_shard"), fsdp_mesh(build_mesh()))[0]
+        return model, model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from peft.utils.other import fsdp_auto_wrap_policy
+    model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"),
+                 use_orig_params=layout.endswith("orig params"))
+    return model, model.module
+
+# %% ../nbs/05a_lora.ipynb #b79ead4d
 def merge_probe(layout:str, # a key of MERGE_LAYOUTS
-                lora_model, # builds the same unsharded PeftModel on every call: adapters 'default' and 'second', non-zero
+                lora_model, # makes the same unsharded PeftModel each call, adapters 'default' and 'second'
                 tokens # a batch for the forward before the merge
                ) -> dict:
-    "Shard a fresh `lora_model()` as `layout` says, forward, switch, merge; the base weights before and what the merge did."
+    "Shard a fresh `lora_model()` as `layout` says, forward, switch, merge: the base weights and what the merge did."
     import torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from fsdp_kit.measure import comm_counter
@@ -168,26 +196,18 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reference = lora_model()  # one process's merge, the answer
     reference.set_adapter("second"); reference.merge_adapter()
-    want = {plain_key(k): v for k, v in reference.state_dict().items() if "lora_" not in k and k.endswith("proj.base_layer.weight")}
+    want = {plain_key(k): v for k, v in reference.state_dict().items()
+            if "lora_" not in k and k.endswith("proj.base_layer.weight")}
     model = lora_model()
     before = {plain_key(k): v.clone() for k, v in model.state_dict().items() if plain_key(k) in want}
-    if layout.startswith("fully_shard"):
-        from fsdp_kit.mesh import build_mesh, fsdp_mesh
-        from fsdp_kit.wrap import apply_fsdp
-        model = apply_fsdp(model, FSDPConfig(reshard_after_forward=layout == "fully_shard"), fsdp_mesh(build_mesh()))[0]
-        peft = model
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from peft.utils.other import fsdp_auto_wrap_policy
-        model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), device_id=torch.device("cpu"),
-                     use_orig_params=layout.endswith("orig params"))
-        peft = model.module
+    model, peft = _shard_for_merge(model, layout)
     with torch.no_grad(): model(input_ids=rank_rows(tokens, rank, world_size))
     q = peft.base_model.model.model.layers[0].self_attn.q_proj
     w = q.base_layer.weight
     local = w.to_local() if isinstance(w, DTensor) else w
+    full_bytes = want["model.layers.0.self_attn.q_proj.weight"].nbytes
     out = dict(layout=layout, weight=type(w).__name__, shape=list(w.shape), local_shape=list(local.shape),
-               bytes_held=local.untyped_storage().nbytes(), full_bytes=want["model.layers.0.self_attn.q_proj.weight"].nbytes)
+               bytes_held=local.untyped_storage().nbytes(), full_bytes=full_bytes)
     peft.set_adapter("second")
     comms = comm_counter()
     try:
@@ -197,8 +217,8 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
         if layout.startswith("fully_shard"):
             for m in model.modules():
                 if hasattr(m, "reshard"): m.reshard()  # what every weight holds once the gathered copies are freed
-        now = {plain_key(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in peft.named_parameters()
-               if plain_key(n) in want}
+        now = {plain_key(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+               for n, p in peft.named_parameters() if plain_key(n) in want}
         out |= dict(merge="no error", peft_says_merged=all(m.merged for m in peft.modules() if hasattr(m, "merged")),
                     vs_one_process_merge=max((now[k] - want[k]).abs().max().item() for k in want),
                     vs_unmerged=max((now[k] - before[k]).abs().max().item() for k in want),
@@ -210,7 +230,7 @@ def merge_probe(layout:str, # a key of MERGE_LAYOUTS
 def merge_and_save(model, # a sharded PeftModel
                    out_dir:str # the transformers folder to write (rank 0)
                   ) -> dict:
-    "Merge the adapters into the sharded base weights, save the merged model whole on rank 0, unmerge; return its loss check."
+    "Merge the adapters into the sharded weights, save the merged model whole on rank 0, unmerge; its loss check."
     import torch, torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -222,27 +242,53 @@ def merge_and_save(model, # a sharded PeftModel
     out = None
     if rank == 0:
         from transformers import AutoModelForCausalLM
-        model.get_base_model().save_pretrained(out_dir, state_dict={plain_key(k): v for k, v in full.items() if "lora_" not in k})
+        base_weights = {plain_key(k): v for k, v in full.items() if "lora_" not in k}
+        model.get_base_model().save_pretrained(out_dir, state_dict=base_weights)
         plain = AutoModelForCausalLM.from_pretrained(out_dir)
         with torch.no_grad(): loaded_loss = plain(input_ids=tokens, labels=tokens).loss.item()
-        out = dict(path=str(out_dir), merged_loss=merged_loss, loaded_loss=loaded_loss, diff=abs(merged_loss - loaded_loss))
+        out = dict(path=str(out_dir), merged_loss=merged_loss, loaded_loss=loaded_loss,
+                   diff=abs(merged_loss - loaded_loss))
     barrier()
+    return out
+
+# %% ../nbs/05a_lora.ipynb #ba39f97a
+def two_adapter_model(lora_r:int=8, # LoRA rank of both adapters
+                      seed:int=0 # seed of the base weights and of the adapters
+                     ):
+    "The tiny model, unsharded, with two non-zero LoRA adapters, 'default' and 'second'; the same on every call."
+    import torch
+    from peft import LoraConfig, get_peft_model
+    base = build_model(model_config("tiny"), seed)
+    torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so merging changes the weights
+    model = get_peft_model(base, LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))
+    # before sharding
+    model.add_adapter("second", LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))
+    return model
+
+# %% ../nbs/05a_lora.ipynb #0b302f6d
+def _against_one_process(lora_model, tokens, switched:dict, out_dir:str) -> dict:
+    "Rank 0's part of `merge_worker`: each adapter's loss in one process, the saved merge beside merge_and_unload's."
+    import torch
+    from transformers import AutoModelForCausalLM
+    one, out = lora_model(), {}
+    for name in ("second", "default"):
+        one.set_adapter(name)
+        with torch.no_grad(): loss = one(input_ids=tokens, labels=tokens).loss.item()
+        out[f"set_adapter_{name}"] = dict(sharded=switched[name], one_process=loss, diff=abs(switched[name] - loss))
+    reference = one.merge_and_unload().state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
+    out["max_weight_diff_vs_one_process_merge"] = max((saved[k] - reference[k]).abs().max().item() for k in reference)
+    out["merged_max_abs"] = max(saved[k].abs().max().item() for k in reference if k.endswith("proj.weight"))
     return out
 
 # %% ../nbs/05a_lora.ipynb #335f6eb5
 def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) -> dict:
     "Shard a model with two LoRA adapters, switch, merge while sharded, save, unmerge and train on; compare."
-    import torch, torch.distributed as dist
+    import functools, torch, torch.distributed as dist
     quiet_libraries()
-    from peft import LoraConfig, get_peft_model
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
-    def lora_model():
-        base = build_model(model_config("tiny"), seed)
-        torch.manual_seed(seed)  # init_lora_weights=False: B is random too, so merging changes the weights
-        model = get_peft_model(base, LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))
-        model.add_adapter("second", LoraConfig(r=lora_r, target_modules="all-linear", init_lora_weights=False))  # before sharding
-        return model
+    lora_model = functools.partial(two_adapter_model, lora_r, seed)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out_dir = out_dir or decide_on_rank0(lambda: tempfile.mkdtemp(prefix="fsdp_kit_merged_"))
     model = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0]
@@ -255,23 +301,16 @@ def merge_worker(lora_r:int=8, seed:int=0, out_dir:str=None, steps_after:int=3) 
     result = merge_and_save(model, out_dir)  # merge, save, unmerge
     restored = torch.tensor(max((base_shards(model)[k] - v).abs().max().item() for k, v in before.items()))
     dist.all_reduce(restored, op=dist.ReduceOp.MAX)
-    never = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0]  # the same model, switched alike, never merged
+    # the same model, switched alike, never merged
+    never = apply_fsdp(lora_model(), FSDPConfig(), fsdp_mesh(build_mesh()))[0]
     for name in ("second", "default"): never.set_adapter(name)
     went_on, never_merged = train_steps(model, steps_after, seed), train_steps(never, steps_after, seed)
-    layouts = [merge_probe(layout, lora_model, tokens) for layout in MERGE_LAYOUTS]  # merge right after set_adapter, sharded otherwise
+    # merge right after set_adapter, sharded otherwise
+    layouts = [merge_probe(layout, lora_model, tokens) for layout in MERGE_LAYOUTS]
     if rank == 0:
-        from transformers import AutoModelForCausalLM
-        one = lora_model()
-        for name in ("second", "default"):
-            one.set_adapter(name)
-            with torch.no_grad(): loss = one(input_ids=tokens, labels=tokens).loss.item()
-            result[f"set_adapter_{name}"] = dict(sharded=switched[name], one_process=loss, diff=abs(switched[name] - loss))
-        reference = one.merge_and_unload().state_dict()
-        saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
-        result["max_weight_diff_vs_one_process_merge"] = max((saved[k] - reference[k]).abs().max().item() for k in reference)
-        merged_max = max(saved[k].abs().max().item() for k in reference if k.endswith("proj.weight"))
-        result |= dict(unmerge_max_diff=restored.item(), merged_max_abs=merged_max,
-                       unmerge_bound=torch.finfo(torch.float32).eps * merged_max,
+        result |= _against_one_process(lora_model, tokens, switched, out_dir)
+        result |= dict(unmerge_max_diff=restored.item(),
+                       unmerge_bound=torch.finfo(torch.float32).eps * result["merged_max_abs"],
                        losses_after_unmerge=went_on, losses_never_merged=never_merged, layouts=layouts)
     return result
 
@@ -283,8 +322,10 @@ def plot_merge_layouts(layouts:list # `merge_probe` results, one per layout
     from fsdp_kit.measure import check_figure
     fig, (held, left) = plt.subplots(1, 2, figsize=(9.5, 4), layout="constrained", sharey=True)
     rows = range(len(layouts))
-    held.barh(rows, [r["full_bytes"] / 2**10 for r in layouts], fill=False, edgecolor="black", linestyle="--", label="the whole weight")
-    held.barh(rows, [r["bytes_held"] / 2**10 for r in layouts], height=0.5, color="#4477aa", label="this rank's storage")
+    held.barh(rows, [r["full_bytes"] / 2**10 for r in layouts], fill=False, edgecolor="black", linestyle="--",
+              label="the whole weight")
+    held.barh(rows, [r["bytes_held"] / 2**10 for r in layouts], height=0.5, color="#4477aa",
+              label="this rank's storage")
     for i, r in enumerate(layouts):
         held.text(max(r["bytes_held"], r["full_bytes"]) / 2**10, i, f" {r['bytes_held']:,}", va="center", fontsize=9)
     held.set_yticks(rows, [r["layout"] for r in layouts], fontsize=9); held.invert_yaxis()
@@ -297,9 +338,11 @@ def plot_merge_layouts(layouts:list # `merge_probe` results, one per layout
                                      (0.2, "vs_unmerged", "#ccbb44", "|weight - unmerged|")):
         left.barh([i + shift for i, _ in merged], [r[key] for _, r in merged], height=0.4, color=color, label=label)
     for i, r in enumerate(layouts):
-        if r["merge"] != "no error": left.text(0, i, " " + r["merge"].split(":")[0] + " at the merge", va="center", fontsize=9)
-        else: left.text(max(r["vs_one_process_merge"], r["vs_unmerged"]), i, f" {r['vs_one_process_merge']:.3g} / {r['vs_unmerged']:.3g}",
-                        va="center", fontsize=9)
+        if r["merge"] != "no error":
+            left.text(0, i, " " + r["merge"].split(":")[0] + " at the merge", va="center", fontsize=9)
+        else:
+            both = f" {r['vs_one_process_merge']:.3g} / {r['vs_unmerged']:.3g}"
+            left.text(max(r["vs_one_process_merge"], r["vs_unmerged"]), i, both, va="center", fontsize=9)
     left.set(xlabel="largest difference over every merged weight", title="what the merge left: the two differences")
     left.set_xlim(0, 1.6 * max([max(r["vs_one_process_merge"], r["vs_unmerged"]) for _, r in merged] + [1e-3]))
     left.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
