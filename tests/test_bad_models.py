@@ -4,7 +4,8 @@ import pytest
 from fsdp_kit.errors import KitError
 from fsdp_kit.models import PRESETS, check_model
 from fsdp_kit.plan import check_fits, step_memory
-from fsdp_kit.plan_gpu import plan_gpu, gpu_spec, recommend
+from fsdp_kit.plan import PlanSpec, LORA
+from fsdp_kit.plan_gpu import plan_gpu, recommend
 from tests.badinput import Case, check_case
 from tests.conftest import EXAMPLES, ROOT
 
@@ -131,6 +132,9 @@ def test_config_errors_name_the_file_and_the_key(tmp_path):
                                             (dict(gpu_mem_gb=math.inf), "--gpu-mem-gb"), (dict(gpu_mem_gb="80"), "--gpu-mem-gb"),
                                             (dict(seq_len=2048.0), "--seq"), (dict(lora_r=False), "--lora-r")])
 def test_plan_refuses_options_of_the_wrong_type(kwargs, option):
-    machine = {k: v for k, v in kwargs.items() if k == "gpu_mem_gb"}  # not a setting of the run: plan_gpu's and recommend's own
-    for fn in (plan_gpu, recommend):
-        with pytest.raises(KitError, match=option): fn(gpu_spec("tiny", **{k: v for k, v in kwargs.items() if k not in machine}), **machine)
+    from dataclasses import replace
+    lora = replace(LORA, r=kwargs["lora_r"]) if "lora_r" in kwargs else None
+    spec = PlanSpec("tiny", kwargs.get("gpus", 8), batch=1, seq_len=kwargs.get("seq_len", 2048), lora=lora)
+    memory = kwargs.get("gpu_mem_gb", 80)  # the hardware: plan_gpu's and recommend's own, beside the spec
+    with pytest.raises(KitError, match=option): plan_gpu(spec, gpu_mem_gb=memory)
+    with pytest.raises(KitError, match=option): recommend(spec, gpus=kwargs.get("gpus", 8), gpu_mem_gb=memory)

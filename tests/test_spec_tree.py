@@ -44,14 +44,17 @@ def test_train_spec_reads_the_shared_step_and_lora():
 
 
 def test_plan_spec_embeds_the_fsdp_config():
-    "PlanSpec has no FSDP field of its own: `of` sorts the planner's flat names into fsdp, step and lora; `flat` gives them back."
+    "PlanSpec has no FSDP field of its own: the planner reads the fsdp, step and lora sections; `asdict` records it, `from_dict` reads it."
+    from dataclasses import asdict
     from fsdp_kit.plan import PlanSpec
     from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.spec import LoraSpec
     own = set(PlanSpec.__dataclass_fields__) - set(__import__("fsdp_kit.spec").spec.RunSpec.__dataclass_fields__)
-    assert own == {"world_size", "fp8_all_gather", "edge_units"} and not own & set(FSDPConfig.__dataclass_fields__)
-    spec = PlanSpec.of("small", 2, activation_checkpointing=True, reshard_after_forward=False, method="lora", lora_r=4, ce_chunks=0).check()
+    assert own == {"world_size", "fp8_all_gather", "compile", "loading"} and not own & set(FSDPConfig.__dataclass_fields__)
+    fsdp = FSDPConfig(ac="full", reshard_after_forward=False)
+    spec = PlanSpec("small", 2, batch=2, fsdp=fsdp, lora=LoraSpec(r=4, base_dtype="bf16")).check()
     assert (spec.config.ac, spec.config.reshard_after_forward, spec.lora.r, spec.method, spec.batch) == ("full", False, 4, "lora", 2)
-    assert PlanSpec.of(**spec.flat()) == spec
+    assert PlanSpec.from_dict(json.loads(json.dumps(asdict(spec)))) == spec
 
 
 @pytest.mark.timeout(240)
