@@ -1,4 +1,4 @@
-"""What accelerate's and transformers' own code builds from an FSDP config file, and every field where the kit runs something else.
+"""What accelerate's and transformers' own code builds from an FSDP config file, and where the kit runs something else.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/upstream.html.md"""
 
@@ -18,12 +18,16 @@ from .errors import KitError, bad_value
 
 # %% ../nbs/03a_upstream.ipynb #9987cab0
 # FSDPConfig's names
-FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "mixed_precision",
-          "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading", "parallelism_config")
-DTYPES = (("fp32", "float32", 4), ("bf16", "bfloat16", 2), ("fp16", "float16", 2))  # the one dtype table: accelerate's name, torch's, bytes
-DTYPE_NAMES = {torch_name: name for name, torch_name, _ in DTYPES}  # torch dtype -> the spelling of accelerate and FSDPConfig
+FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload",
+          "mixed_precision", "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading",
+          "parallelism_config")
+# the one dtype table: accelerate's name, torch's, bytes
+DTYPES = (("fp32", "float32", 4), ("bf16", "bfloat16", 2), ("fp16", "float16", 2))
+# torch dtype -> the spelling of accelerate and FSDPConfig
+DTYPE_NAMES = {torch_name: name for name, torch_name, _ in DTYPES}
 DTYPE_BYTES = {torch_name: size for _, torch_name, size in DTYPES}  # torch dtype -> bytes per element
-UPSTREAM_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")  # variables through which accelerate hands settings to a worker
+# variables through which accelerate hands settings to a worker
+UPSTREAM_ENV = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
 
 # %% ../nbs/03a_upstream.ipynb #e7cbe603
 def is_accelerate_config(data:dict) -> bool:
@@ -34,19 +38,22 @@ def is_accelerate_config(data:dict) -> bool:
 MAX_CONFIG_BYTES = 1 << 20  # an FSDP config is a few hundred bytes: a larger file is refused before it is read
 
 def _refuse(path:Path, allowed:str, hint:str='') -> KitError:
-    "A file the kit will not read, named as the option that gave it (`fsdp_config_file`: the front end shows --fsdp-config)."
+    "A file the kit will not read, named as the option that gave it (`fsdp_config_file`; the CLI says --fsdp-config)."
     return bad_value("fsdp_config_file", str(path), allowed, hint)
 
+# %% ../nbs/03a_upstream.ipynb #0da9e18b
 def _yaml_mapping(path:Path, text:str):
-    "The YAML document in `text`, refused if it holds an alias (`*name`): aliases let a few lines expand into gigabytes."
+    "The YAML document in `text`, refused if it holds an alias (`*name`): aliases let a few lines grow into gigabytes."
     import yaml
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     for event in yaml.parse(text, Loader=loader):  # events only: nothing is built, so an alias costs nothing yet
         if isinstance(event, yaml.AliasEvent):
+            line, name = event.start_mark.line + 1, event.anchor
             raise _refuse(path, "a YAML file without aliases (*name): accelerate's files hold plain values",
-                          f"line {event.start_mark.line + 1} has *{event.anchor}, which repeats what &{event.anchor} holds")
+                          f"line {line} has *{name}, which repeats what &{name} holds")
     return yaml.load(text, Loader=loader)
 
+# %% ../nbs/03a_upstream.ipynb #c0de6e2d
 @functools.lru_cache(maxsize=16)
 def _parsed(path:str, mtime_ns:int, size:int):
     "The file's contents as parsed, once per version of the file (each command reads it from several places)."
@@ -57,26 +64,34 @@ def _parsed(path:str, mtime_ns:int, size:int):
         raise _refuse(path, "a .json or .yaml text file", f"byte {e.start} is not UTF-8 (a binary file?)") from None
     except OSError as e: raise _refuse(path, "a readable .json or .yaml file", e.strerror or str(e)) from None
     if not text.strip(): raise _refuse(path, "a .json or .yaml file with FSDP keys", "the file is empty")
-    if "\0" in text: raise _refuse(path, "a .json or .yaml text file", f"byte {text.index(chr(0))} is NUL (a binary file?)")
+    if "\0" in text:
+        raise _refuse(path, "a .json or .yaml text file", f"byte {text.index(chr(0))} is NUL (a binary file?)")
     try: return json.loads(text) if path.suffix == ".json" else _yaml_mapping(path, text)
-    except json.JSONDecodeError as e: raise KitError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except json.JSONDecodeError as e:
+        raise KitError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except yaml.YAMLError as e: raise KitError(_yaml_error(path, text, e)) from None
     except RecursionError:
-        raise _refuse(path, "a config of keys and plain values", "it nests lists or mappings deeper than Python's parser goes") from None
+        raise _refuse(path, "a config of keys and plain values",
+                      "it nests lists or mappings deeper than Python's parser goes") from None
 
+# %% ../nbs/03a_upstream.ipynb #512e82af
 def _yaml_error(path:Path, text:str, e) -> str:
     "One line for a YAML syntax error: what the parser found and where (a tab says so: YAML indents with spaces)."
     mark = getattr(e, "problem_mark", None)
-    problem = ", ".join(filter(None, (getattr(e, "context", None), getattr(e, "problem", None)))) or str(e).splitlines()[0]
+    problem = ", ".join(filter(None, (getattr(e, "context", None), getattr(e, "problem", None))))
+    problem = problem or str(e).splitlines()[0]
     line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    return f"{path} is not valid YAML: {problem}{where}".replace("\n", " ") + (" (a tab: YAML indents with spaces)" if "\t" in line else "")
+    tab = " (a tab: YAML indents with spaces)" if "\t" in line else ""
+    return f"{path} is not valid YAML: {problem}{where}".replace("\n", " ") + tab
 
+# %% ../nbs/03a_upstream.ipynb #0765a1a9
 def parse_fsdp_file(path:Path) -> dict:
     "The mapping in a JSON or YAML file (parsed once, a copy each call), with errors that name the file."
     path = Path(path)
     if not path.exists(): raise _refuse(path, "an existing .json or .yaml file")
-    if not path.is_file(): raise _refuse(path, "a .json or .yaml file", "it is a folder" if path.is_dir() else "it is not a regular file")
+    if not path.is_file():
+        raise _refuse(path, "a .json or .yaml file", "it is a folder" if path.is_dir() else "it is not a regular file")
     stat = path.stat()
     if stat.st_size > MAX_CONFIG_BYTES:
         raise _refuse(path, f"a file of at most {MAX_CONFIG_BYTES:,} bytes (FSDP configs are a few hundred)",
@@ -84,7 +99,8 @@ def parse_fsdp_file(path:Path) -> dict:
     data = _parsed(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     if not isinstance(data, dict): raise KitError(f"{path} holds a {type(data).__name__}, not a mapping of FSDP keys")
     if any(not isinstance(k, str) for k in data):
-        raise KitError(f"{path}: key {next(k for k in data if not isinstance(k, str))!r} is not a name: keys must be text")
+        key = next(k for k in data if not isinstance(k, str))
+        raise KitError(f"{path}: key {key!r} is not a name: keys must be text")
     return copy.deepcopy(data)
 
 # %% ../nbs/03a_upstream.ipynb #a9683782
@@ -96,15 +112,17 @@ def environ(env:dict):
     try: yield
     finally: os.environ.clear(); os.environ.update(saved)
 
-# torchrun's (and every TORCHELASTIC_*): read inside a worker, they would make TrainingArguments join the worker's process group
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-              "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+# %% ../nbs/03a_upstream.ipynb #95e3378b
+# torchrun's (and every TORCHELASTIC_*): read in a worker, they would make TrainingArguments join its process group
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+              "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 def clean_environ() -> dict:
     "This process's environment without accelerate's and FSDP's own variables, nor torchrun's: a fresh shell's."
     return {k: v for k, v in os.environ.items() if not k.startswith(UPSTREAM_ENV)
             and not (k in LAUNCH_ENV or k.startswith("TORCHELASTIC_"))}
 
+# %% ../nbs/03a_upstream.ipynb #87590daf
 @contextlib.contextmanager
 def quiet():
     "Silence upstream's warnings and log lines (deprecations, port checks) while it reads a file."
@@ -130,17 +148,20 @@ def fsdp_plugin(env:dict, # the worker's environment (accelerate reads FSDP_* va
     from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
     plugin = Plugin.__new__(Plugin)
     for f in dataclasses.fields(Plugin):
-        setattr(plugin, f.name, kwargs.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory()))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        setattr(plugin, f.name, kwargs.get(f.name, default))
     with environ(env):
         try: plugin.__post_init__()
-        except RuntimeError as e:  # FSDP1 with sync_module_states on a machine without GPUs: every field is set before this last lookup
+        # FSDP1 with sync_module_states on a machine without GPUs: every field is set before this last lookup
+        except RuntimeError as e:
             if not any(m in str(e) for m in NO_DEVICE): raise
     return plugin
 
 # %% ../nbs/03a_upstream.ipynb #f1261c20
 def launch_args(path:str) -> list:
     "`accelerate launch`'s options for the file: `--num_processes 2` added where the file has none."
-    data = parse_fsdp_file(Path(path))  # parsed once per command (checked: size, aliases, text), as every reader of the file gets it
+    # parsed once per command (checked: size, aliases, text), as every reader of the file gets it
+    data = parse_fsdp_file(Path(path))
     return ["--config_file", str(path)] + ([] if int(data.get("num_processes", -1)) > 0 else ["--num_processes", "2"])
 
 # %% ../nbs/03a_upstream.ipynb #b5472ad1
@@ -165,23 +186,28 @@ def plugin_args_here(path:str, mixed_precision:str="no") -> tuple:
                                  bf16=mixed_precision == "bf16", fp16=mixed_precision == "fp16")
         return args.fsdp_plugin_args, args.mixed_precision
 
+# %% ../nbs/03a_upstream.ipynb #00c601eb
 @functools.cache
 def transformers_helper():
-    "One helper process per kit process for TrainingArguments, which takes seconds to import; every later command reuses it."
+    "One helper process per kit process for TrainingArguments (seconds to import), which every later command reuses."
     import subprocess, sys
-    scope = os.environ.get("FSDP_KIT_COMMAND_DIR")  # the mark a command's janitor ends processes by; the helper outlives the command
+    # the mark a command's janitor ends processes by; the helper outlives the command
+    scope = os.environ.get("FSDP_KIT_COMMAND_DIR")
     env = {k: v for k, v in clean_environ().items() if not (scope and v.startswith(scope))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # a worker's helper stays out of its process group
     # it ends when this process closes its stdin (or dies)
-    return subprocess.Popen([sys.executable, "-c", "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    serve = "from fsdp_kit.upstream import serve_plugin_args; serve_plugin_args()"
+    return subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
 
+# %% ../nbs/03a_upstream.ipynb #8da1d094
 def serve_plugin_args():
     "The helper's loop: a JSON line [path, mixed_precision] in, a JSON line out (the answer or the error raised)."
     import signal, sys
     from fsdp_kit.ranks import quiet_libraries
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the kit's to handle, not the helper's
-    quiet_libraries()  # transformers imports bitsandbytes here too, whose missing-CPU-kernel notice would reach every rank's stderr
+    # transformers imports bitsandbytes here too, whose missing-CPU-kernel notice would reach every rank's stderr
+    quiet_libraries()
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever upstream prints goes to stderr, away from the answers
     for line in sys.stdin:
@@ -189,21 +215,25 @@ def serve_plugin_args():
         except Exception as e: answer = dict(error=type(e).__name__, message=str(e))
         answers.write(json.dumps(answer) + "\n"); answers.flush()
 
+# %% ../nbs/03a_upstream.ipynb #2241e8f5
 def forks_no_ranks() -> bool:
     "Whether this process never forks the ranks of a launch: a rank itself, or the `fsdp-kit` command's own process."
-    # the command starts torchrun as a fresh interpreter (launcher="torchrun"); `_launch_here` runs a rank inside its caller
+    # the command starts torchrun as a fresh interpreter (launcher="torchrun");
+    # `_launch_here` runs a rank inside its caller
     if os.environ.get("RANK") is not None and not os.environ.get("FSDP_KIT_IN_PROCESS"): return True
     return os.environ.get("FSDP_KIT_COMMAND_PID") == str(os.getpid())
 
+# %% ../nbs/03a_upstream.ipynb #d2d285d1
 def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
-                        mixed_precision:str="no" # TrainingArguments' own precision: "bf16" for bf16=True, "fp16" for fp16=True
+                        mixed_precision:str="no" # "bf16" for TrainingArguments(bf16=True), "fp16" for fp16=True
                        ) -> tuple:
-    "(plugin arguments, mixed precision) that `TrainingArguments(fsdp=True, ...)` hands the Trainer: here where nothing forks later."
+    "(plugin arguments, mixed precision) of `TrainingArguments(fsdp=True, ...)`, read where no later fork is harmed."
     import builtins, contextlib, sys
     if forks_no_ranks():  # peft and bitsandbytes harm no later fork here: no helper (one more fresh interpreter)
         from fsdp_kit.ranks import quiet_libraries
         quiet_libraries()
-        with contextlib.redirect_stdout(sys.stderr): return plugin_args_here(path, mixed_precision)  # stdout stays the command's
+        # stdout stays the command's
+        with contextlib.redirect_stdout(sys.stderr): return plugin_args_here(path, mixed_precision)
     helper = transformers_helper()
     if helper.poll() is not None:  # it ended: start another
         transformers_helper.cache_clear()
@@ -211,7 +241,8 @@ def trainer_plugin_args(path:str, # a transformers fsdp_config JSON file
     try:
         helper.stdin.write(json.dumps([str(Path(path).resolve()), mixed_precision]) + "\n"); helper.stdin.flush()
         line = helper.stdout.readline()
-    except BaseException:  # interrupted mid-question (Ctrl-C): its answer would reach the next question; a new helper answers that
+    # interrupted mid-question (Ctrl-C): its answer would reach the next question; a new helper answers that
+    except BaseException:
         helper.kill(); helper.wait(); transformers_helper.cache_clear()
         raise
     if not line: raise ChildProcessError(f"the TrainingArguments helper process ended (exit status {helper.poll()})")
@@ -242,29 +273,33 @@ def reshard_reading(plugin):
 # %% ../nbs/03a_upstream.ipynb #060edf03
 def precision_reading(plugin, mixed_precision:str) -> dict:
     "The mixed precision policy accelerate sets on `plugin` for `mixed_precision`, as dtype names."
-    if mixed_precision == "no" or mixed_precision is None: return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
+    if mixed_precision == "no" or mixed_precision is None:
+        return dict(mixed_precision="no", reduce_dtype=None, mixed_precision_policy=None)
     plugin.set_mixed_precision(mixed_precision)
     policy = plugin.mixed_precision_policy
     names = {k: dtype_name(getattr(policy, k)) for k in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
              if getattr(policy, k, None) is not None}
-    return dict(mixed_precision=mixed_precision, reduce_dtype=None if names["reduce_dtype"] == names["param_dtype"]
-                else names["reduce_dtype"],
-                mixed_precision_policy=names)  # reduce_dtype None: the compute dtype, as FSDPConfig spells it
+    # reduce_dtype None: the compute dtype, as FSDPConfig spells it
+    reduce_dtype = None if names["reduce_dtype"] == names["param_dtype"] else names["reduce_dtype"]
+    return dict(mixed_precision=mixed_precision, reduce_dtype=reduce_dtype, mixed_precision_policy=names)
 
+# %% ../nbs/03a_upstream.ipynb #6cf403ce
 def plugin_reading(plugin, mixed_precision:str) -> dict:
     "What the plugin holds, under FSDPConfig's field names, plus `fsdp_version` and the mixed precision policy."
     from torch.distributed.fsdp import CPUOffloadPolicy
-    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy) if plugin.fsdp_version == 2 else plugin.cpu_offload.offload_params
+    v2 = plugin.fsdp_version == 2
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy) if v2 else plugin.cpu_offload.offload_params
     policy = policy_name(plugin)
-    return dict(fsdp_version=plugin.fsdp_version, reshard_after_forward=reshard_reading(plugin), auto_wrap_policy=policy,
-                transformer_layer_cls_to_wrap=list(plugin.transformer_cls_names_to_wrap or []),
+    return dict(fsdp_version=plugin.fsdp_version, reshard_after_forward=reshard_reading(plugin),
+                auto_wrap_policy=policy, transformer_layer_cls_to_wrap=list(plugin.transformer_cls_names_to_wrap or []),
                 min_num_params=plugin.min_num_params if policy == "SIZE_BASED_WRAP" else 0, cpu_offload=offload,
                 activation_checkpointing=plugin.activation_checkpointing, state_dict_type=plugin.state_dict_type.name,
-                cpu_ram_efficient_loading=plugin.cpu_ram_efficient_loading, **precision_reading(plugin, mixed_precision))
+                cpu_ram_efficient_loading=plugin.cpu_ram_efficient_loading,
+                **precision_reading(plugin, mixed_precision))
 
 # %% ../nbs/03a_upstream.ipynb #3fec4ada
 def parallelism_reading(env:dict) -> dict:
-    "The sizes of accelerate's `ParallelismConfig` a worker builds from `env` (None when the file has no parallelism_config)."
+    "The sizes of the `ParallelismConfig` a worker builds from `env` (None: the file has no parallelism_config)."
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true": return None
     from accelerate.parallelism_config import ParallelismConfig
     with environ(env): pc = ParallelismConfig()
@@ -275,8 +310,10 @@ def accelerate_reading(path:str) -> dict:
     "What `accelerate launch --config_file path` hands the script: FSDP plugin, mixed precision, parallelism sizes."
     env = launch_env(path)
     if not env: return dict(fsdp=False)
-    return dict(**plugin_reading(fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"]), parallelism_config=parallelism_reading(env))
+    reading = plugin_reading(fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"])
+    return dict(**reading, parallelism_config=parallelism_reading(env))
 
+# %% ../nbs/03a_upstream.ipynb #56c2c632
 def trainer_reading(path:str, mixed_precision:str="no") -> dict:
     "What `TrainingArguments(fsdp=True, fsdp_config=path)` hands accelerate: its plugin, the mixed precision."
     plugin_args, mixed_precision = trainer_plugin_args(path, mixed_precision)
@@ -284,17 +321,18 @@ def trainer_reading(path:str, mixed_precision:str="no") -> dict:
 
 # %% ../nbs/03a_upstream.ipynb #5b74cf37
 def upstream_reading(path:str, # an accelerate config .yaml (or .json) or a transformers fsdp_config .json
-                     mixed_precision:str="no" # for a transformers JSON: TrainingArguments' precision ("bf16" for bf16=True)
+                     mixed_precision:str="no" # a transformers JSON's TrainingArguments precision ("bf16": bf16=True)
                     ) -> dict:
     "What the upstream entry point for the file builds, computed by accelerate's and transformers' own code."
     data = parse_fsdp_file(Path(path))
     accelerate = isinstance(data, dict) and is_accelerate_config(data)
+    flag = f", {mixed_precision}=True" if mixed_precision != "no" else ""
     entry = (f"accelerate launch {' '.join(launch_args(path))}" if accelerate
-             else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}" + (f", {mixed_precision}=True)" if mixed_precision != "no"
-                                                                               else ")"))
+             else f"TrainingArguments(fsdp=True, fsdp_config={str(path)!r}{flag})")
     try:
         with quiet(): reading = accelerate_reading(path) if accelerate else trainer_reading(path, mixed_precision)
-    except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:  # upstream refuses the file: say how, in its own words
+    # upstream refuses the file: say how, in its own words
+    except (ValueError, TypeError, KeyError, RuntimeError, AssertionError) as e:
         return dict(entry_point=entry, refused=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return dict(entry_point=entry, **reading)
 
@@ -319,7 +357,8 @@ def to_fsdp2(data:dict, # an accelerate config or a transformers fsdp_config for
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
     section = dict((data.get("fsdp_config") or {}) if accelerate
                    else {(k if k.startswith("fsdp_") else f"fsdp_{k}"): v for k, v in data.items()})
-    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):  # accelerate's numbers and lower case, as its plugin reads them
+    # accelerate's numbers and lower case, as its plugin reads them
+    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
         value = section.get(key)
         if (isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip().isdigit()
             and 1 <= int(value) <= len(FSDP_SHARDING_STRATEGY)):
