@@ -158,17 +158,16 @@ def _cmd_env(a):
 
 def _cmd_mesh(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.mesh import MeshSpec, mesh_worker
-    spec = MeshSpec(a.dp_replicate, a.dp_shard, a.cp).resolve(a.nproc)  # refuse bad sizes before launching
+    from fsdp_kit.mesh import mesh_worker
+    spec = command_spec("mesh", a).mesh.resolve(a.nproc)  # refuse bad sizes before launching
     layout = launch(mesh_worker, spec, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     emit(layout, a.json, layout.table())
 
 
 def train_spec(a):
     "The TrainSpec `fsdp-kit train` runs: its flags laid over TrainSpec() (and --fsdp-config's file), checked for the world size."
-    from fsdp_kit.train import TrainSpec
     from fsdp_kit.checkpoint import CheckpointSpec, refuse_other_runs
-    spec = spec_from_flags(a, TrainSpec(), TRAIN_READS, SECTIONS, a.fsdp_config, say=_say)
+    spec = command_spec("train", a)
     if spec.lora is not None and spec.lora.r == 0: spec = replace(spec, lora=None)  # --lora-r 0: a full fine-tune
     ckpt = given(a, CheckpointSpec, CKPT_READS)
     if "dir" in ckpt:
@@ -396,20 +395,21 @@ def _cmd_ckpt(a):
     emit(dict(dir=a.dir, checkpoints=found), a.json, "\n".join(rows) or f"no checkpoints in {a.dir}")
 
 
+def compare_spec(a):
+    "The CompareSpec `fsdp-kit compare` runs: --policies x --reshard, or the one config of --fsdp-config's file."
+    from fsdp_kit.config import load_fsdp_config, to_reshard
+    spec = command_spec("compare", a)
+    if a.fsdp_config:  # that one config
+        cfg = load_fsdp_config(a.fsdp_config)
+        return replace(spec, fsdp=cfg, policies=[cfg.auto_wrap_policy], reshard=[cfg.reshard_after_forward])
+    return replace(spec, reshard=[to_reshard("reshard", r) for r in spec.reshard])
+
+
 def _cmd_compare(a):
-    from fsdp_kit.config import FSDPConfig, load_fsdp_config, to_reshard
     from fsdp_kit.launch import launch
-    from fsdp_kit.spec import StepSpec
-    from fsdp_kit.wrap import CompareSpec, check_spec, compare_worker, runs_table, plot_compare
-    given = fsdp_given(a, "compare")  # --reshard-after-forward (a comma list here) and --min-num-params
-    fsdp_config = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
-    if fsdp_config: policies, reshard = [fsdp_config.auto_wrap_policy], [fsdp_config.reshard_after_forward]  # that one config
-    else:
-        policies = [p.strip() for p in a.policies.split(",")]
-        reshard = [to_reshard("reshard", r.strip()) for r in given.get("reshard_after_forward", "true,false").split(",")]
-    template = fsdp_config or FSDPConfig(min_num_params=given.get("min_num_params", 0))  # 0: the model's size_floor
-    spec = CompareSpec(a.model, batch=a.batch, seq_len=a.seq_len, steps=3,  # 3 plain steps timed per config (median)
-                       policies=policies, reshard=reshard, fsdp=template, step=StepSpec(gradient_checkpointing=a.gradient_checkpointing))
+    from fsdp_kit.wrap import check_spec, compare_worker, runs_table, plot_compare
+    spec = compare_spec(a)
+    fsdp_config = spec.fsdp if a.fsdp_config else None
     check_spec(spec, a.nproc)  # refuse bad configs before launching
     notes = []
     if fsdp_config:
@@ -426,7 +426,7 @@ def _cmd_compare(a):
         matplotlib.use("Agg")
         plot_compare(runs).savefig(a.plot, dpi=100, bbox_inches="tight")
         print(f"wrote {a.plot}", file=sys.stderr if a.json == "-" else sys.stdout)
-    emit(dict(model=a.model, world_size=a.nproc, notes=notes, runs=[asdict(r) for r in runs]),
+    emit(dict(model=spec.model, world_size=a.nproc, notes=notes, runs=[asdict(r) for r in runs]),
          a.json, runs_table(runs))
 
 
@@ -440,22 +440,27 @@ def _cmd_docs(a):
     emit(manifest, a.json, text)
 
 
+def qlora_spec(a):
+    "The QLoRASpec `fsdp-kit qlora` runs: FSDP computes in --mixed-precision's dtype, else the 4-bit storage's, over --fsdp-config's file."
+    from fsdp_kit.config import PRECISION, load_fsdp_config
+    from fsdp_kit.qlora import QLoRASpec, lora_fsdp_config
+    spec = command_spec("qlora", a, fsdp_file=None)  # the file's config is laid under the storage's compute dtype below
+    read = load_fsdp_config(a.fsdp_config) if a.fsdp_config else None
+    mixed = spec.fsdp.mixed_precision if spec.fsdp is not None else None
+    # FSDP's compute dtype: --mixed-precision's, else the storage's own (as QLoRASpec follows it when fsdp is None), over the file's
+    dtype = PRECISION[mixed] if mixed is not None else QLoRASpec(lora=spec.lora).param_dtype if read is not None else None
+    cfg = lora_fsdp_config(dtype, read) if read is not None or mixed is not None else None
+    spec = replace(spec, fsdp=cfg).check(a.nproc)
+    if read is not None:
+        _say(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
+             f"it replaces mixed_precision={read.mixed_precision!r} from {a.fsdp_config}")
+    return spec
+
+
 def _cmd_qlora(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.qlora import QLoRASpec, qlora_worker, weight_share, nf4, lora_fsdp_config
-    from fsdp_kit.spec import StepSpec
-    from fsdp_kit.config import PRECISION
-    fsdp_given(a, "qlora")  # only --mixed-precision: the rest of the group is refused, naming the flag
-    mixed = _precision(a.mixed_precision)
-    read, lora = fsdp_config(a) if a.fsdp_config else None, nf4(a.quant_storage, r=a.lora_r)
-    # FSDP's compute dtype: --mixed-precision's, else the storage's own (as QLoRASpec follows it when fsdp is None), over the file's
-    dtype = PRECISION[mixed] if mixed is not None else QLoRASpec(lora=lora).param_dtype if read is not None else None
-    cfg = lora_fsdp_config(dtype, read) if read is not None or mixed is not None else None
-    spec = QLoRASpec(model=a.model, lora=lora, fsdp=cfg, autocast=a.autocast, load_in_8bit=a.load_in_8bit, steps=a.steps, batch=a.batch,
-                     seq_len=a.seq_len, step=StepSpec(lr=a.lr, warmup=a.warmup), seed=a.seed, adapter_dir=a.adapter_dir).check(a.nproc)
-    if read is not None:
-        print(f"note: the QLoRA lab computes in param_dtype={spec.param_dtype} (the 4-bit storage dtype must match it); "
-              f"it replaces mixed_precision={read.mixed_precision!r} from {a.fsdp_config}", file=sys.stderr)
+    from fsdp_kit.qlora import qlora_worker, weight_share
+    spec = qlora_spec(a)
     fits = dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc, method="qlora", lora_r=spec.adapters.r)
     r = launch(fits_then, check_before_launch(fits), qlora_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun",
                timeout=a.timeout)
@@ -486,15 +491,17 @@ def _precision(value, option="--mixed-precision"):
     return name
 
 
+def cp_eval_spec(a):
+    "The CPSpec `fsdp-kit cp-eval` runs: one forward pass (steps=1); --mask none is full attention; --rows the old global batch."
+    spec = command_spec("cp-eval", a, fsdp_file=a.fsdp_config)
+    spec = replace(spec, mask=None if spec.mask == "none" else spec.mask, batch=_cp_batch(a, spec))
+    return spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
+
+
 def _cmd_cp_eval(a):
     from fsdp_kit.launch import launch
-    from fsdp_kit.cp import CPSpec, cp_eval_worker
-    from fsdp_kit.mesh import MeshSpec
-    spec = CPSpec(model=a.model, mesh=MeshSpec(dp_shard=a.dp_shard, cp=a.cp), steps=1, sp=a.sp, rotate=a.rotate, seq_len=a.seq_len,
-                  batch=_cp_batch(a),  # steps=1: an evaluation is one forward pass
-                  mask=None if a.mask == "none" else a.mask, gather=not a.no_gather, seed=a.seed,
-                  fsdp=fsdp_config(a, **fsdp_given(a, "cp-eval")))
-    spec.check(a.nproc)  # refuse bad sizes, lengths, masks and rotate methods before launching
+    from fsdp_kit.cp import cp_eval_worker
+    spec = cp_eval_spec(a)
     r = launch(fits_then, check_before_launch(dict(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, nproc=a.nproc)),
                cp_eval_worker, spec, not a.quiet, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
     text = (f"{r.world_size} ranks, dp_shard={r.dp_shard} x cp={r.cp_size} ({r.rotate_method}), {r.rows} x {r.seq_len} tokens, "
@@ -508,11 +515,11 @@ def _cmd_cp_eval(a):
     emit(r, a.json, text)
 
 
-def _cp_batch(a) -> int:
+def _cp_batch(a, spec) -> int:
     "--batch, or the old --rows (the global batch) turned into sequences per data-parallel rank."
-    if a.rows is None: return a.batch
+    if a.rows is None: return spec.batch
     from fsdp_kit.cp import check_sizes
-    dp_shard = check_sizes(a.nproc, a.cp, a.dp_shard, a.sp).dp_shard
+    dp_shard = check_sizes(a.nproc, spec.mesh.cp, spec.mesh.dp_shard, spec.sp).dp_shard
     if isinstance(a.rows, bool) or a.rows < 1 or a.rows % dp_shard:
         raise bad_value("rows", a.rows, f"a whole number >= 1, a multiple of the data-parallel size dp_shard={dp_shard}",
                         "Or give --batch, sequences per data-parallel rank")
@@ -756,13 +763,13 @@ def fsdp_flags(s):
         g.add_argument(*flags, dest=name, default=None, metavar=name.upper(), help=f"{doc} (FSDPConfig's default: {shown})", **kw)
 
 
-LIST_OPTIONS = ("policies", "lora_targets", "settings")  # comma lists, as are the FSDP group's list fields and compare's --reshard
+LIST_OPTIONS = ("policies", "lora_targets", "targets", "settings", "reshard")  # comma lists, as are the FSDP group's list fields and compare's --reshard
 
 
 def refuse_blank_lists(a, command:str):
     "Refuse an empty or blank comma list, or one with an empty item, as typed: '' is a bad value, not an option left out."
     lists = [*LIST_OPTIONS, *(name for name, (default, _) in _fsdp_fields().items() if isinstance(default, list))]
-    for dest in lists + (["reshard_after_forward"] if command == "compare" else []):
+    for dest in lists:
         value = getattr(a, dest, None)
         if isinstance(value, str) and any(not part.strip() for part in value.split(",")):
             raise bad_value(dest, value, "one or more values joined by commas, none of them empty")
@@ -791,8 +798,10 @@ def fsdp_given(a, command:str) -> dict:
 # what each command reads of its spec (section -> fields; "" the spec's own), the spec it starts from, and its other options
 FSDP_SETTINGS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload",
                  "mixed_precision", "reduce_dtype", "ac", "state_dict_type", "cpu_ram_efficient_loading", "layout")
+# train and cp-eval build their weights from a seed (no cpu_ram_efficient_loading to read) and write checkpoints as --state-dict says
+# (train) or not at all (cp-eval); cp-eval shards with accelerate's layout
 TRAIN_READS = {"": ("model", "steps", "batch", "seq_len", "seed", "check_parity"), "mesh": ("dp_replicate", "dp_shard"),
-               "fsdp": tuple(f for f in FSDP_SETTINGS if f != "state_dict_type"),  # train writes checkpoints as --state-dict says
+               "fsdp": tuple(f for f in FSDP_SETTINGS if f not in ("state_dict_type", "cpu_ram_efficient_loading")),  # see RUN_FSDP
                "step": ("lr", "warmup", "precision", "ce_chunks", "optimizer_in_backward", "offload_activations"), "lora": ("r",)}
 CKPT_READS = ("dir", "save_every", "state_dict", "resume", "overwrite", "keep")
 GROUPS = {"": "run", "mesh": "mesh", "fsdp": "FSDP", "step": "step", "lora": "LoRA"}  # each section's group in --help
@@ -811,20 +820,54 @@ TRAIN_OPTIONS = (
     ("--fault-step", dict(type=int, default=1, help="it fails after this step")))
 
 
-def spec_flags(s, command: str):
-    "The flag groups of what `command` reads of its spec (TRAIN_READS...), each made from the fields' declarations (fsdp_kit.flags)."
+MESH_READS = {"mesh": ("dp_replicate", "dp_shard", "cp")}
+COMPARE_READS = {"": ("model", "batch", "seq_len", "policies", "reshard"), "fsdp": ("min_num_params",), "step": ("gradient_checkpointing",)}
+QLORA_READS = {"": ("model", "steps", "batch", "seq_len", "seed", "autocast", "load_in_8bit", "adapter_dir"), "step": ("lr", "warmup"),
+               "lora": ("r", "quant_storage"), "fsdp": ("mixed_precision",)}
+CP_READS = {"": ("model", "seq_len", "batch", "seed", "sp", "rotate", "mask", "gather"), "mesh": ("dp_shard", "cp"),
+            "fsdp": tuple(f for f in FSDP_SETTINGS if f not in ("state_dict_type", "cpu_ram_efficient_loading", "layout"))}
+READS = {"train": TRAIN_READS, "mesh": MESH_READS, "compare": COMPARE_READS, "qlora": QLORA_READS, "cp-eval": CP_READS}
+
+
+def base_spec(command: str):
+    "The spec `command` starts from, before its flags: its lab's spec with the command's own defaults."
     from fsdp_kit.train import TrainSpec
-    from fsdp_kit.checkpoint import CheckpointSpec
-    base = TrainSpec()
-    for section, names in TRAIN_READS.items():
+    from fsdp_kit.wrap import CompareSpec
+    from fsdp_kit.qlora import QLoRASpec, nf4
+    from fsdp_kit.cp import CPSpec
+    from fsdp_kit.spec import RunSpec, StepSpec
+    from fsdp_kit.mesh import MeshSpec
+    bases = {"train": TrainSpec, "mesh": RunSpec, "compare": lambda: CompareSpec("small", batch=2, steps=3),  # 3 timed steps each
+             "qlora": lambda: QLoRASpec(lora=nf4(), step=StepSpec(lr=1e-2)),
+             "cp-eval": lambda: CPSpec(seq_len=128, steps=1, mesh=MeshSpec(cp=2))}  # an evaluation is one forward pass
+    return bases[command]()
+
+
+def command_spec(command: str, a, fsdp_file: str = "file"):
+    "`base_spec(command)` with the flags it reads laid over it (the FSDP section over `fsdp_file`, by default --fsdp-config's)."
+    fsdp_file = getattr(a, "fsdp_config", None) if fsdp_file == "file" else fsdp_file
+    return spec_from_flags(a, base_spec(command), READS[command], SECTIONS, fsdp_file, say=_say)
+
+
+FILE_HELP = "a transformers fsdp_config .json or an accelerate .yaml"
+COMPARE_OPTIONS = (("--fsdp-config", dict(metavar="FILE", help=f"run this config ({FILE_HELP}) instead of --policies x --reshard")),
+                   ("--plot", dict(metavar="PNG", help="write the comparison plot here")))
+QLORA_OPTIONS = (("--fsdp-config", dict(metavar="FILE", help=f"shard with this config ({FILE_HELP}); its mixed_precision gives way to the "
+                                        "storage's param_dtype")),)
+CP_OPTIONS = (("--fsdp-config", dict(metavar="FILE", help=f"shard the model with this config ({FILE_HELP})")),
+              ("--rows", dict(type=int, default=None, help="old spelling, kept for this release: sequences in the global batch, read as "
+                              "--batch ROWS / dp_shard")))
+
+
+def spec_flags(s, command: str):
+    "The flag groups of what `command` reads of its spec (READS), each made from the fields' declarations (fsdp_kit.flags)."
+    base = base_spec(command)
+    for section, names in READS[command].items():
         kind = type(base) if section == "" else SECTIONS[section]
-        add_flags(s, GROUPS[section], kind, names, base if section == "" else getattr(base, section) or _unset(kind))
-    add_flags(s, "checkpoint", CheckpointSpec, CKPT_READS, None)
-
-
-def _unset(kind):
-    "A section the spec leaves out (lora None: no adapters), shown in --help as its class's defaults."
-    return kind()
+        add_flags(s, GROUPS[section], kind, names, base if section == "" else getattr(base, section) or kind())
+    if command == "train":
+        from fsdp_kit.checkpoint import CheckpointSpec
+        add_flags(s, "checkpoint", CheckpointSpec, CKPT_READS, None)
 
 
 def options(s, table):
@@ -855,8 +898,7 @@ def parser() -> argparse.ArgumentParser:
 
     add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
     s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
-    _mesh_flags(s)
-    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    spec_flags(s, "mesh")
     s = add("train", _cmd_train,
             "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and the root)")
     spec_flags(s, "train")
@@ -920,51 +962,15 @@ def parser() -> argparse.ArgumentParser:
                    help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder "
                         "from_pretrained reads")
     s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
-    s.add_argument("--model", default="small", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--policies", default="TRANSFORMER_BASED_WRAP,SIZE_BASED_WRAP,NO_WRAP,PER_LINEAR", help="comma-separated wrap policies")
-    s.add_argument("--fsdp-config", help="run this transformers fsdp_config .json or accelerate .yaml instead")
-    s.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    s.add_argument("--gradient-checkpointing", action="store_true", help="turn on the model's own (transformers) gradient checkpointing")
-    s.add_argument("--plot", metavar="PNG", help="write the comparison plot here")
-    fsdp_flags(s)
+    spec_flags(s, "compare")
+    options(s, COMPARE_OPTIONS)
     s = add("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory")
-    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--quant-storage", default="bfloat16", help="bnb_4bit_quant_storage: uint8, bfloat16, float16 or float32")
-    s.add_argument("--autocast", default="no",
-                   help="run the forward under torch.autocast in this dtype, accelerate's names: no, bf16 or fp16; parameters keep their "
-                        "dtype "
-                   "(--quant-storage float32 --autocast bf16: float32 parameters and storage, bf16 compute)")
-    s.add_argument("--load-in-8bit", action="store_true", help="8-bit instead of 4-bit (refused under FSDP, to show why)")
-    s.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    s.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
-    s.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    s.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    s.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
-    s.add_argument("--lora-r", type=int, default=8, help="LoRA rank")
-    s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
-    s.add_argument("--adapter-dir", help="save the adapter here (default: a temporary folder, removed after the reload check)")
-    s.add_argument("--fsdp-config", metavar="FILE",
-                   help="shard with this transformers fsdp_config .json or accelerate .yaml (its mixed_precision gives way to the "
-                        "storage's param_dtype)")
-    fsdp_flags(s)
+    spec_flags(s, "qlora")
+    options(s, QLORA_OPTIONS)
     s = add("cp-eval", _cmd_cp_eval,
             "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
-    s.add_argument("--cp", type=int, default=2, help="context-parallel ranks per sequence")
-    s.add_argument("--dp-shard", type=int, default=-1, help="data-parallel ranks; -1 fills the rest")
-    s.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (refused above 1 together with --cp above 1)")
-    s.add_argument("--rotate", default="allgather", help="allgather or alltoall")
-    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json")
-    s.add_argument("--seq-len", type=int, default=128, help="tokens per sequence, a multiple of 2 x cp")
-    s.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank (its cp ranks split them)")
-    s.add_argument("--rows", type=int, default=None,
-                   help="old spelling, kept for this release: sequences in the global batch, read as --batch ROWS / dp_shard")
-    s.add_argument("--mask", default="causal", help="attention mask: causal or none")
-    s.add_argument("--no-gather", action="store_true", help="do not gather full-length logits")
-    s.add_argument("--fsdp-config", metavar="FILE",
-                   help="shard the model with this transformers fsdp_config .json or accelerate .yaml (default: a unit per decoder layer)")
-    s.add_argument("--seed", type=int, default=0, help="seed for the weights and the data")
-    fsdp_flags(s)
+    spec_flags(s, "cp-eval")
+    options(s, CP_OPTIONS)
     s = add("plan", _cmd_plan,
             "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
     s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")

@@ -20,10 +20,13 @@ FLAG_NAMES = {"ce_chunks": "--chunked-ce", "r": "--lora-r", "targets": "--lora-t
 BARE = {"ce_chunks": "8"}  # a flag given without a value: --chunked-ce alone is 8 chunks (torchtune's CEWithChunkedOutputLoss)
 # old spellings, kept for one release: old flag -> (field, the value a switch stands for, or None: the flag takes the value)
 OLD_FLAGS = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", "true"),
-             "--edges-in-root": ("layout", "layers"), "--lora": ("r", None), "--seq": ("seq_len", None), "--grad-ckpt": ("ac", "full")}
+             "--edges-in-root": ("layout", "layers"), "--lora": ("r", None), "--seq": ("seq_len", None), "--grad-ckpt": ("ac", "full"),
+             "--no-gather": ("gather", "false"), "--reshard-after-forward": ("reshard", None)}  # compare's list of values to compare
 # old values, kept for one release: (field, old value) -> the fields it sets
 OLD_VALUES = {("precision", "mixed-bf16"): dict(mixed_precision="bf16"), ("precision", "accelerate-bf16"): dict(mixed_precision="bf16"),
-              ("precision", "bf16-fp32-reduce"): dict(mixed_precision="bf16", reduce_dtype="fp32")}
+              ("precision", "bf16-fp32-reduce"): dict(mixed_precision="bf16", reduce_dtype="fp32"),
+              **{("mixed_precision", old): dict(mixed_precision=new) for old, new in (  # torch's dtype names, before accelerate's
+                  ("fp32", "no"), ("float32", "no"), ("bfloat16", "bf16"), ("float16", "fp16"), ("torch.bfloat16", "bf16"))}}
 
 def flag_of(name:str) -> str:
     "The flag a field is set by: `--seq-len` for seq_len, or its entry in FLAG_NAMES."
@@ -65,13 +68,17 @@ def convert(name:str, kind, text):
     return text
 
 # %% ../nbs/01c_flags.ipynb #9051f246
+def _word(value) -> str:
+    "A value as the command line spells it: true, false, names as they are."
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
 def add_flags(parser, title:str, cls, names, base):
     "An argument group `title`: a flag for each field of `cls` in `names`, its help the field's comment, its default `base`'s value."
     g = parser.add_argument_group(title)
     for name in names:
         kind, _, doc = field_docs(cls)[name]
         default = getattr(base, name) if base is not None else field_docs(cls)[name][1]
-        shown = (",".join(default) or "empty") if isinstance(default, list) else default
+        shown = (",".join(_word(v) for v in default) or "empty") if isinstance(default, list) else default
         olds = [old for old, (field, _) in OLD_FLAGS.items() if field == name]
         kw = dict(nargs="?", const="true") if kind is bool else dict(nargs="?", const=BARE[name]) if name in BARE else {}
         g.add_argument(flag_of(name), dest=name, default=None, metavar=name.upper(), help=f"{doc} (default: {shown})", **kw)

@@ -1,23 +1,31 @@
 """The command line is the spec written flat: every flag a command's --help shows in its spec groups is read (it changes the spec the
-command runs), old spellings read as the new ones with a note, and a flag no field declares is not shown."""
+command runs), old spellings read as the new ones with a note, and a flag for a field the command does not read is not shown."""
 import argparse
 from dataclasses import asdict
 import pytest
-from fsdp_kit.cli import parser, train_spec, TRAIN_READS, CKPT_READS, GROUPS
+from fsdp_kit.cli import parser, train_spec, command_spec, READS, CKPT_READS, GROUPS
 from fsdp_kit.flags import flag_of
 
-# a value other than the default for each flag of train's spec groups (None: the switch alone)
-TRAIN_VALUES = {"--model": "small", "--steps": "3", "--batch": "2", "--seq-len": "32", "--seed": "1", "--check-parity": None,
-                "--dp-replicate": "2", "--dp-shard": "2", "--reshard-after-forward": "false", "--auto-wrap-policy": "SIZE_BASED_WRAP",
-                "--transformer-layer-cls-to-wrap": "LlamaDecoderLayer", "--min-num-params": "1000", "--cpu-offload": None,
-                "--mixed-precision": "bf16", "--reduce-dtype": "fp32", "--ac": "full", "--cpu-ram-efficient-loading": None,
-                "--layout": "layers", "--lr": "0.01", "--warmup": "2", "--precision": "pure-bf16", "--chunked-ce": "4",
-                "--optimizer-in-backward": None, "--offload-activations": None, "--lora-r": "4",
-                "--ckpt": "{tmp}/other", "--save-every": "2", "--state-dict": "full", "--resume": None, "--overwrite-ckpt": None,
-                "--keep": "3"}
+FSDP = {"--reshard-after-forward": "false", "--auto-wrap-policy": "SIZE_BASED_WRAP", "--transformer-layer-cls-to-wrap": "LlamaDecoderLayer",
+        "--min-num-params": "1000", "--cpu-offload": None, "--mixed-precision": "bf16", "--reduce-dtype": "fp32", "--ac": "full",
+        "--layout": "layers"}
+RUN = {"--model": "small", "--steps": "3", "--batch": "2", "--seq-len": "32", "--seed": "1"}
+# a value other than the command's default for each flag of its spec groups (None: the switch alone)
+VALUES = {
+    "train": RUN | FSDP | {"--check-parity": None, "--dp-replicate": "2", "--dp-shard": "2", "--lr": "0.01", "--warmup": "2",
+                          "--precision": "pure-bf16", "--chunked-ce": "4", "--optimizer-in-backward": None, "--offload-activations": None,
+                          "--lora-r": "4"},
+    "mesh": {"--dp-replicate": "2", "--dp-shard": "2", "--cp": "2"},
+    "compare": {"--model": "tiny", "--batch": "4", "--seq-len": "32", "--policies": "NO_WRAP", "--reshard": "true", "--min-num-params": "9",
+                "--gradient-checkpointing": None},
+    "qlora": RUN | {"--autocast": "bf16", "--load-in-8bit": None, "--adapter-dir": "a", "--lr": "0.1", "--warmup": "2", "--lora-r": "4",
+                    "--quant-storage": "float32", "--mixed-precision": "bf16"},
+    "cp-eval": {k: v for k, v in (RUN | FSDP).items() if k not in ("--steps", "--layout")}
+               | {"--sp": "2", "--rotate": "alltoall", "--mask": "none", "--gather": "false", "--dp-shard": "1", "--cp": "4"}}
+CKPT = {"--ckpt": "{tmp}/other", "--save-every": "2", "--state-dict": "full", "--resume": None, "--overwrite-ckpt": None, "--keep": "3"}
 
 
-def _spec_flags(command: str) -> list:
+def spec_flags_shown(command: str) -> list:
     "The flags `fsdp-kit COMMAND --help` lists in its spec groups (run, mesh, FSDP, step, LoRA, checkpoint)."
     sub = parser()._subparsers._group_actions[0].choices[command]
     titles = {*GROUPS.values(), "checkpoint"}
@@ -25,37 +33,54 @@ def _spec_flags(command: str) -> list:
             if a.help != argparse.SUPPRESS]  # an old spelling is read, not shown
 
 
-def _spec(argv: list, tmp_path) -> dict:
-    return asdict(train_spec(parser().parse_args(["train", *[str(a).replace("{tmp}", str(tmp_path)) for a in argv]])))
+def _argv(command: str, flags: list, tmp_path) -> argparse.Namespace:
+    return parser().parse_args([command, *[str(f).replace("{tmp}", str(tmp_path)) for f in flags]])
 
 
-def test_every_train_flag_changes_the_spec(tmp_path):
-    shown = _spec_flags("train")
-    reads = [flag_of(n) for names in TRAIN_READS.values() for n in names] + [flag_of(n) for n in CKPT_READS]
-    assert sorted(shown) == sorted(reads) == sorted(TRAIN_VALUES), "each flag shown is a field train reads, and has a test value"
-    ckpt = ["--ckpt", "{tmp}/ck"]
-    for flag, value in TRAIN_VALUES.items():
-        extra = ckpt if flag in ("--save-every", "--state-dict", "--resume", "--overwrite-ckpt", "--keep") else []
-        given = [flag] + ([value] if value is not None else [])
-        assert _spec(extra + given, tmp_path) != _spec(extra, tmp_path), f"{flag} did not change the spec train runs"
+@pytest.mark.parametrize("command", sorted(READS))
+def test_every_flag_shown_changes_the_spec(command, tmp_path):
+    shown = spec_flags_shown(command)
+    reads = [flag_of(n) for names in READS[command].values() for n in names] + ([flag_of(n) for n in CKPT_READS] * (command == "train"))
+    assert sorted(shown) == sorted(reads), "the flags shown are the fields the command reads"
+    assert sorted(reads) == sorted(VALUES[command] | (CKPT if command == "train" else {})), "each flag has a test value"
+    before = asdict(command_spec(command, _argv(command, [], tmp_path)))
+    for flag, value in VALUES[command].items():
+        after = asdict(command_spec(command, _argv(command, [flag] + ([value] if value is not None else []), tmp_path)))
+        assert after != before, f"fsdp-kit {command} {flag} did not change the spec it runs"
 
 
-def test_a_refused_field_is_not_shown():
-    "train writes checkpoints as --state-dict says: FSDPConfig.state_dict_type is not a train flag, so typing it is an unknown option."
-    assert "--state-dict-type" not in _spec_flags("train")
-    with pytest.raises(SystemExit):
-        parser().parse_args(["train", "--state-dict-type", "FULL_STATE_DICT"])
+def test_every_checkpoint_flag_changes_the_run(tmp_path):
+    "train's checkpoint group: --ckpt sets the folder, each other flag changes the CheckpointSpec of a run that has one."
+    spec = lambda flags: asdict(train_spec(_argv("train", flags, tmp_path)))
+    assert spec(["--ckpt", "{tmp}/ck"])["ckpt"]["dir"] == str(tmp_path / "ck") and spec([])["ckpt"] is None
+    for flag, value in CKPT.items():
+        flags = ["--ckpt", "{tmp}/ck", flag] + ([value] if value is not None else [])
+        if flag != "--ckpt": assert spec(flags) != spec(["--ckpt", "{tmp}/ck"]), f"{flag} did not change the checkpoint spec"
+
+
+@pytest.mark.parametrize("command, flag", [("train", "--state-dict-type"), ("qlora", "--cpu-offload"), ("compare", "--ac"),
+                                           ("cp-eval", "--state-dict-type"), ("mesh", "--model")])
+def test_a_field_the_command_does_not_read_is_not_shown(command, flag, capsys):
+    "Typing it is an unknown option (exit 2), not a flag shown only to be refused."
+    assert flag not in spec_flags_shown(command)
+    with pytest.raises(SystemExit) as e: parser().parse_args([command, flag, "x"])
+    assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
 def test_old_spellings_give_the_same_spec(tmp_path, capsys):
-    old = _spec(["--reshard", "false", "--offload", "--policy", "SIZE_BASED_WRAP", "--edges-in-root", "--lora", "4",
-                 "--precision", "bf16-fp32-reduce"], tmp_path)
-    new = _spec(["--reshard-after-forward", "false", "--cpu-offload", "--auto-wrap-policy", "SIZE_BASED_WRAP", "--layout", "layers",
-                 "--lora-r", "4", "--mixed-precision", "bf16", "--reduce-dtype", "fp32"], tmp_path)
+    spec = lambda command, flags: asdict(command_spec(command, _argv(command, flags, tmp_path)))
+    old = spec("train", ["--reshard", "false", "--offload", "--policy", "SIZE_BASED_WRAP", "--edges-in-root", "--lora", "4",
+                         "--precision", "bf16-fp32-reduce", "--seq", "32"])
+    new = spec("train", ["--reshard-after-forward", "false", "--cpu-offload", "--auto-wrap-policy", "SIZE_BASED_WRAP", "--layout",
+                         "layers", "--lora-r", "4", "--mixed-precision", "bf16", "--reduce-dtype", "fp32", "--seq-len", "32"])
     assert old == new
+    assert spec("train", ["--precision", "mixed-bf16"])["fsdp"]["mixed_precision"] == "bf16"  # the spelling of two releases ago
+    assert spec("qlora", ["--mixed-precision", "bfloat16"]) == spec("qlora", ["--mixed-precision", "bf16"])
+    assert spec("cp-eval", ["--no-gather"]) == spec("cp-eval", ["--gather", "false"])
+    assert spec("compare", ["--reshard-after-forward", "true"]) == spec("compare", ["--reshard", "true"])
     err = capsys.readouterr().err
     for note in ("--reshard false is the old spelling of --reshard-after-forward false", "--lora 4 is the old spelling of --lora-r 4",
                  "--precision bf16-fp32-reduce is the old spelling of --mixed-precision bf16 --reduce-dtype fp32",
-                 "--edges-in-root is the old spelling of --layout layers"):
+                 "--edges-in-root is the old spelling of --layout layers", "--no-gather is the old spelling of --gather false",
+                 "--mixed-precision bfloat16 is the old spelling of --mixed-precision bf16"):
         assert note in err, err
-    assert _spec(["--precision", "mixed-bf16"], tmp_path)["fsdp"]["mixed_precision"] == "bf16"  # the spelling of two releases ago
