@@ -1,4 +1,4 @@
-"""Per-rank memory by category, a memory timeline, collectives and their bytes, and the step time: one `measure_step` every lab uses.
+"""Per-rank memory by category and over time, collectives and their bytes, the step time: one `measure_step` for all.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/measure.html.md"""
 
@@ -25,7 +25,8 @@ CATEGORIES = {  # FSDPMemTracker's names -> the kit's (shared with the planner)
     "OptState": "optimizer_state", "Inputs": "inputs",
 }
 
-CATEGORY_COLOURS = {  # every memory figure draws a category in this colour (measured categories, then the planner's own); one owner
+# every memory figure draws a category in this colour (measured categories, then the planner's own); one owner
+CATEGORY_COLOURS = {
     "sharded_params": "#1f77b4", "unsharded_params": "#aec7e8", "buffers": "#7f7f7f", "sharded_grads": "#2ca02c",
     "unsharded_grads": "#98df8a", "activations": "#d62728", "temporaries": "#ff9896", "all_gather_buffers": "#9467bd",
     "reduce_scatter_buffers": "#c5b0d5", "optimizer_state": "#ff7f0e", "inputs": "#8c564b", "quant_state": "#e377c2",
@@ -37,21 +38,23 @@ def category_colour(category:str) -> str:
     return CATEGORY_COLOURS.get(category, "#000000")
 
 
+# %% ../nbs/04a_measure.ipynb #7b5bf23d
+def _hook_unit(state, pre, post, always_call:bool=False) -> tuple:
+    "Register forward hooks on an FSDP unit's modules as fully_shard does; return (pre, post) handles."
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+    if len(state._modules) == 1:
+        m = state._modules[0]
+        before = m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        return before, m.register_forward_hook(post, prepend=False, always_call=always_call)
+    h = _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward,
+                                      state._cast_output_dtype)
+    return h, h
+
 # %% ../nbs/04a_measure.ipynb #48094dfa
 def unit_tracker():
     "torch's FSDPMemTracker, taught that one FSDP unit can span several modules (`fully_shard([norm, lm_head])`)."
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
-
-    def hook(state, pre, post, always_call:bool=False):
-        "Register forward hooks on the unit's modules as fully_shard does; return (pre, post) handles."
-        if len(state._modules) == 1:
-            m = state._modules[0]
-            before = m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-            return before, m.register_forward_hook(post, prepend=False, always_call=always_call)
-        h = _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward, state._cast_output_dtype)
-        return h, h
 
     class UnitTracker(FSDPMemTracker):
         def _units(self):
@@ -67,7 +70,7 @@ def unit_tracker():
                 group = state._fsdp_param_group
                 state._pre_forward_hook_handle.remove(); state._post_forward_hook_handle.remove()
                 self._instrument_fsdp_sharded_params_grads(group)
-                state._pre_forward_hook_handle, state._post_forward_hook_handle = hook(
+                state._pre_forward_hook_handle, state._post_forward_hook_handle = _hook_unit(
                     state, self._fsdp_state_pre_forward(module, state._pre_forward),
                     self._fsdp_state_post_forward(module, state._post_forward), always_call=True)
                 self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
@@ -79,8 +82,10 @@ def unit_tracker():
             for module, saved in self._fsdp_mod_to_saved_methods.items():
                 state = module._get_fsdp_state()
                 state._pre_forward_hook_handle.remove(); state._post_forward_hook_handle.remove()
-                state._pre_forward_hook_handle, state._post_forward_hook_handle = hook(state, state._pre_forward, state._post_forward)
-                state._fsdp_param_group.pre_backward, state._fsdp_param_group.post_backward = saved.pre_backward, saved.post_backward
+                handles = _hook_unit(state, state._pre_forward, state._post_forward)
+                state._pre_forward_hook_handle, state._post_forward_hook_handle = handles
+                group = state._fsdp_param_group
+                group.pre_backward, group.post_backward = saved.pre_backward, saved.post_backward
             self._fsdp_mod_to_saved_methods.clear()
             for handle in self._optimizer_hook_handles or (): handle.remove()
             self._optimizer_hook_handles = None
@@ -93,7 +98,8 @@ def _timeline_tracker(model, optim):
         def __init__(self, *a):
             super().__init__(*a)
             self.timeline = []
-        def _instrument_optimizer(self):  # one optimizer per parameter (fsdp_kit.ac.OptimizerInBackward): track each one's state
+        # one optimizer per parameter (fsdp_kit.ac.OptimizerInBackward): track each one's state
+        def _instrument_optimizer(self):
             many = getattr(self._optm, "optimizers", None)
             if many is None: return super()._instrument_optimizer()
             whole, handles = self._optm, []
@@ -110,8 +116,8 @@ def _timeline_tracker(model, optim):
     return TimelineTracker(model, optim)
 
 # %% ../nbs/04a_measure.ipynb #822f522e
-GATHER_OPS, SCATTER_OPS = ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "all_gather_into_tensor"), \
-                          ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "reduce_scatter_", "reduce_scatter_tensor")
+GATHER_OPS = ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_", "all_gather_into_tensor")
+SCATTER_OPS = ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "reduce_scatter_", "reduce_scatter_tensor")
 
 # %% ../nbs/04a_measure.ipynb #6b2c9fbf
 def _nbytes(x) -> int:
@@ -135,7 +141,8 @@ def comm_counter():
         supports_higher_order_operators = True
         def __init__(self):
             super().__init__()
-            self.counts, self.bytes, self.log = Counter(), Counter(), []  # log: (perf_counter at the call, kind, bytes), in call order
+            # log: (perf_counter at the call, kind, bytes), in call order
+            self.counts, self.bytes, self.log = Counter(), Counter(), []
         def __enter__(self):
             self.counts.clear(); self.bytes.clear(); self.log.clear()
             return super().__enter__()
@@ -187,7 +194,8 @@ def peak_by_category(tracker) -> dict:
     return out
 
 # %% ../nbs/04a_measure.ipynb #5333514a
-# torch's ModTracker (memory and FLOP trackers) on a module called twice in a step, as transformers' hub-kernel function wrappers are
+# torch's ModTracker (memory and FLOP trackers) on a module called twice in a step,
+# as transformers' hub-kernel function wrappers are
 QUIET_WARNINGS = ("For backward hooks to be called", "returned a view tensor", "Full backward hook is firing",
                   "module hierarchy tracking maybe be messed up")
 
@@ -218,7 +226,8 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
     counter, flops = comm_counter(), FlopCounterMode(display=False)
     with counter, flops: step()
     counts = {_kind(op.__name__): n for op, n in counter.get_comm_counts().items()}
-    collectives = {k: {"count": counts.get(k, 0), "bytes": counter.bytes.get(k, 0)} for k in sorted(set(counts) | set(counter.bytes))}
+    kinds = sorted(set(counts) | set(counter.bytes))
+    collectives = {k: {"count": counts.get(k, 0), "bytes": counter.bytes.get(k, 0)} for k in kinds}
     cuda = torch.cuda.is_available() and next(model.parameters()).is_cuda
     if cuda: torch.cuda.reset_peak_memory_stats()
     times = []
@@ -227,22 +236,26 @@ def _measure_step(model, optim, step, timed_steps:int) -> StepMeasurement:
         if cuda: torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return StepMeasurement(peak_by_category(tracker), tracker.timeline, collectives, statistics.median(times),
-                           "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None, step_timing(times),
-                           flops.get_total_flops())
+                           "cuda" if cuda else "cpu", torch.cuda.max_memory_allocated() if cuda else None,
+                           step_timing(times), flops.get_total_flops())
 
+# %% ../nbs/04a_measure.ipynb #4b3a8cf5
 def step_timing(times:list) -> dict:
-    "Median, min and max of step times in seconds, with the 1-minute load average and the core count as the last one ended."
+    "Median, min and max of step times (s), with the 1-minute load average and the core count as the last one ended."
     return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times), steps=len(times),
                 load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None, cores=os.cpu_count())
 
+# %% ../nbs/04a_measure.ipynb #9c241e53
 def busy_note(timings:list) -> str:
     "A warning when a timing was taken with more runnable threads than cores; '' otherwise."
     busy = [t for t in timings if t and t.get("load_average") is not None and t["load_average"] > t["cores"]]
     if not busy: return ""
     t = max(busy, key=lambda t: t["load_average"])
-    return (f"note: the machine was busy while steps were timed (load average {t['load_average']:.1f} on {t['cores']} cores): "
-            "step times include waiting for a core and can rank settings the wrong way round; compare them on a quiet machine")
+    load = f"load average {t['load_average']:.1f} on {t['cores']} cores"
+    return (f"note: the machine was busy while steps were timed ({load}): step times include waiting for a core "
+            "and can rank settings the wrong way round; compare them on a quiet machine")
 
+# %% ../nbs/04a_measure.ipynb #01e6c2be
 def first_step_tracker(model, optim):
     "An FSDPMemTracker for one step of a training loop, hook warnings quiet; `peak_bytes()` reads its peak."
     class FirstStep(unit_tracker()):
@@ -263,8 +276,10 @@ class FigureCheckError(AssertionError):
 def wrap_label(label:str, width:int=32) -> str:
     "`label` broken into lines of at most `width` characters where it has spaces, for a narrow legend."
     import textwrap
-    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) for line in str(label).split("\n"))
+    lines = str(label).split("\n")
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False) for line in lines)
 
+# %% ../nbs/04a_measure.ipynb #ee32fb54
 def _overlaps(a, b) -> bool:
     "Whether two display-space boxes share some area (touching edges do not count)."
     return a is not None and b is not None and min(a.x1, b.x1) > max(a.x0, b.x0) and min(a.y1, b.y1) > max(a.y0, b.y0)
@@ -274,13 +289,15 @@ def _named(artist, ax) -> str:
     labels = [artist.get_label()] + [c.get_label() for c in ax.containers if artist in c]
     return next((repr(l) for l in labels if l and not str(l).startswith("_")), type(artist).__name__)
 
+# %% ../nbs/04a_measure.ipynb #fbce280b
 def _covered_data(ax, box) -> list:
-    "The data artists of `ax` (lines, markers, patches, scatter points, images, collections) inside the display-space `box`."
+    "The data artists of `ax` (lines, markers, patches, points, images, collections) inside the display-space `box`."
     import numpy as np
     from matplotlib.collections import PathCollection
     from matplotlib.path import Path
     from matplotlib.transforms import Bbox
-    inside, px = Bbox.intersection(box, ax.bbox), ax.figure.dpi / 72  # data is clipped to its axes: outside them it is not drawn
+    # data is clipped to its axes: outside them it is not drawn
+    inside, px = Bbox.intersection(box, ax.bbox), ax.figure.dpi / 72
     def where(artist): return inside if artist.get_clip_on() else box
     def near(points, radius, b):  # any finite point within `radius` pixels of box `b`
         p = np.asarray(points, float).reshape(-1, 2)
@@ -306,16 +323,19 @@ def _covered_data(ax, box) -> list:
         if not all(patch.get_transform().contains_branch_seperately(ax.transData)): continue
         path = patch.get_transform().transform_path(patch.get_path())
         ext = path.get_extents()
-        if ext.width > 0.5 and ext.height > 0.5 and path.intersects_bbox(b, filled=True): hits.append(f"patch {_named(patch, ax)}")
+        if ext.width > 0.5 and ext.height > 0.5 and path.intersects_bbox(b, filled=True):
+            hits.append(f"patch {_named(patch, ax)}")
     for image in ax.images:
-        if image.get_visible() and _overlaps(image.get_window_extent(), inside): hits.append(f"image {_named(image, ax)}")
+        if image.get_visible() and _overlaps(image.get_window_extent(), inside):
+            hits.append(f"image {_named(image, ax)}")
     for coll in ax.collections:
         b = where(coll)
         if not coll.get_visible() or b is None: continue
         if isinstance(coll, PathCollection):  # scatter: a marker of area s (points^2) at each offset
             sizes = coll.get_sizes()
             radius = (np.sqrt(sizes.max()) / 2 if len(sizes) else 3) * px
-            if near(coll.get_offset_transform().transform(coll.get_offsets()), radius, b): hits.append(f"points of {_named(coll, ax)}")
+            if near(coll.get_offset_transform().transform(coll.get_offsets()), radius, b):
+                hits.append(f"points of {_named(coll, ax)}")
             continue
         face = np.asarray(coll.get_facecolor()).reshape(-1, 4)
         filled = bool(len(face)) and face[:, 3].max() > 0
@@ -323,6 +343,7 @@ def _covered_data(ax, box) -> list:
             hits.append(f"{type(coll).__name__} {_named(coll, ax)}")
     return sorted(set(hits))
 
+# %% ../nbs/04a_measure.ipynb #aebd75f5
 def _drawn_labels(fig) -> list:
     "The figure's tick labels (of the ticks inside the view), axis labels, titles and figure texts."
     out = list(fig.texts)
@@ -332,20 +353,24 @@ def _drawn_labels(fig) -> list:
             lo, hi = sorted(axis.get_view_interval())
             eps = (hi - lo) * 1e-6
             for tick in [*axis.get_major_ticks(), *axis.get_minor_ticks()]:
-                if tick.get_loc() is not None and lo - eps <= tick.get_loc() <= hi + eps: out += [tick.label1, tick.label2]
+                if tick.get_loc() is not None and lo - eps <= tick.get_loc() <= hi + eps:
+                    out += [tick.label1, tick.label2]
     return [t for t in out if t.get_visible() and t.get_text().strip()]
 
+# %% ../nbs/04a_measure.ipynb #e9edd37b
 def figure_problems(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=FIGURE_MIN_FONT_PT) -> list:
     "What keeps `fig` from reading well on the docs page ([] when nothing)."
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     canvas = fig.canvas
     try:
-        agg = canvas if hasattr(canvas, "get_renderer") else FigureCanvasAgg(fig)  # a closed figure, or a backend without a raster renderer
+        # a closed figure, or a backend without a raster renderer
+        agg = canvas if hasattr(canvas, "get_renderer") else FigureCanvasAgg(fig)
         agg.draw()
         return _problems(fig, agg.get_renderer(), max_width_in, min_font_pt)
     finally:
         fig.set_canvas(canvas)
 
+# %% ../nbs/04a_measure.ipynb #2075a46b
 def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
     "figure_problems' measurements, on a figure just drawn by `renderer`."
     from matplotlib.text import Text
@@ -353,16 +378,16 @@ def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
     # the notebook saves this tight box around everything drawn: a legend beside the axes widens it
     drawn = fig.get_tightbbox(renderer).width
     if max(width, drawn) > max_width_in:
-        problems.append(f"{max(width, drawn):.1f} inches wide (figsize {width:.1f}, as drawn {drawn:.1f}); the docs page fits "
-                        f"{max_width_in:g}")
+        wide = f"{max(width, drawn):.1f} inches wide (figsize {width:.1f}, as drawn {drawn:.1f})"
+        problems.append(f"{wide}; the docs page fits {max_width_in:g}")
     small = {}
     for t in fig.findobj(Text):
         if t.get_visible() and t.get_text().strip() and t.get_fontsize() < min_font_pt:
             small.setdefault(t.get_fontsize(), set()).add(t.get_text().strip()[:30])
     if small:
-        problems.append(f"text under {min_font_pt:g} pt: " + "; ".join(f"{s:g} pt {sorted(small[s])[:3]}" + (f" and {len(small[s]) - 3} "
-            "more" if len(small[s]) > 3 else "")
-                                                             for s in sorted(small)))
+        more = lambda names: f" and {len(names) - 3} more" if len(names) > 3 else ""
+        problems.append(f"text under {min_font_pt:g} pt: "
+                        + "; ".join(f"{s:g} pt {sorted(small[s])[:3]}{more(small[s])}" for s in sorted(small)))
     labels = _drawn_labels(fig)
     for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]:
         if not leg.get_visible(): continue
@@ -376,6 +401,7 @@ def _problems(fig, renderer, max_width_in:float, min_font_pt:float) -> list:
         if covered: problems.append(f"{name} covers the labels {covered[:4]}")
     return problems
 
+# %% ../nbs/04a_measure.ipynb #12952840
 def check_figure(fig, max_width_in:float=FIGURE_MAX_WIDTH_IN, min_font_pt:float=FIGURE_MIN_FONT_PT):
     "`fig` if it reads well at the docs page's width, else a `FigureCheckError` listing what is wrong."
     problems = figure_problems(fig, max_width_in, min_font_pt)
@@ -388,7 +414,8 @@ def plot_timeline(timelines:dict, ax=None, mib:bool=True):
     "Memory over one step for each label in `timelines`, phases shaded, the legend beside the axes."
     import matplotlib.pyplot as plt
     own = ax is None
-    if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")  # the layout keeps the legend beside inside the 9 inches
+    # the layout keeps the legend beside inside the 9 inches
+    if own: _, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
     scale = 2**20 if mib else 1
     for label, timeline in timelines.items():
         ys = [b / scale for _, b in timeline]
@@ -400,8 +427,8 @@ def plot_timeline(timelines:dict, ax=None, mib:bool=True):
         if idx:
             ax.axvspan(idx[0] / max(1, len(first) - 1), idx[-1] / max(1, len(first) - 1), color=color, zorder=0,
                        label=wrap_label(f"{phase} ({next(iter(timelines))})"))
-    ax.set(xlabel="progress through the step (forward, backward, optimizer)", ylabel="MiB on this rank" if mib else "bytes",
-           title="memory over one training step")
+    ax.set(xlabel="progress through the step (forward, backward, optimizer)",
+           ylabel="MiB on this rank" if mib else "bytes", title="memory over one training step")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves, never over them
     return check_figure(ax.figure) if own else ax.figure
 
@@ -439,34 +466,40 @@ def collective_timeline(forward, # forward(): the loss of one batch, on a model 
         end = time.perf_counter()
     phases = dict(forward=0.0, backward=backward - start, optimizer=optimizer - start, end=end - start)
     def phase(t): return next(p for p in ("optimizer", "backward", "forward") if t >= phases[p])
-    events = [dict(kind=kind, bytes=nbytes, start_s=t - start, phase=phase(t - start)) for t, kind, nbytes in counter.log]
+    events = [dict(kind=kind, bytes=nbytes, start_s=t - start, phase=phase(t - start))
+              for t, kind, nbytes in counter.log]
     return dict(clock_s=start, phases=phases, events=events)
 
 # %% ../nbs/04a_measure.ipynb #28c12c93
-COLLECTIVE_COLORS = {"all_gather": "#4477aa", "reduce_scatter": "#ee6677", "all_reduce": "#228833"}  # the kit's collective figures
+# the kit's collective figures
+COLLECTIVE_COLORS = {"all_gather": "#4477aa", "reduce_scatter": "#ee6677", "all_reduce": "#228833"}
 
 def plot_collectives(ranks:list # `collective_timeline` of one step, one per rank, in rank order
                     ):
     "One lane per rank on a shared clock: each collective a bar at its call, as tall as its buffer."
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 1.5 + 1.4 * len(ranks)), sharex=True, layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(len(ranks), 1, figsize=(9, 1.5 + 1.4 * len(ranks)), sharex=True, layout="constrained",
+                             squeeze=False)
     width = max(s["phases"]["end"] for s in ranks) * 1e3 / 150  # of a bar, in ms
-    zero = min(step["clock_s"] for step in ranks)  # perf_counter is one monotonic clock for all processes of a machine: one time axis
+    # perf_counter is one monotonic clock for all processes of a machine: one time axis
+    zero = min(step["clock_s"] for step in ranks)
     for rank, (ax, step) in enumerate(zip(axes[:, 0], ranks)):
         shift = (step["clock_s"] - zero) * 1e3
         p = {k: v * 1e3 + shift for k, v in step["phases"].items()}
-        for (name, lo, hi), color in zip((("forward", p["forward"], p["backward"]), ("backward", p["backward"], p["optimizer"]),
-                                          ("optimizer step", p["optimizer"], p["end"])), ("#eef3fa", "#f3e6ff", "#e6f7ea")):
+        spans = (("forward", p["forward"], p["backward"]), ("backward", p["backward"], p["optimizer"]),
+                 ("optimizer step", p["optimizer"], p["end"]))
+        for (name, lo, hi), color in zip(spans, ("#eef3fa", "#f3e6ff", "#e6f7ea")):
             ax.axvspan(lo, hi, color=color, zorder=0, label=name if rank == 0 else None)
         for kind, color in COLLECTIVE_COLORS.items():
             mine = [e for e in step["events"] if e["kind"] == kind]
             if not mine: continue
-            ax.bar([e["start_s"] * 1e3 + shift for e in mine], [e["bytes"] / 2**20 for e in mine], width=width, color=color, align="edge",
-                   label=f"{kind.replace('_', '-')} (one per call)" if rank == 0 else None)
+            ax.bar([e["start_s"] * 1e3 + shift for e in mine], [e["bytes"] / 2**20 for e in mine], width=width,
+                   color=color, align="edge", label=f"{kind.replace('_', '-')} (one per call)" if rank == 0 else None)
         ax.set_ylabel(f"rank {rank}\nMiB", fontsize=10)
     counts = {k: sum(e["kind"] == k for e in ranks[0]["events"]) for k in COLLECTIVE_COLORS}
     moved = {k: sum(e["bytes"] for e in ranks[0]["events"] if e["kind"] == k) / 2**20 for k in COLLECTIVE_COLORS}
-    said = [f"{counts[k]} {k.replace('_', '-')}{'s' * (counts[k] != 1)} ({moved[k]:.2f} MiB)" for k in COLLECTIVE_COLORS if counts[k]]
+    said = [f"{counts[k]} {k.replace('_', '-')}{'s' * (counts[k] != 1)} ({moved[k]:.2f} MiB)"
+            for k in COLLECTIVE_COLORS if counts[k]]
     axes[0, 0].set_title(f"one step on {len(ranks)} ranks: per rank " + ", ".join(said), fontsize=11)
     axes[-1, 0].set_xlabel("ms from the first rank's start of the step")
     fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=9)
@@ -475,32 +508,38 @@ def plot_collectives(ranks:list # `collective_timeline` of one step, one per ran
 # %% ../nbs/04a_measure.ipynb #e069ed99
 def gpu_records(folder=None # a folder of gpu_check records; None: the package's examples/gpu
                ) -> list:
-    "Every stored gpu_check record in `folder`, GPU records first, newest first within each mode; each with its file name."
+    "Every stored gpu_check record in `folder`, GPU records first, newest first in each mode; each with its file name."
     import json
     from pathlib import Path
     from fsdp_kit.config import EXAMPLES
     folder = Path(folder or EXAMPLES / "gpu")
-    records = [json.loads(p.read_text()) | dict(file=p.name) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    records = [json.loads(p.read_text()) | dict(file=p.name) for p in files]
     return sorted(records, key=lambda r: (r.get("mode") == "gpu", r.get("date", ""), r["file"]), reverse=True)
 
+# %% ../nbs/04a_measure.ipynb #a666b13a
 def record_label(record:dict) -> str:
     "One line naming what a record was measured on: the card (or CPU mode), the versions and the date."
     v, d = record["versions"], record["device"]
-    stack = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes") if v.get(k))
+    libraries = ("torch", "transformers", "accelerate", "peft", "bitsandbytes")
+    stack = ", ".join(f"{k} {v[k]}" for k in libraries if v.get(k))
     if record.get("mode") == "gpu":
-        return f"stored GPU record {record['file']}: {d['gpu_count']} x {d['gpu_name']}, {stack}, CUDA {d.get('cuda')}, {record['date']}"
-    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): it exercises the GPU check's code "
-            "path, "
-            f"these are NOT GPU numbers; {stack}, {record['date']}")
+        card = f"{d['gpu_count']} x {d['gpu_name']}"
+        return f"stored GPU record {record['file']}: {card}, {stack}, CUDA {d.get('cuda')}, {record['date']}"
+    return (f"stored CPU-mode record {record['file']} (gloo, tiny model, {d['cpu_count']} CPU cores): "
+            f"it exercises the GPU check's code path, these are NOT GPU numbers; {stack}, {record['date']}")
 
+# %% ../nbs/04a_measure.ipynb #a63d79a6
 def stored_gpu_lines(steps:list, # gpu_check step names, e.g. ["ac-offload"]
                      folder=None # as `gpu_records`
                     ) -> list:
     "What the newest stored record says of `steps`, under its label; or one line saying that no GPU record exists yet."
     records = gpu_records(folder)
     if not records:
-        return ["no GPU record exists yet: `python benchmarks/gpu_check.py` on a GPU machine writes one to fsdp_kit/examples/gpu/"]
+        return ["no GPU record exists yet: "
+                "`python benchmarks/gpu_check.py` on a GPU machine writes one to fsdp_kit/examples/gpu/"]
     record = records[0]
     found = {s["name"]: s for s in record["steps"]}
-    return [record_label(record)] + [f"  {name}: {found[name]['status']}, {found[name]['seconds']:.0f} s: {found[name]['line']}"
-                                     if name in found else f"  {name}: not in this record" for name in steps]
+    said = lambda s: f"  {s['name']}: {s['status']}, {s['seconds']:.0f} s: {s['line']}"
+    return [record_label(record)] + [said(found[name]) if name in found else f"  {name}: not in this record"
+                                     for name in steps]
