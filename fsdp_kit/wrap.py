@@ -1,4 +1,4 @@
-"""Which modules become FSDP units under each policy, the parameters each holds, and what that does to memory and collectives.
+"""Which modules become FSDP units under each policy, what each holds, and what that does to memory and collectives.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/wrap.html.md"""
 
@@ -25,9 +25,7 @@ def _layer_classes(model, cfg:FSDPConfig) -> set:
 
 # %% ../nbs/04_wrap.ipynb #84cd6220
 def _ties_outside(model):
-    """A test of (name, module): does the module hold a parameter that a module outside it holds too? Tied input and output
-    embeddings do (`embed_tokens` and `lm_head` share one weight). Such a module cannot be a unit of its own: FSDP2 would manage the
-    shared parameter in two units, and torch refuses that at the first forward."""
+    "A test of (name, module): does the module hold a parameter that a module outside it holds too (tied embeddings)?"
     owners = {}
     for name, module in model.named_modules():
         for p in module._parameters.values():
@@ -36,6 +34,7 @@ def _ties_outside(model):
         return any(o != name and not o.startswith(name + ".") for p in module.parameters() for o in owners[id(p)])
     return ties_outside
 
+# %% ../nbs/04_wrap.ipynb #23ed632d
 def size_policy(min_num_params:int):
     "accelerate's own FSDP2 size policy for `min_num_params`: module -> whether its prepare calls fully_shard on it."
     from functools import partial
@@ -47,6 +46,7 @@ def size_policy(min_num_params:int):
                              transformer_cls_names_to_wrap=None)  # the two fields its size branch reads
     return fsdp2_prepare_auto_wrap_policy(plugin, None)
 
+# %% ../nbs/04_wrap.ipynb #5b37b350
 def _no_forward(module) -> bool:
     "Does `fully_shard` refuse `module` (a container without forward, by torch's own check)?"
     from torch.distributed.fsdp._fully_shard._fsdp_init import _validate_module
@@ -58,22 +58,26 @@ def _carved(model) -> list:
     "Qualified names of the modules accelerate's FSDP2 path shards after its policy."
     get = lambda attr: getattr(model, attr, lambda: None)()
     names = {id(m): n for n, m in model.named_modules()}
-    return [names[id(m)] for m in (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings")) if m is not None
-            and id(m) in names]
+    edges = (get("get_input_embeddings"), _final_norm(model), get("get_output_embeddings"))
+    return [names[id(m)] for m in edges if m is not None and id(m) in names]
 
 def _size_blocker(model, name:str, module) -> str:
     "Why accelerate's FSDP2 path cannot build a unit of `module` (None: it can)."
     if _no_forward(module): return "a container without forward, which fully_shard refuses"
     held = [c for c in _carved(model) if c.startswith(name + ".")]
     if held:
-        return f"which holds {', '.join(held)}: accelerate then calls fully_shard on them inside a unit, and prepare stops (09a_hf_run)"
+        return (f"which holds {', '.join(held)}: accelerate then calls fully_shard on them inside a unit, "
+                "and prepare stops (09a_hf_run)")
     return None
 
+# %% ../nbs/04_wrap.ipynb #a53423ea
 def size_floor(model) -> int:
-    "The smallest min_num_params under which accelerate's FSDP2 size rule selects no module it cannot build a unit of (`_size_blocker`)."
-    return max((sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if m is not model and _size_blocker(model, n, m)),
-               default=0)
+    "The smallest min_num_params for which accelerate's FSDP2 size rule selects no module it cannot make a unit of."
+    blocked = [sum(p.numel() for p in m.parameters()) for n, m in model.named_modules()
+               if m is not model and _size_blocker(model, n, m)]
+    return max(blocked, default=0)
 
+# %% ../nbs/04_wrap.ipynb #7084807d
 def _size_targets(model, min_num_params:int) -> list:
     "SIZE_BASED_WRAP as accelerate's FSDP2 path applies it, bottom-up, to every module below the root."
     from accelerate.utils.fsdp_utils import get_module_children_bottom_up
@@ -82,14 +86,16 @@ def _size_targets(model, min_num_params:int) -> list:
     blocked = next(((n, m, why) for n, m in chosen for why in [_size_blocker(model, n, m)] if why), None)
     if blocked:
         n, m, why = blocked
+        size = sum(p.numel() for p in m.parameters())
         raise bad_value("min_num_params", min_num_params,
-                        f"{size_floor(model):,} or more for this model, or TRANSFORMER_BASED_WRAP for one unit per layer",
-                        f"accelerate's FSDP2 size rule selects {n} ({type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} "
-                        f"parameters), {why}")
+                        f"{size_floor(model):,} or more for this model, "
+                        "or TRANSFORMER_BASED_WRAP for one unit per layer",
+                        f"accelerate's FSDP2 size rule selects {n} ({type(m).__name__}, {size:,} parameters), {why}")
     return [(n, m) for n, m in chosen if not tied(n, m)]
 
+# %% ../nbs/04_wrap.ipynb #d08debb8
 def fsdp1_size_targets(model, min_num_params:int) -> list:
-    "FSDP1's size rule, kept to compare: bottom-up, a module whose parameters not yet in a unit exceed `min_num_params`."
+    "FSDP1's size rule, to compare: bottom-up, each module whose parameters not yet in a unit exceed `min_num_params`."
     import torch.nn as nn
     claimed, targets, tied = set(), [], _ties_outside(model)
     for name, module in reversed(list(model.named_modules())):
@@ -110,6 +116,7 @@ def register_policy(name:str, # the auto_wrap_policy value that selects it
     if not callable(rule): raise bad_value("rule", rule, "a function (qualified name, module) -> bool")
     ADDED_POLICIES[name] = rule
 
+# %% ../nbs/04_wrap.ipynb #4f5e0faa
 def wrap_targets(model, cfg:FSDPConfig) -> list:
     "(qualified name, module) of each module the policy makes a unit, children before parents; the root excluded."
     import torch.nn as nn
@@ -121,7 +128,8 @@ def wrap_targets(model, cfg:FSDPConfig) -> list:
     elif policy == "PER_LINEAR": match = lambda n, m: isinstance(m, nn.Linear)
     else: classes = _layer_classes(model, cfg); match = lambda n, m: type(m).__name__ in classes
     tied = _ties_outside(model)
-    return [(n, m) for n, m in reversed(list(model.named_modules())) if m is not model and match(n, m) and not tied(n, m)]
+    return [(n, m) for n, m in reversed(list(model.named_modules()))
+            if m is not model and match(n, m) and not tied(n, m)]
 
 # %% ../nbs/04_wrap.ipynb #176c4dd5
 @dataclass
@@ -130,7 +138,7 @@ class Unit:
     module:str # qualified name(s); "" is the root
     cls:str # the module's class (the first module's, for a group)
     parameters:int # parameters held by this unit (not by nested units)
-    reshard_after_forward:bool|int=True # after forward: the policy's units and the embeddings as configured; tail and root keep theirs
+    reshard_after_forward:bool|int=True # as configured for the policy's units and the embeddings; tail and root: False
 
 # %% ../nbs/04_wrap.ipynb #5dc319ce
 def _final_norm(model):
@@ -157,26 +165,30 @@ def _named_groups(model, cfg:FSDPConfig, edge_units:bool=True) -> list:
     "Each unit `apply_fsdp` makes, in its order: (unit name, [(name, module)], reshard_after_forward)."
     import re
     targets = wrap_targets(model, cfg)
-    layer = lambda n: (m := re.fullmatch(r"(?:.*\.)?layers\.(\d+)", n)) and f"layers.{m[1]}"  # a decoder layer by its index
+    # a decoder layer by its index
+    layer = lambda n: (m := re.fullmatch(r"(?:.*\.)?layers\.(\d+)", n)) and f"layers.{m[1]}"
     own = [(layer(n) or n, [(n, m)], cfg.reshard_after_forward) for n, m in targets]
     if not edge_units: return own + [("root", [("", model)], cfg.reshard_after_forward)]
-    edges = [("tail" if keeps else "embed", g, False if keeps else cfg.reshard_after_forward) for g, keeps in edge_groups(model, targets)]
+    edges = [("tail" if keeps else "embed", g, False if keeps else cfg.reshard_after_forward)
+             for g, keeps in edge_groups(model, targets)]
     return own + edges + [("root", [("", model)], False)]  # the root: torch's default, False
 
 def _unit_groups(model, cfg:FSDPConfig, edge_units:bool=True) -> list:
-    "Each unit `apply_fsdp` makes, in its order (the policy's, the edge groups, the root): ([(name, module)], reshard_after_forward)."
+    "Each unit `apply_fsdp` makes, in its order: ([(name, module)], reshard_after_forward)."
     return [(g, r) for _, g, r in _named_groups(model, cfg, edge_units)]
 
+# %% ../nbs/04_wrap.ipynb #6a12fba1
 def _owners(model, groups:list) -> dict:
-    "id(parameter) -> index of the group holding it, in fully_shard's order: the innermost unit claims a parameter first."
+    "id(parameter) -> index of the group holding it, in fully_shard's order: the innermost unit claims it first."
     owner = {}
     for k, (group, _) in enumerate(groups):
         for _, module in group:
             for p in module.parameters(): owner.setdefault(id(p), k)
     return owner
 
+# %% ../nbs/04_wrap.ipynb #8a447fc3
 def plan_units(model, cfg:FSDPConfig,
-               edge_units:bool=True # the embeddings and the tail in units of their own (`edge_groups`); False: in the root
+               edge_units:bool=True # embeddings and tail as units of their own (`edge_groups`); False: in the root
               ) -> list:
     "The FSDP units `cfg` makes of `model`: the policy's, then the embeddings and the tail, the root last."
     groups = _unit_groups(model, cfg, edge_units)
@@ -184,20 +196,22 @@ def plan_units(model, cfg:FSDPConfig,
     for p in model.parameters(): held[owner[id(p)]] += p.numel()
     return [Unit("+".join(n for n, _ in g), type(g[0][1]).__name__, held[k], r) for k, (g, r) in enumerate(groups)]
 
+# %% ../nbs/04_wrap.ipynb #4f34c754
 def unit_map(model, cfg:FSDPConfig, edge_units:bool=True) -> dict:
-    "{parameter name: unit name} of the units `apply_fsdp` makes: 'layers.N', a module's name, 'embed', 'tail' or 'root'."
+    "{parameter name: unit name} for `apply_fsdp`'s units: 'layers.N', a module's name, 'embed', 'tail' or 'root'."
     named = _named_groups(model, cfg, edge_units)
     owner = _owners(model, [(g, r) for _, g, r in named])
     return {n: named[owner[id(p)]][0] for n, p in model.named_parameters()}
 
 # %% ../nbs/04_wrap.ipynb #a3199392
 def _policies(cfg:FSDPConfig):
-    "fully_shard's mp_policy and offload_policy for `cfg`: compute and reduce dtypes from `PRECISION`, as accelerate's plugin sets them."
+    "fully_shard's mp_policy and offload_policy for `cfg`: dtypes from `PRECISION`, as accelerate's plugin sets them."
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, CPUOffloadPolicy, OffloadPolicy
     dtype = lambda name: getattr(torch, PRECISION[name]) if PRECISION.get(name) else None
     param, reduce = dtype(cfg.mixed_precision), dtype(cfg.reduce_dtype)
-    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce or param) if param or reduce else MixedPrecisionPolicy()
+    mixed = param or reduce
+    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce or param) if mixed else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
     return mp, offload
 
@@ -215,9 +229,9 @@ def _check_reshard(cfg:FSDPConfig, shard_size:int):
 def apply_fsdp(model, # a model on the device it will train on
                cfg:FSDPConfig, # how to wrap and shard it
                mesh, # the mesh to shard over (see fsdp_kit.mesh.fsdp_mesh)
-               edge_units:bool=True # the embeddings and the [norm, lm_head] tail in units of their own; False: left in the root
+               edge_units:bool=True # embeddings and the [norm, lm_head] tail as units of their own; False: in the root
               ):
-    "Shard `model` with `fully_shard` as `cfg` says, in accelerate's FSDP2 units (`plan_units`); returns model and units."
+    "Shard `model` with `fully_shard` as `cfg` says, in accelerate's FSDP2 units (`plan_units`); return model, units."
     from torch.distributed.fsdp import fully_shard
     units, groups = plan_units(model, cfg, edge_units), _unit_groups(model, cfg, edge_units)
     _check_reshard(cfg, mesh.size(-1))
@@ -234,18 +248,18 @@ def lab_notes(cfg:FSDPConfig, cuda:bool) -> list:
     "What a measured training step does with the fields of `cfg` it does not act on."
     notes = []
     if cfg.cpu_offload and not cuda:
-        notes.append("cpu_offload=True: on a CPU-only machine parameters already live in host memory; CPUOffloadPolicy(pin_memory=False) "
-                     "runs but moves nothing")
+        notes.append("cpu_offload=True: on a CPU-only machine parameters already live in host memory; "
+                     "CPUOffloadPolicy(pin_memory=False) runs but moves nothing")
     if cfg.cpu_ram_efficient_loading:
-        notes.append("cpu_ram_efficient_loading=True concerns loading pretrained weights; this lab builds the weights from a seed on every "
-                     "rank")
+        notes.append("cpu_ram_efficient_loading=True concerns loading pretrained weights; "
+                     "this lab builds the weights from a seed on every rank")
     notes.append(f"state_dict_type={cfg.state_dict_type} concerns checkpoints; this lab saves none")
     return notes
 
 # %% ../nbs/04_wrap.ipynb #0e04b547
 @dataclass(frozen=True)
 class CompareSpec(RunSpec):
-    "Which configs to run: the shared settings (`steps` timed per config), then the policies and reshard values to compare."
+    "The configs to run: the shared settings (`steps` timed per config), then the policies and reshard values."
     _:KW_ONLY
     policies:list=field(default_factory=lambda: list(POLICIES)) # wrap policies to compare
     reshard:list=field(default_factory=lambda: [True, False]) # reshard_after_forward values to compare
@@ -253,10 +267,10 @@ class CompareSpec(RunSpec):
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
-        self.refuse_unless("cp", 1,
-                           "the wrap lab measures training steps on whole sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit "
-                           "cp-eval)")
-        gc_only = StepSpec(gradient_checkpointing=self.step.gradient_checkpointing)  # the one step setting this lab reads
+        self.refuse_unless("cp", 1, "the wrap lab measures training steps on whole sequences: "
+                           "context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        # the one step setting this lab reads
+        gc_only = StepSpec(gradient_checkpointing=self.step.gradient_checkpointing)
         self.refuse_unless("step", gc_only, "the wrap lab's memory savers are run_config's arguments")
         self.refuse_unless("lora", None, "the wrap lab trains every parameter")
         for p in self.policies:
@@ -267,9 +281,11 @@ class CompareSpec(RunSpec):
     def configs(self) -> list:
         "The FSDPConfigs this spec runs, checked: `config` as the template, with each policy x reshard value."
         self.check()
-        template = self.config  # its min_num_params; 0 under SIZE_BASED_WRAP: the model's `size_floor`, the least accelerate can build
+        # its min_num_params; 0 under SIZE_BASED_WRAP: the model's `size_floor`, the least accelerate can build
+        template = self.config
         size = template.min_num_params
-        if not size and "SIZE_BASED_WRAP" in self.policies: size = size_floor(build_model(model_config(self.model), device="meta"))
+        if not size and "SIZE_BASED_WRAP" in self.policies:
+            size = size_floor(build_model(model_config(self.model), device="meta"))
         return [replace(template, auto_wrap_policy=p, reshard_after_forward=r, min_num_params=size).check()
                 for p in self.policies for r in self.reshard]
 
@@ -304,32 +320,37 @@ def _thin(timeline:list, points:int=400) -> list:
 def run_config(cfg:FSDPConfig, spec:CompareSpec, mesh,
                dtype:str=None, # the dtype the model is kept and trained in (None: float32)
                ce_chunks:int=0, # the loss in this many chunks of tokens (fsdp_kit.ac.causal_lm_loss); 0: whole logits
-               optimizer_in_backward:bool=False, # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
-               offload_activations:bool=False, # what autograd saves kept in host memory until backward (fsdp_kit.ac.activations_on_host)
+               optimizer_in_backward:bool=False, # AdamW steps each parameter in backward (ac.OptimizerInBackward)
+               offload_activations:bool=False, # saved activations held in host memory (ac.activations_on_host)
                edge_units:bool=True # the embeddings and the tail in units of their own (see `apply_fsdp`)
               ) -> RunResult:
-    "Build, shard as `cfg` says (its activation checkpointing policy too, see `apply_fsdp`), and measure one training step on this rank."
+    "Build, shard as `cfg` says (its activation checkpointing too), and measure one training step on this rank."
     import torch, torch.distributed as dist
     from fsdp_kit.measure import measure_step
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
     if dtype: model = model.to(getattr(torch, dtype))
-    if spec.step.gradient_checkpointing:  # no KV cache under recomputation (transformers would say so on every forward, and turn it off)
+    # no KV cache under recomputation (transformers would say so on every forward, and turn it off)
+    if spec.step.gradient_checkpointing:
         model.config.use_cache = False
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 renamed it
+        # transformers 5 renamed it
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     check_for_model(cfg, model, spec.step.gradient_checkpointing)
     policy = ac_policy(cfg)
     model, units = apply_fsdp(model, cfg, mesh, edge_units)
-    saver = StepSpec(lr=1e-3, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward, offload_activations=offload_activations)
+    saver = StepSpec(lr=1e-3, ce_chunks=ce_chunks, optimizer_in_backward=optimizer_in_backward,
+                     offload_activations=offload_activations)
     optim = step_optimizer(model, saver)
-    tokens = rank_rows(synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed), rank, world)
+    batch = synthetic_tokens(model.config.vocab_size, spec.batch * world, spec.seq_len, 0, spec.seed)
+    tokens = rank_rows(batch, rank, world)
     losses = []
-    def step(): losses.append(train_step(model, optim, tokens, saver).item())  # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
+    # the step fsdp-kit train runs (fsdp_kit.ac.train_step)
+    def step(): losses.append(train_step(model, optim, tokens, saver).item())
     m = measure_step(model, optim, step, spec.steps)
     result = RunResult(cfg.auto_wrap_policy, cfg.reshard_after_forward, world,
                        [dict(module=u.module, parameters=u.parameters) for u in units],
-                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy, m.flops, losses[-1],
-                       losses[0])
+                       m.peak_bytes, m.collectives, m.step_seconds, _thin(m.timeline), asdict(cfg), m.timing, policy,
+                       m.flops, losses[-1], losses[0])
     model = optim = step = None; gc.collect()  # free this config's model before the next one
     return result
 
@@ -365,17 +386,20 @@ def check_spec(spec:CompareSpec, world_size:int) -> list:
 def runs_table(runs:list) -> str:
     "A plain-text table of a comparison: units, peak memory, collectives and step time (median, min-max) per config."
     from fsdp_kit.measure import busy_note
-    head = (f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}{'all-gathers':>12}{'AG MiB':>8}"
-            f"{'reduce-scatters':>16}{'step ms (min-max)':>19}")
+    head = (f"{'policy':<24}{'reshard':>8}{'units':>6}{'peak MiB':>10}{'params MiB':>11}"
+            f"{'all-gathers':>12}{'AG MiB':>8}{'reduce-scatters':>16}{'step ms (min-max)':>19}")
     rows = [head]
     for r in runs:
         p, c = r.peak_bytes, r.collectives
         params = p.get("sharded_params", 0) + p.get("unsharded_params", 0) + p.get("all_gather_buffers", 0)
-        rows.append(f"{r.policy:<24}{str(r.reshard_after_forward):>8}{len(r.units):>6}{p['total'] / 2**20:>10.2f}{params / 2**20:>11.2f}"
-                    f"{c.get('all_gather', {}).get('count', 0):>12}{c.get('all_gather', {}).get('bytes', 0) / 2**20:>8.2f}"
-                    f"{c.get('reduce_scatter', {}).get('count', 0):>16}{_ms(r):>19}")
+        gathers, scatters = c.get("all_gather", {}), c.get("reduce_scatter", {})
+        rows.append(f"{r.policy:<24}{str(r.reshard_after_forward):>8}{len(r.units):>6}"
+                    f"{p['total'] / 2**20:>10.2f}{params / 2**20:>11.2f}"
+                    f"{gathers.get('count', 0):>12}{gathers.get('bytes', 0) / 2**20:>8.2f}"
+                    f"{scatters.get('count', 0):>16}{_ms(r):>19}")
     return "\n".join(rows + [busy_note([r.timing for r in runs])]).rstrip("\n")
 
+# %% ../nbs/04_wrap.ipynb #7838c2c9
 def _ms(r:RunResult) -> str:
     "Step time in ms: the median, and the range over the timed steps when there is one."
     t = r.timing
@@ -392,18 +416,22 @@ def plot_compare(runs:list):
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import plot_categories, check_figure
     labels = [run_label(r) for r in runs]
-    fig, (top, calls, times) = plt.subplots(3, 1, figsize=(9.5, 11), sharex=True, gridspec_kw=dict(height_ratios=[1.4, 1, 1]),
-                                            layout="constrained")  # the docs page's width, the legends beside the panels inside it
-    plot_categories(dict(zip(labels, [r.peak_bytes for r in runs])), ax=top, title=f"peak memory per rank ({runs[0].world_size} ranks)")
+    # the docs page's width, the legends beside the panels inside it
+    fig, (top, calls, times) = plt.subplots(3, 1, figsize=(9.5, 11), sharex=True,
+                                            gridspec_kw=dict(height_ratios=[1.4, 1, 1]), layout="constrained")
+    peaks = dict(zip(labels, [r.peak_bytes for r in runs]))
+    plot_categories(peaks, ax=top, title=f"peak memory per rank ({runs[0].world_size} ranks)")
     x = range(len(runs))
     for i, kind in enumerate(("all_gather", "reduce_scatter")):
-        calls.bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs], width=0.4,
-                  label=kind.replace("_", "-"))
+        calls.bar([j + (i - 0.5) * 0.4 for j in x], [r.collectives.get(kind, {}).get("count", 0) for r in runs],
+                  width=0.4, label=kind.replace("_", "-"))
     calls.set(ylabel="collectives per step", title="communication: calls per step")
     calls.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
     ms = [r.step_seconds * 1e3 for r in runs]
-    spread = ([[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)], [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]]
-              if all(r.timing for r in runs) else None)
+    spread = None  # min-max whiskers, where every run was timed
+    if all(r.timing for r in runs):
+        spread = [[m - r.timing["min_s"] * 1e3 for m, r in zip(ms, runs)],
+                  [r.timing["max_s"] * 1e3 - m for m, r in zip(ms, runs)]]
     times.bar(list(x), ms, yerr=spread, capsize=3, color="gray")
     times.set(ylabel="ms", title="step time (median, min-max)")
     times.set_xticks(list(x), labels, fontsize=9, rotation=30, ha="right")
