@@ -1,4 +1,4 @@
-"""Context parallelism (CP) splits each sequence across ranks; CP evaluation's `eval_loss` does not change with `cp_size`.
+"""Context parallelism (CP) splits each sequence across ranks; CP evaluation's `eval_loss` does not change with cp.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/cp.html.md"""
 
@@ -20,7 +20,8 @@ from .models import model_config, build_model, synthetic_tokens, rank_rows
 from .ranks import all_gather_tensors
 
 # %% ../nbs/06_cp.ipynb #49f86ce3
-ROTATE_METHODS = ("allgather", "alltoall")  # how key/value shards reach every rank: gathered once, or passed around the ring
+# how key/value shards reach every rank: gathered once, or passed around the ring
+ROTATE_METHODS = ("allgather", "alltoall")
 MASK_TYPES = ("causal", None)  # attention masks CP attention computes exactly across shards
 ATTENTION_NAME = "fsdp_kit_cp"  # the name the CP attention is registered under in transformers' AttentionInterface
 
@@ -30,18 +31,21 @@ def check_rotate(rotate:str # the rotate method asked for
     "Refuse a rotate method other than allgather or alltoall."
     if rotate not in ROTATE_METHODS:
         raise bad_value("rotate_method", rotate, "'allgather' or 'alltoall'",
-                        "allgather gathers every key/value shard once; alltoall passes the shards around the ring, one exchange per step")
+                        "allgather gathers every key/value shard once; "
+                        "alltoall passes the shards around the ring, one exchange per step")
     return rotate
 
+# %% ../nbs/06_cp.ipynb #4ff41009
 def check_mask(mask_type # "causal", or None for no mask (full attention)
               ):
     "Refuse an attention mask other than causal or none."
     if mask_type not in MASK_TYPES:
         raise bad_value("attention_mask", mask_type, "'causal' or None (no mask)",
-                        "CP computes those exactly across shards; a padding or custom mask would be split with the sequence and is not "
-                        "supported")
+                        "CP computes those exactly across shards; a padding or custom mask would be split "
+                        "with the sequence and is not supported")
     return mask_type
 
+# %% ../nbs/06_cp.ipynb #7ff5e369
 def nearest_lengths(seq_len:int, # the sequence length asked for
                     cp:int # context-parallel ranks
                    ) -> list:
@@ -56,27 +60,33 @@ def check_seq_len(seq_len:int, # tokens per sequence
     "Refuse a length that cannot be cut into 2 x cp equal chunks (no silent padding)."
     if not isinstance(seq_len, int) or seq_len < 1: raise bad_value("seq_len", seq_len, "a whole number >= 1")
     if cp > 1 and seq_len % (2 * cp):  # one rank holds the whole sequence at cp=1
-        raise bad_value("seq_len", seq_len, f"a multiple of 2 x cp_size = {2 * cp} (each rank holds an early and a late chunk)",
-                        f"The nearest lengths that work are {' and '.join(map(str, nearest_lengths(seq_len, cp)))}; the kit does not pad "
-                        "silently")
+        nearest = " and ".join(map(str, nearest_lengths(seq_len, cp)))
+        raise bad_value("seq_len", seq_len,
+                        f"a multiple of 2 x cp_size = {2 * cp} (each rank holds an early and a late chunk)",
+                        f"The nearest lengths that work are {nearest}; the kit does not pad silently")
     return seq_len
 
+# %% ../nbs/06_cp.ipynb #d8800ebe
 def check_sizes(world_size:int, # processes
                 cp:int, # context-parallel ranks per sequence
                 dp_shard:int=-1, # data-parallel ranks (-1 fills the world)
                 sp:int=1 # sequence-parallel ranks
                ):
-    "Refuse cp and sp both above 1, a cp that does not divide the world size, or sizes that do not fill it; return the MeshSpec."
+    "Refuse cp and sp both above 1, a cp not dividing the world size, sizes not filling it; return the MeshSpec."
     from fsdp_kit.mesh import MeshSpec
     for name, value in (("cp_size", cp), ("sp_size", sp)):
         if not isinstance(value, int) or value < 1: raise bad_value(name, value, "a whole number >= 1")
     if cp > 1 and sp > 1:
-        raise KitError(f"cp_size={cp} and sp_size={sp} cannot both be above 1: context parallelism and sequence parallelism "
-                       "are mutually exclusive (accelerate's ParallelismConfig refuses this too). Set cp_size=1 or sp_size=1")
-    if sp > 1: raise bad_value("sp_size", sp, "1 in this lab (it splits sequences with cp)", "Use --cp for the same number of ranks")
+        raise KitError(f"cp_size={cp} and sp_size={sp} cannot both be above 1: context parallelism and sequence "
+                       "parallelism are mutually exclusive (accelerate's ParallelismConfig refuses this too). "
+                       "Set cp_size=1 or sp_size=1")
+    if sp > 1:
+        raise bad_value("sp_size", sp, "1 in this lab (it splits sequences with cp)",
+                        "Use --cp for the same number of ranks")
     if world_size % cp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise bad_value("cp_size", cp, f"a divisor of the world size {world_size}: one of {', '.join(map(str, divisors))}")
+        raise bad_value("cp_size", cp,
+                        f"a divisor of the world size {world_size}: one of {', '.join(map(str, divisors))}")
     return MeshSpec(1, dp_shard, cp).resolve(world_size)
 
 # %% ../nbs/06_cp.ipynb #59b89b0a
@@ -101,19 +111,22 @@ def unshard_sequence(shards:list, # every cp rank's slice, in cp-rank order
 
 # %% ../nbs/06_cp.ipynb #4f90517c
 def causal_pairs(positions:list) -> int:
-    "Query-key pairs causal attention computes for the tokens at `positions` of a sequence: each sees itself and every earlier token."
+    "Query-key pairs causal attention computes for the tokens at `positions`: each sees itself and every earlier token."
     return sum(p + 1 for p in positions)
 
-def plot_cp_layout(layouts:dict # label -> the positions each cp rank holds, in cp-rank order (what `shard_sequence` returns per rank)
+# %% ../nbs/06_cp.ipynb #3d6ffcd9
+def plot_cp_layout(layouts:dict # label -> the positions each cp rank holds, in cp-rank order (`shard_sequence`'s)
                   ):
-    "Each layout a row of tokens coloured by the rank that holds them, beside each rank's causal attention work (`causal_pairs`)."
+    "Each layout a row of tokens coloured by the rank holding them, beside each rank's causal attention work."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure
-    fig, (seq, work) = plt.subplots(1, 2, figsize=(9.5, 0.9 * len(layouts) + 1.6), layout="constrained", width_ratios=(3, 2))
+    fig, (seq, work) = plt.subplots(1, 2, figsize=(9.5, 0.9 * len(layouts) + 1.6), layout="constrained",
+                                    width_ratios=(3, 2))
     named = set()
     for row, shards in enumerate(layouts.values()):
         for rank, positions in enumerate(shards):
-            seq.bar(positions, 0.8, bottom=row - 0.4, width=0.92, color=f"C{rank}", label=None if rank in named else f"cp rank {rank}")
+            label = None if rank in named else f"cp rank {rank}"
+            seq.bar(positions, 0.8, bottom=row - 0.4, width=0.92, color=f"C{rank}", label=label)
             named.add(rank)
             for p in positions: seq.text(p, row, str(rank), ha="center", va="center", color="white", fontsize=9)
         pairs = [causal_pairs(positions) for positions in shards]
@@ -122,7 +135,8 @@ def plot_cp_layout(layouts:dict # label -> the positions each cp rank holds, in 
         work.text(max(pairs), row, " " + " / ".join(map(str, pairs)), va="center", fontsize=9)
     for ax in (seq, work): ax.set_yticks(range(len(layouts)), list(layouts), fontsize=9); ax.invert_yaxis()
     tokens = max(p for shards in layouts.values() for s in shards for p in s) + 1
-    seq.set(xlabel="position in the sequence", title=f"which cp rank holds each of {tokens} tokens", xticks=range(0, tokens, 2))
+    seq.set(xlabel="position in the sequence", title=f"which cp rank holds each of {tokens} tokens",
+            xticks=range(0, tokens, 2))
     work.set(xlabel="query-key pairs (causal)", title="attention work of each rank")
     work.set_yticklabels([]); work.set_xlim(0, 1.6 * work.get_xlim()[1])
     handles, names = seq.get_legend_handles_labels()
@@ -140,12 +154,15 @@ def _visible(q_pos, k_pos):
     "Causal mask from positions: (B|1, 1, Lq, Lk), True where the query may see the key."
     return (q_pos[:, :, None] >= k_pos[:, None, :])[:, None]
 
+# %% ../nbs/06_cp.ipynb #30ca4432
 def _block(q, k, v, mask, scaling:float):
-    "Attention of `q` over one key/value block with torch's CPU flash kernel: (output, log-sum-exp); rows that see nothing get lse -inf."
+    "`q` attending to one key/value block (torch's CPU flash kernel): (output, lse); lse is -inf where no key is seen."
     import torch
     bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
-    if mask is not None: lse = lse.masked_fill(~mask.any(-1), float("-inf"))  # the kernel reports 0 for a row with no visible key
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
+    # the kernel reports 0 for a row with no visible key
+    if mask is not None: lse = lse.masked_fill(~mask.any(-1), float("-inf"))
     return out.float(), lse.float()
 
 def _merge(out, lse, out_b, lse_b):
@@ -167,18 +184,22 @@ def allgather_attention(q, k, v, q_pos, group, causal:bool, scaling:float, group
     import torch.nn.functional as F
     k_all, v_all, k_pos = _gather(k, group), _gather(v, group), _gather(q_pos, group)
     mask = _visible(q_pos, k_pos) if causal else None
-    return F.scaled_dot_product_attention(q, _repeat_kv(k_all, groups), _repeat_kv(v_all, groups), attn_mask=mask, scale=scaling)
+    return F.scaled_dot_product_attention(q, _repeat_kv(k_all, groups), _repeat_kv(v_all, groups), attn_mask=mask,
+                                          scale=scaling)
 
+# %% ../nbs/06_cp.ipynb #cf70b740
 def _ring_exchange(tensors:list, group):
-    "Start sending `tensors` to the next rank of the ring and receiving the previous rank's; return (requests, received)."
+    "Start sending `tensors` to the next rank of the ring and receiving the previous rank's; (requests, received)."
     import torch, torch.distributed as dist
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
     tensors = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors] + [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    ops = ([dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
+           + [dist.P2POp(dist.irecv, r, prv, group) for r in received])
     return dist.batch_isend_irecv(ops), received
 
+# %% ../nbs/06_cp.ipynb #9b395e41
 def ring_attention(q, k, v, q_pos, group, causal:bool, scaling:float, groups:int):
     "Pass key/value shards around the ring; attend to each block while the next arrives; merge with log-sum-exp."
     import torch.distributed as dist
@@ -207,34 +228,39 @@ def cp_attention_forward(module, # the attention module (gives num_key_value_gro
                          cp_group=None, # the CP process group; None: no CP here
                          cp_rotate:str="allgather", # allgather or alltoall
                          **kwargs):
-    "Context-parallel attention for transformers models: exact causal masking across shards, GQA, allgather or alltoall rotation."
+    "Context-parallel attention for transformers models: exact causal masks across shards, GQA, allgather or alltoall."
     import torch.nn.functional as F
     if dropout: raise bad_value("dropout", dropout, "0 (CP attention is for evaluation: call model.eval())")
     if attention_mask is not None:
-        raise bad_value("attention_mask", f"a {tuple(attention_mask.shape)} tensor", "None: CP attention supports causal or no mask")
+        raise bad_value("attention_mask", f"a {tuple(attention_mask.shape)} tensor",
+                        "None: CP attention supports causal or no mask")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     groups = getattr(module, "num_key_value_groups", 1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if cp_group is None:
-        out = F.scaled_dot_product_attention(query, _repeat_kv(key, groups), _repeat_kv(value, groups), is_causal=causal, scale=scaling)
+        k_all, v_all = _repeat_kv(key, groups), _repeat_kv(value, groups)
+        out = F.scaled_dot_product_attention(query, k_all, v_all, is_causal=causal, scale=scaling)
     else:
-        if position_ids is None: raise KitError("CP attention needs position_ids: pass the sharded positions to model(...)")
+        if position_ids is None:
+            raise KitError("CP attention needs position_ids: pass the sharded positions to model(...)")
         attend = allgather_attention if check_rotate(cp_rotate) == "allgather" else ring_attention
         out = attend(query, key, value, position_ids, cp_group, causal, scaling, groups)
     return out.transpose(1, 2).contiguous(), None
 
+# %% ../nbs/06_cp.ipynb #73c34d5c
 def cp_attention_mask(attention_mask=None, # the 2-D mask given to model(...), as transformers passes it on
                       **kwargs):
-    "The mask builder registered beside the attention: refuses a padding mask (which CP would split with the sequence), builds nothing."
+    "The mask builder registered beside the attention: refuses a padding mask (which CP would split), builds nothing."
     if attention_mask is not None and not bool(attention_mask.all()):
         raise bad_value("attention_mask", f"a padding mask with {int((~attention_mask.bool()).sum())} masked positions",
                         "None or all ones (causal or no mask)",
-                        "Under CP mark padding with labels of -100 instead: a causal model never looks ahead, so trailing padding changes "
-                        "no earlier token")
+                        "Under CP mark padding with labels of -100 instead: a causal model never looks ahead, "
+                        "so trailing padding changes no earlier token")
     return None
 
+# %% ../nbs/06_cp.ipynb #7183d965
 def use_cp_attention(model):
-    "Register the CP attention (and its mask builder) in transformers' interfaces and switch `model` to it; return the model."
+    "Register the CP attention and its mask builder in transformers' interfaces, switch `model` to it; return it."
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTENTION_NAME, cp_attention_forward)
@@ -245,7 +271,7 @@ def use_cp_attention(model):
 # %% ../nbs/06_cp.ipynb #ada13ab1
 @dataclass(frozen=True)
 class CPSpec(RunSpec):
-    "A CP evaluation, one forward (`steps=1`): the shared settings (`RunSpec`, `mesh.cp`), then sp, rotation, mask, gathering."
+    "A CP evaluation, one forward (`steps=1`): `RunSpec`'s settings (`mesh.cp`), then sp, rotation, mask, gathering."
     _:KW_ONLY
     sp:int=1 # sequence-parallel ranks (refused above 1 with cp above 1)
     rotate:str="allgather" # allgather or alltoall
@@ -273,7 +299,7 @@ def eval_batch(vocab_size:int, # tokens are in [0, vocab_size)
                seq_len:int, # tokens per sequence
                seed:int=0 # data seed
               ) -> tuple:
-    "(input_ids, labels): labels are the tokens, with -100 over a prompt at the start of each row and a padded tail on odd rows."
+    "(input_ids, labels): labels are the tokens, -100 over a prompt at each row's start and a padded tail on odd rows."
     tokens = synthetic_tokens(vocab_size, rows, seq_len, seed=seed)
     labels = tokens.clone()
     for r in range(rows):
@@ -281,8 +307,9 @@ def eval_batch(vocab_size:int, # tokens are in [0, vocab_size)
         if r % 2: labels[r, seq_len - (2 + 7 * r) % max(seq_len // 4, 1) - 1:] = -100  # padding
     return tokens, labels
 
+# %% ../nbs/06_cp.ipynb #e89bf0b4
 def shift_labels(labels):
-    "Labels for next-token prediction, shifted on the whole sequence (before any split): position t gets label t + 1, the last -100."
+    "Next-token labels, shifted on the whole sequence (before any split): position t gets label t + 1, the last -100."
     import torch
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
 
@@ -329,7 +356,8 @@ class CPEvalResult:
 def _reference(spec:CPSpec, config, input_ids, labels, device:str="cpu"):
     "Loss (transformers' own) and logits of the same model in one process, no CP: sdpa attention (causal), or no mask."
     import copy, torch
-    model = build_model(copy.deepcopy(config), spec.seed, device).eval()  # its own config: the attention choice lives there
+    # its own config: the attention choice lives there
+    model = build_model(copy.deepcopy(config), spec.seed, device).eval()
     if spec.mask is None: _full_attention(use_cp_attention(model))  # no CP group: plain sdpa with is_causal=False
     else: model.set_attn_implementation("sdpa")
     with torch.no_grad(): out = model(input_ids=input_ids.to(device), labels=labels.to(device), use_cache=False)
@@ -359,8 +387,8 @@ def _forward(model, input_ids, position_ids, cp_group, rotate:str):
     import torch
     from fsdp_kit.measure import peak_by_category, quiet_hook_warnings, unit_tracker
     device = next(model.parameters()).device
-    kwargs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False, cp_group=cp_group,
-                  cp_rotate=rotate)
+    kwargs = dict(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False,
+                  cp_group=cp_group, cp_rotate=rotate)
     with torch.no_grad(), quiet_hook_warnings():
         model(**kwargs)  # warm-up
         tracker = unit_tracker()(model)  # torch's tracker, aware of the tail unit of two modules
@@ -369,6 +397,7 @@ def _forward(model, input_ids, position_ids, cp_group, rotate:str):
         logits = model(**kwargs).logits
     return logits, peak_by_category(tracker), time.perf_counter() - start
 
+# %% ../nbs/06_cp.ipynb #ac9ad949
 def _gather_logits(logits, mesh, cp:int):
     "Full-length logits of the global batch: all-gather the slices over cp, unshard, then gather rows over dp_shard."
     import torch
@@ -385,19 +414,20 @@ def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
     set_rotate_method(spec.rotate)
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    with torch.no_grad(), context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+    split = context_parallel(mesh["cp"], buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers))
+    with torch.no_grad(), split:
         logits = model(input_ids=buffers[0], position_ids=buffers[1], use_cache=False).logits
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    assert all(torch.equal(b.cpu(), e) for b,
-               e in zip(buffers, expected)), "torch's load balancer placed tokens differently from shard_sequence"
+    placed = all(torch.equal(b.cpu(), e) for b, e in zip(buffers, expected))
+    assert placed, "torch's load balancer placed tokens differently from shard_sequence"
     return logits.float().cpu(), {"total": torch.cuda.max_memory_allocated()}, seconds, expected
 
 # %% ../nbs/06_cp.ipynb #4c8708d9
 def cp_eval_worker(spec:CPSpec,
                    progress:bool=False # rank 0 prints `part n/3` after each part (`ranks.progress`)
                   ) -> CPEvalResult:
-    "Evaluate a model under CP on a dp_shard x cp mesh, FSDP2 over dp_shard_cp; check it against one process without CP."
+    "Evaluate a model under CP on a dp_shard x cp mesh, FSDP2 over dp_shard_cp, against one process without CP."
     import torch, torch.distributed as dist
     from fsdp_kit.ranks import progress as say
     parts, began = iter(range(1, 4)), time.time()
@@ -411,7 +441,8 @@ def cp_eval_worker(spec:CPSpec,
     mesh_spec = check_sizes(world, spec.mesh.cp, spec.mesh.dp_shard, spec.sp)
     mesh, config = build_mesh(mesh_spec), model_config(spec.model)
     input_ids, labels = eval_batch(config.vocab_size, spec.rows(world), spec.seq_len, spec.seed)
-    reference_loss, reference_logits = _reference(spec, config, input_ids, labels, device) if rank == 0 else (None, None)
+    reference = _reference(spec, config, input_ids, labels, device) if rank == 0 else (None, None)
+    reference_loss, reference_logits = reference
     done("one process without CP: the reference")
     model = use_cp_attention(build_model(config, spec.seed, device).eval())
     if spec.mask is None: _full_attention(model)
@@ -424,7 +455,8 @@ def cp_eval_worker(spec:CPSpec,
     positions = torch.arange(spec.seq_len)[None].expand(len(shifted), -1)
     full_rows = [rank_rows(input_ids, dp_rank, dp_size), positions, shifted]
     local = [shard_sequence(t, spec.mesh.cp, cp_rank) for t in full_rows]
-    if device == "cuda" and spec.mesh.cp > 1: logits, peak, seconds, local = _forward_cuda(model, mesh, full_rows, local, spec)
+    if device == "cuda" and spec.mesh.cp > 1:
+        logits, peak, seconds, local = _forward_cuda(model, mesh, full_rows, local, spec)
     else: logits, peak, seconds = _forward(model, local[0], local[1], cp_group, spec.rotate)
     done(f"forward under CP ({spec.rotate})")
     loss_sum, my_tokens = token_loss_sum(logits.cpu(), local[2])
@@ -438,15 +470,18 @@ def cp_eval_worker(spec:CPSpec,
     if rank != 0: return None
     match = bool(torch.equal(full.argmax(-1), reference_logits.argmax(-1))) if spec.gather else None
     logit_diff = (full - reference_logits).abs().max().item() if spec.gather else None
-    return CPEvalResult(spec.model, world, spec.mesh.cp, mesh_spec.dp_shard, spec.rotate, spec.seq_len, spec.rows(world), int(tokens),
-                        [p["tokens"] for p in per_rank], eval_loss, reference_loss, abs(eval_loss - reference_loss), mean_of_means,
-                        match, logit_diff, [p["peak"]["total"] for p in per_rank], [p["peak"] for p in per_rank], seconds,
-                        _axis_groups(mesh), model.config._attn_implementation if device == "cpu" else "torch context_parallel (sdpa)",
-                        dist.get_backend(), device, environment()["versions"], [asdict(u) for u in units], asdict(spec.config))
+    attention = model.config._attn_implementation if device == "cpu" else "torch context_parallel (sdpa)"
+    return CPEvalResult(spec.model, world, spec.mesh.cp, mesh_spec.dp_shard, spec.rotate, spec.seq_len,
+                        spec.rows(world), int(tokens), [p["tokens"] for p in per_rank], eval_loss, reference_loss,
+                        abs(eval_loss - reference_loss), mean_of_means, match, logit_diff,
+                        [p["peak"]["total"] for p in per_rank], [p["peak"] for p in per_rank], seconds,
+                        _axis_groups(mesh),
+                        attention, dist.get_backend(), device, environment()["versions"], [asdict(u) for u in units],
+                        asdict(spec.config))
 
 # %% ../nbs/06_cp.ipynb #74c8776b
 def _subgroups(world:int, cp:int) -> tuple:
-    "Create the cp-sized groups of consecutive ranks (every rank takes part); return this rank's group and its position."
+    "Make the cp-sized groups of consecutive ranks (every rank takes part); return this rank's group and its position."
     import torch.distributed as dist
     mine = None
     for start in range(0, world, cp):
@@ -454,6 +489,7 @@ def _subgroups(world:int, cp:int) -> tuple:
         if start <= dist.get_rank() < start + cp: mine = group
     return mine, dist.get_rank() % cp
 
+# %% ../nbs/06_cp.ipynb #533fceed
 def _attention_cost(q, k, v, positions, group, rotate:str, repeats:int) -> tuple:
     "Peak bytes (MemTracker, inputs included), median seconds and output of one CP attention call."
     import torch.distributed as dist
@@ -469,6 +505,7 @@ def _attention_cost(q, k, v, positions, group, rotate:str, repeats:int) -> tuple
         dist.barrier(group); start = time.perf_counter(); call(); times.append(time.perf_counter() - start)
     return peak, statistics.median(times), out
 
+# %% ../nbs/06_cp.ipynb #54b7e63f
 def attention_sweep_worker(seq_lens:list, # full sequence lengths
                            cp_sizes:list, # cp sizes; each must divide the world size
                            heads:int=4, kv_heads:int=2, head_dim:int=16, # attention shapes
@@ -487,13 +524,13 @@ def attention_sweep_worker(seq_lens:list, # full sequence lengths
             pos = pos[:, 0].contiguous()
             costs = {rotate: _attention_cost(q, k, v, pos, group, rotate, repeats) for rotate in ROTATE_METHODS}
             diff = (costs["alltoall"][2] - costs["allgather"][2]).abs().max().item()
-            out += [dict(cp=cp, seq_len=seq_len, rotate=r, peak_bytes=c[0], seconds=c[1], max_diff_to_allgather=diff) for r,
-                    c in costs.items()]
+            out += [dict(cp=cp, seq_len=seq_len, rotate=r, peak_bytes=c[0], seconds=c[1], max_diff_to_allgather=diff)
+                    for r, c in costs.items()]
     return out if dist.get_rank() == 0 else None
 
 # %% ../nbs/06_cp.ipynb #6ff53f90
 def plot_attention_sweep(points:list):
-    "Peak attention memory per rank against sequence length, one line per cp x rotate method; and time per call. One legend, below both."
+    "Peak attention memory per rank against sequence length, one line per cp x rotate method, and time per call."
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
     from fsdp_kit.measure import check_figure
@@ -506,11 +543,13 @@ def plot_attention_sweep(points:list):
             axes[1].plot([p["seq_len"] for p in pts], [p["seconds"] * 1e3 for p in pts], style, **kw)
     axes[0].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB on rank 0",
                 title="peak memory of one attention call (measured)")
-    axes[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms", title="time of one attention call (median)")
+    axes[1].set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms",
+                title="time of one attention call (median)")
     lengths = sorted({p["seq_len"] for p in points})
     for ax in axes:
         ax.set_xticks(lengths, [str(n) for n in lengths]); ax.xaxis.set_minor_formatter(NullFormatter())
     handles, names = axes[0].get_legend_handles_labels()
     # the same lines in both panels
-    fig.legend(handles, names, loc="outside lower center", ncol=len(names) // 2 if len(names) > 4 else len(names), fontsize=9)
+    columns = len(names) // 2 if len(names) > 4 else len(names)
+    fig.legend(handles, names, loc="outside lower center", ncol=columns, fontsize=9)
     return check_figure(fig)
