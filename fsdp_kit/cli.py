@@ -278,7 +278,9 @@ def fsdp_config(a, **flags):
 def _cmd_hf(a):
     import time
     start = time.time()  # progress lines count from here
-    if a.run: return _cmd_hf_run(a, start)
+    if a.workflow: return _cmd_hf_run(a, start)
+    if run_only := [n for n in HF_READS[""] if n != "model" and getattr(a, n) is not None]:
+        raise KitError(f"{flag_of(run_only[0])} is read only with --run WORKFLOW: without it, hf shows the file as upstream reads it")
     from fsdp_kit.config import load_fsdp_config
     from fsdp_kit.hf import training_arguments, accelerate_config, accelerate_yaml, hf_worker
     from fsdp_kit.upstream import upstream_reading, FIELDS
@@ -300,7 +302,7 @@ def _cmd_hf(a):
             + upstream_text + "".join(f"note: {n}\n" for n in cfg.notes))
     if a.check:
         from fsdp_kit.launch import launch
-        out["check"] = launch(hf_worker, cfg, a.model, None if a.quiet else start, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
+        out["check"] = launch(hf_worker, cfg, a.model or "tiny", None if a.quiet else start, nprocs=a.nproc, launcher="torchrun", timeout=a.timeout)
         text += "\n".join(out["check"][k]["verdict"] for k in ("accelerate", "trainer", "kit"))
     emit(out, a.json, text.rstrip())
 
@@ -322,15 +324,19 @@ def check_upstream_can_run(path: str, workflow: str):
         raise err
 
 
+def hf_run_spec(a):
+    "The HFRunSpec `fsdp-kit hf --run WORKFLOW` runs: the workflow on --fsdp-config's file (trainer: with the kit's recipe beside it)."
+    spec = command_spec("hf", a, fsdp_file=None)
+    return replace(spec, fsdp_config=a.fsdp_config, check_parity=spec.workflow == "trainer").check()
+
+
 def _cmd_hf_run(a, start: float):
     "fsdp-kit hf --run WORKFLOW: one Hugging Face workflow on --nproc ranks (trainer, native: torchrun; sft, qlora: accelerate launch)."
-    from fsdp_kit.hf_run import HFRunSpec, run_workflow
-    from fsdp_kit.spec import StepSpec
+    from fsdp_kit.hf_run import run_workflow
     if a.check:
         raise KitError("--check and --run: pick one (--check compares accelerate, the Trainer and the kit; --run runs one workflow)")
     check_out_dir("--out", a.out)
-    spec = HFRunSpec(workflow=a.run, fsdp_config=a.fsdp_config, out=a.out, model=a.model, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
-                     step=StepSpec(lr=a.lr), seed=a.seed, check_parity=a.run == "trainer").check()
+    spec = hf_run_spec(a)
     if spec.workflow != "native": check_upstream_can_run(spec.config_path(), spec.workflow)  # native never reads it
     r = run_workflow(spec, nproc=a.nproc, timeout=a.timeout, progress_from=None if a.quiet else start)
     text = (f"{r.workflow}: {'FSDP2 on every rank' if r.sharded else 'NOT sharded'} ({r.fsdp_units} FSDP units, {r.param_type} parameters, "
@@ -341,26 +347,26 @@ def _cmd_hf_run(a, start: float):
                  f"{len(r.parity['units'])} units")
     if r.resume: text += f"\nresumed from {r.resume['checkpoint']}: max loss difference {r.resume['max_diff']:.1e}"
     text += "".join(f"\nnote: {n}" for n in r.notes) + f"\n{r.seconds} s"
-    text += (f"\nthe run's files are in {a.out}" if a.out
+    text += (f"\nthe run's files are in {spec.out}" if spec.out
              else "\nthe run's files were in a temporary folder, removed at exit (--out DIR keeps them)")
     emit(asdict(r), a.json, text)
 
 
+def doctor_spec(a):
+    "The DoctorSpec `fsdp-kit doctor` runs: the twin of --model with --fsdp-config, on --nproc ranks within --timeout."
+    spec = command_spec("doctor", a, fsdp_file=None)
+    return replace(spec, fsdp_config=a.fsdp_config, nproc=a.nproc, timeout=a.timeout)
+
+
 def _cmd_doctor(a):
     "fsdp-kit doctor: the twin of --model run with --fsdp-config through the file's entry point, and the twelve checks."
-    from fsdp_kit.doctor import DoctorSpec, doctor, report_text, exit_status
-    from fsdp_kit.spec import StepSpec, LoraSpec
-    from fsdp_kit.config import FSDPConfig
+    from fsdp_kit.doctor import doctor, report_text, exit_status
     check_out_dir("--out", a.out)
-    lora = None if a.quant_storage is None else LoraSpec(base_dtype="nf4", quant_storage=a.quant_storage)  # None: bitsandbytes' uint8
-    fsdp = None if a.mixed_precision is None else FSDPConfig(mixed_precision=a.mixed_precision)  # a JSON's TrainingArguments bf16/fp16
-    spec = DoctorSpec(model=a.model, fsdp_config=a.fsdp_config, method=a.method, lora=lora, fsdp=fsdp, dtype=a.dtype,
-                      step=StepSpec(gradient_checkpointing=a.gradient_checkpointing), kbit_prepare=a.kbit_prepare, nproc=a.nproc,
-                      steps=a.steps, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb, seed=a.seed, timeout=a.timeout, out=a.out)
+    spec = doctor_spec(a)
     import time
     r = doctor(spec, say=(lambda line: None) if a.quiet else lambda line: print(line, file=sys.stderr, flush=True),
                progress_from=time.time())
-    emit(r, a.json, report_text(r) + (f"\nthe twin, its run and its log are in {a.out}" if a.out else ""))
+    emit(r, a.json, report_text(r) + (f"\nthe twin, its run and its log are in {spec.out}" if spec.out else ""))
     status = exit_status(r, a.strict)
     if status:
         raise CheckFailed(f"{'a check failed' if any(c['status'] == 'FAIL' for c in r['checks']) else 'a WARN under --strict'} (exit 1)")
@@ -826,7 +832,12 @@ QLORA_READS = {"": ("model", "steps", "batch", "seq_len", "seed", "autocast", "l
                "lora": ("r", "quant_storage"), "fsdp": ("mixed_precision",)}
 CP_READS = {"": ("model", "seq_len", "batch", "seed", "sp", "rotate", "mask", "gather"), "mesh": ("dp_shard", "cp"),
             "fsdp": tuple(f for f in FSDP_SETTINGS if f not in ("state_dict_type", "cpu_ram_efficient_loading", "layout"))}
-READS = {"train": TRAIN_READS, "mesh": MESH_READS, "compare": COMPARE_READS, "qlora": QLORA_READS, "cp-eval": CP_READS}
+HF_READS = {"": ("workflow", "model", "steps", "batch", "seq_len", "lr", "seed", "out")}  # the user's file: --fsdp-config
+DOCTOR_READS = {"": ("model", "method", "quant_storage", "mixed_precision", "dtype", "gradient_checkpointing", "kbit_prepare", "steps",
+                     "gpus", "gpu_mem_gb", "seed", "out")}  # the user's file: --fsdp-config; nproc and timeout: the launch's options
+READS = {"train": TRAIN_READS, "mesh": MESH_READS, "compare": COMPARE_READS, "qlora": QLORA_READS, "cp-eval": CP_READS,
+         "hf": HF_READS, "doctor": DOCTOR_READS}
+REQUIRED = {"doctor": ("model",)}  # fields a command cannot start without
 
 
 def base_spec(command: str):
@@ -837,7 +848,10 @@ def base_spec(command: str):
     from fsdp_kit.cp import CPSpec
     from fsdp_kit.spec import RunSpec, StepSpec
     from fsdp_kit.mesh import MeshSpec
-    bases = {"train": TrainSpec, "mesh": RunSpec, "compare": lambda: CompareSpec("small", batch=2, steps=3),  # 3 timed steps each
+    from fsdp_kit.hf_run import HFRunSpec
+    from fsdp_kit.doctor import DoctorSpec
+    bases = {"train": TrainSpec, "mesh": RunSpec, "hf": lambda: HFRunSpec(workflow=None, batch=2, seq_len=32),
+             "doctor": lambda: DoctorSpec(None, fsdp_config=None, steps=2), "compare": lambda: CompareSpec("small", batch=2, steps=3),  # 3 timed steps each
              "qlora": lambda: QLoRASpec(lora=nf4(), step=StepSpec(lr=1e-2)),
              "cp-eval": lambda: CPSpec(seq_len=128, steps=1, mesh=MeshSpec(cp=2))}  # an evaluation is one forward pass
     return bases[command]()
@@ -850,6 +864,13 @@ def command_spec(command: str, a, fsdp_file: str = "file"):
 
 
 FILE_HELP = "a transformers fsdp_config .json or an accelerate .yaml"
+HF_OPTIONS = (("--fsdp-config", dict(required=True, metavar="FILE", help=FILE_HELP + " (required)")),
+              ("--check", dict(action="store_true", help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report "
+                                                         "what each did")))
+DOCTOR_OPTIONS = (("--fsdp-config", dict(required=True, metavar="FILE", help="your accelerate .yaml (run with accelerate launch) or "
+                                         "transformers fsdp_config .json (run with TrainingArguments) (required)")),
+                  ("--strict", dict(action="store_true", help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on "
+                                                              "the doctor)")))
 COMPARE_OPTIONS = (("--fsdp-config", dict(metavar="FILE", help=f"run this config ({FILE_HELP}) instead of --policies x --reshard")),
                    ("--plot", dict(metavar="PNG", help="write the comparison plot here")))
 QLORA_OPTIONS = (("--fsdp-config", dict(metavar="FILE", help=f"shard with this config ({FILE_HELP}); its mixed_precision gives way to the "
@@ -864,7 +885,8 @@ def spec_flags(s, command: str):
     base = base_spec(command)
     for section, names in READS[command].items():
         kind = type(base) if section == "" else SECTIONS[section]
-        add_flags(s, GROUPS[section], kind, names, base if section == "" else getattr(base, section) or kind())
+        add_flags(s, GROUPS[section], kind, names, base if section == "" else getattr(base, section) or kind(),
+                  REQUIRED.get(command, ()))
     if command == "train":
         from fsdp_kit.checkpoint import CheckpointSpec
         add_flags(s, "checkpoint", CheckpointSpec, CKPT_READS, None)
@@ -912,50 +934,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--job-name", default="fsdp-kit", help="#SBATCH --job-name")
     s.add_argument("args", nargs=argparse.REMAINDER, help="-- then the fsdp-kit command each node runs, e.g. -- train --steps 100")
     s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
-    s.add_argument("--fsdp-config", required=True, help="a transformers fsdp_config .json or an accelerate .yaml")
-    s.add_argument("--check", action="store_true",
-                   help="run accelerator.prepare, a Trainer and the kit on --nproc processes and report what each did")
-    s.add_argument("--model", default="tiny", help="preset (tiny, small) or path to a config.json, for --check and --run")
-    s.add_argument("--run", metavar="WORKFLOW", help="run one Hugging Face workflow on --nproc ranks with this file: "
-                   "trainer (Trainer + TrainingArguments), sft / qlora (accelerate launch examples/sft_lora.py, stopped after 600 s in "
-                   "all), "
-                   "native (DistributedConfig)")
-    s.add_argument("--steps", type=int, default=10, help="with --run: optimizer steps")
-    s.add_argument("--batch", type=int, default=2, help="with --run: sequences per rank per step")
-    s.add_argument("--seq-len", type=int, default=32, help="with --run: tokens per sequence")
-    s.add_argument("--lr", type=float, default=3e-3, help="with --run: learning rate (AdamW, constant)")
-    s.add_argument("--seed", type=int, default=0, help="with --run: seed for the weights and the data")
-    s.add_argument("--out", metavar="DIR",
-                   help="with --run: folder for the base model, the saved model or adapter, checkpoints and logs (default: a temporary "
-                        "folder)")
+    spec_flags(s, "hf")
+    options(s, HF_OPTIONS)
     s = add("doctor", _cmd_doctor,
             "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
             "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, each with its reason "
             "and fix")
     s.set_defaults(timeout=300)
-    s.add_argument("--model", required=True,
-                   help="your model's config.json (or the folder holding it): the twin keeps its architecture and shrinks its sizes")
-    s.add_argument("--fsdp-config", required=True,
-                   help="your accelerate .yaml (run with accelerate launch) or transformers fsdp_config .json (run with TrainingArguments)")
-    s.add_argument("--method", default="full", choices=None, help="full, lora or qlora")
-    s.add_argument("--quant-storage", default=None,
-                   help="qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); default: bitsandbytes' own, uint8")
-    s.add_argument("--mixed-precision", default=None,
-                   help="a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)")
-    s.add_argument("--dtype", default=None,
-                   help="the dtype from_pretrained loads in: float32, bfloat16, float16 (default: bfloat16 for lora/qlora under bf16, else "
-                        "float32)")
-    s.add_argument("--gradient-checkpointing", action="store_true",
-                   help="your script turns on the Trainer's checkpointing (TrainingArguments activation_checkpointing / "
-                        "gradient_checkpointing)")
-    s.add_argument("--kbit-prepare", action="store_true", help="qlora: your script calls peft's prepare_model_for_kbit_training")
-    s.add_argument("--steps", type=int, default=2, help="optimizer steps of the twin")
-    s.add_argument("--gpus", type=int, default=None,
-                   help="your GPUs in all, for the planner's per-GPU peak of your real model (with --gpu-mem-gb)")
-    s.add_argument("--gpu-mem-gb", type=float, default=None, help="memory of one of your GPUs, GB")
-    s.add_argument("--seed", type=int, default=0, help="seed of the twin's weights and data")
-    s.add_argument("--out", metavar="DIR", help="folder for the twin, its run and its log (default: a temporary folder)")
-    s.add_argument("--strict", action="store_true", help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on the doctor)")
+    spec_flags(s, "doctor")
+    options(s, DOCTOR_OPTIONS)
     s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
     s.add_argument("dir", metavar="DIR", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
     s.add_argument("--to-full", dest="out", metavar="OUT",

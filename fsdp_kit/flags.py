@@ -11,12 +11,12 @@ __all__ = ['FLAG_NAMES', 'BARE', 'OLD_FLAGS', 'OLD_VALUES', 'flag_of', 'field_do
 # %% ../nbs/01c_flags.ipynb #011f2753
 import argparse, functools, sys
 from dataclasses import fields, is_dataclass, replace, MISSING
-from .errors import bad_value
+from .errors import KitError, bad_value
 
 # %% ../nbs/01c_flags.ipynb #ec9bec88
 # the one flag whose name is not its field's (--field-name); sections are flattened: a field's name is its flag
 FLAG_NAMES = {"ce_chunks": "--chunked-ce", "r": "--lora-r", "targets": "--lora-targets", "dir": "--ckpt", "overwrite": "--overwrite-ckpt",
-              "state_dict": "--state-dict"}
+              "state_dict": "--state-dict", "workflow": "--run"}
 BARE = {"ce_chunks": "8"}  # a flag given without a value: --chunked-ce alone is 8 chunks (torchtune's CEWithChunkedOutputLoss)
 # old spellings, kept for one release: old flag -> (field, the value a switch stands for, or None: the flag takes the value)
 OLD_FLAGS = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", "true"),
@@ -72,7 +72,7 @@ def _word(value) -> str:
     "A value as the command line spells it: true, false, names as they are."
     return str(value).lower() if isinstance(value, bool) else str(value)
 
-def add_flags(parser, title:str, cls, names, base):
+def add_flags(parser, title:str, cls, names, base, required=()):
     "An argument group `title`: a flag for each field of `cls` in `names`, its help the field's comment, its default `base`'s value."
     g = parser.add_argument_group(title)
     for name in names:
@@ -81,7 +81,9 @@ def add_flags(parser, title:str, cls, names, base):
         shown = (",".join(_word(v) for v in default) or "empty") if isinstance(default, list) else default
         olds = [old for old, (field, _) in OLD_FLAGS.items() if field == name]
         kw = dict(nargs="?", const="true") if kind is bool else dict(nargs="?", const=BARE[name]) if name in BARE else {}
-        g.add_argument(flag_of(name), dest=name, default=None, metavar=name.upper(), help=f"{doc} (default: {shown})", **kw)
+        if name in required: kw, doc = kw | dict(required=True), f"{doc} (required: no default)"
+        g.add_argument(flag_of(name), dest=name, default=None, metavar=name.upper(), help=doc + f" (default: {shown})" * (name not in required),
+                       **kw)
         for old in olds:
             const = OLD_FLAGS[old][1]
             extra = dict(nargs=0, action=_Old, const=const) if const is not None else dict(action=_Old)
@@ -120,14 +122,17 @@ def spec_from_flags(ns, base, reads:dict, sections:dict, fsdp_file:str=None, say
     from fsdp_kit.config import load_fsdp_config, override
     flat = {}
     for section, names in reads.items(): flat |= given(ns, type(base) if section == "" else sections[section], names)
-    changes = {}
+    own = field_docs(type(base))
+    changes = {k: flat.pop(k) for k in list(flat) if k in own and k not in sections}  # `base`'s own fields first (HFRunSpec.lr)
     for section, kind in sections.items():
+        if section not in own: continue  # a spec without this section (EntrySpec's labs)
         mine = {k: flat.pop(k) for k in list(flat) if k in field_docs(kind)}
-        if section == "fsdp" and (mine or fsdp_file):
+        if section == "fsdp" and (mine or fsdp_file and "fsdp" in reads):  # a lab with no FSDP section never reads the file here
             read = load_fsdp_config(fsdp_file) if fsdp_file else base.config
             changes["fsdp"] = override(read, **mine)  # each given field checked; a file's activation_checkpointing true kept
             for k, v in mine.items():
                 if fsdp_file and v != getattr(read, k): say(f"note: {flag_of(k)} {v} overrides {k}={getattr(read, k)!r} from {fsdp_file}")
             for note in changes["fsdp"].notes if fsdp_file else (): say(f"  {note}")
         elif mine: changes[section] = replace(getattr(base, section) or kind(), **mine)
-    return replace(base, **changes, **flat)  # what is left: `base`'s own fields
+    if flat: raise KitError(f"{flag_of(next(iter(flat)))} is no setting of {type(base).__name__}")  # a READS table naming a stray field
+    return replace(base, **changes)

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/spec.html.md"""
 
 # %% auto #0
 __all__ = ['STEP_PRECISIONS', 'QUANT_STORAGES', 'BASE_DTYPES', 'SECTIONS', 'StepSpec', 'LoraSpec', 'RunSpec', 'not_a_field',
-           'accelerate_precision']
+           'accelerate_precision', 'EntrySpec']
 
 # %% ../nbs/01b_spec.ipynb #4f4d60ee
 from dataclasses import dataclass, field, fields, KW_ONLY
@@ -139,7 +139,7 @@ SECTIONS = dict(mesh=MeshSpec, fsdp=FSDPConfig, step=StepSpec, lora=LoraSpec)  #
 def not_a_field(cls, name:str, value) -> KitError:
     "The error for `cls(name=value)` where `name` is no field of `cls`: the section it lives in now, or the fields there are."
     for section, kind in SECTIONS.items():
-        if name in {f.name for f in fields(kind)}:
+        if name in {f.name for f in fields(kind)} and section in {f.name for f in fields(cls)}:
             return KitError(f"{name}={value!r} is not a field of {cls.__name__}: it lives in the {section} section, as {section}.{name}: "
                             f"{cls.__name__}({section}={kind.__name__}({name}={value!r}))")
     return KitError(f"{name}={value!r} is not a field of {cls.__name__}: its fields are "
@@ -155,3 +155,29 @@ def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spel
     name = "no" if name == "fp32" else name  # computing in fp32 is no mixed precision
     if name not in MIXED_PRECISION: raise bad_value(field, value, "no, bf16 or fp16 (accelerate's names for the compute dtype)")
     return name
+
+# %% ../nbs/01b_spec.ipynb #cd1d579c
+@dataclass(frozen=True)
+class EntrySpec:
+    "A lab that runs upstream's own entry point (the Trainer, `accelerate launch`): the model and seed; each lab adds what it reads."
+    model:str="tiny" # preset name (tiny, small) or config.json path
+    _:KW_ONLY
+    seed:int=0 # seed for weights and data
+
+    def __new__(cls, *args, **kwargs):
+        "Refuse a keyword that is not a field as a KitError naming the fields there are (a section: not one of them)."
+        names = {f.name for f in fields(cls)}
+        if unknown := [k for k in kwargs if k not in names]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
+        return super().__new__(cls)
+
+    def check(self, world_size:int=None): # processes that will run it (upstream's entry point checks its own sizes)
+        "Refuse a model or seed that cannot run, naming the field; return the spec, unchanged."
+        require_model("model", self.model), require_seed("seed", self.seed)
+        return self
+
+    checked = RunSpec.checked
+
+    @classmethod
+    def from_dict(cls, d:dict): # `dataclasses.asdict` of a spec of this class
+        "The spec `asdict` gave."
+        return cls(**d)

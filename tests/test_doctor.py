@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 from fsdp_kit.config import EXAMPLES
 from fsdp_kit.doctor import DoctorSpec, doctor, CHECKS, STATUSES, exit_status
-from fsdp_kit.spec import StepSpec
 from fsdp_kit.versions import LIBS
 
 HERE = Path(__file__).parent / "doctor"
@@ -79,7 +78,7 @@ def test_strict_fails_on_a_warn_only_report(healthy_run):
 
 def test_checkpointing_twice_fails():
     "transformers' Trainer refuses FSDP's activation_checkpointing together with its own activation_checkpointing argument."
-    s = statuses(model=QWEN, fsdp_config=HEALTHY, step=StepSpec(gradient_checkpointing=True), dtype="bfloat16")
+    s = statuses(model=QWEN, fsdp_config=HEALTHY, gradient_checkpointing=True, dtype="bfloat16")
     assert s["activation_checkpointing"][0] == "FAIL" and "can't both be set" in s["activation_checkpointing"][1]
     # loaded in the checkpoint's own dtype, transformers maps the safetensors file: every rank reads it, none copies it
     assert s["loading"][0] == "PASS" and "no rank copies the weights" in s["loading"][1]

@@ -5,10 +5,8 @@ SIZE_BASED_WRAP above every layer, a bf16 load without mixed precision and the i
 SIZE_BASED_WRAP selecting model.layers (the crash, its cause, the fix the doctor ran, the progress lines) is 12_doctor's crash run."""
 import subprocess, sys
 import pytest
-from fsdp_kit.spec import LoraSpec
 from tests.test_doctor import statuses, QWEN, LLAMA, HERE
 
-BF16_NF4 = LoraSpec(base_dtype="nf4", quant_storage="bfloat16")  # --quant-storage bfloat16
 
 pytestmark = pytest.mark.timeout(400)
 QLORA_BF16 = str(HERE / "qlora_bf16.yaml")  # FSDP2, mixed_precision bf16, FULL_STATE_DICT
@@ -16,14 +14,14 @@ QLORA_BF16 = str(HERE / "qlora_bf16.yaml")  # FSDP2, mixed_precision bf16, FULL_
 
 def test_kbit_prepare_upcasts_the_frozen_base():
     "peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32: bf16 storage no longer matches the rest."
-    s = statuses(model=LLAMA, fsdp_config=QLORA_BF16, method="qlora", lora=BF16_NF4, kbit_prepare=True)
+    s = statuses(model=LLAMA, fsdp_config=QLORA_BF16, method="qlora", quant_storage="bfloat16", kbit_prepare=True)
     assert s["frozen_base"][0] == "FAIL" and "upcast" in s["frozen_base"][1] and "bfloat16 to float32" in s["frozen_base"][1]
     assert s["quant_storage"][0] == "FAIL" and "float32" in s["quant_storage"][1]
 
 
 def test_qlora_with_matching_storage_passes():
     "bf16 storage with a bf16 base: accelerate shards the packed weights and leaves them byte for byte; the adapter saved FULL loads."
-    s = statuses(model=LLAMA, fsdp_config=QLORA_BF16, method="qlora", lora=BF16_NF4)
+    s = statuses(model=LLAMA, fsdp_config=QLORA_BF16, method="qlora", quant_storage="bfloat16")
     assert (s["quant_storage"][0], s["frozen_base"][0], s["saving"][0]) == ("PASS", "PASS", "PASS"), s
     assert ("identical before and after fully_shard and after a step" in s["quant_storage"][1]
             and "PeftModel.from_pretrained" in s["saving"][1])

@@ -22,6 +22,12 @@ VALUES = {
                     "--quant-storage": "float32", "--mixed-precision": "bf16"},
     "cp-eval": {k: v for k, v in (RUN | FSDP).items() if k not in ("--steps", "--layout")}
                | {"--sp": "2", "--rotate": "alltoall", "--mask": "none", "--gather": "false", "--dp-shard": "1", "--cp": "4"}}
+VALUES |= {"hf": {"--run": "sft", "--model": "small", "--steps": "3", "--batch": "4", "--seq-len": "64", "--lr": "0.01", "--seed": "1",
+                  "--out": "o"},
+           "doctor": {"--model": "other.json", "--method": "lora", "--quant-storage": "bfloat16", "--mixed-precision": "bf16",
+                      "--dtype": "bfloat16", "--gradient-checkpointing": None, "--kbit-prepare": None, "--steps": "3", "--gpus": "8",
+                      "--gpu-mem-gb": "80", "--seed": "1", "--out": "o"}}
+NEEDS = {"hf": ["--fsdp-config", "x.json"], "doctor": ["--model", "m.json", "--fsdp-config", "x.yaml"]}  # what the command requires
 CKPT = {"--ckpt": "{tmp}/other", "--save-every": "2", "--state-dict": "full", "--resume": None, "--overwrite-ckpt": None, "--keep": "3"}
 
 
@@ -34,7 +40,7 @@ def spec_flags_shown(command: str) -> list:
 
 
 def _argv(command: str, flags: list, tmp_path) -> argparse.Namespace:
-    return parser().parse_args([command, *[str(f).replace("{tmp}", str(tmp_path)) for f in flags]])
+    return parser().parse_args([command, *NEEDS.get(command, []), *[str(f).replace("{tmp}", str(tmp_path)) for f in flags]])
 
 
 @pytest.mark.parametrize("command", sorted(READS))
@@ -59,11 +65,12 @@ def test_every_checkpoint_flag_changes_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("command, flag", [("train", "--state-dict-type"), ("qlora", "--cpu-offload"), ("compare", "--ac"),
-                                           ("cp-eval", "--state-dict-type"), ("mesh", "--model")])
+                                           ("cp-eval", "--state-dict-type"), ("mesh", "--model"), ("hf", "--cpu-offload"),
+                                           ("doctor", "--lora-r")])
 def test_a_field_the_command_does_not_read_is_not_shown(command, flag, capsys):
     "Typing it is an unknown option (exit 2), not a flag shown only to be refused."
     assert flag not in spec_flags_shown(command)
-    with pytest.raises(SystemExit) as e: parser().parse_args([command, flag, "x"])
+    with pytest.raises(SystemExit) as e: parser().parse_args([command, *NEEDS.get(command, []), flag, "x"])
     assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 

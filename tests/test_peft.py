@@ -8,16 +8,14 @@ pytestmark = pytest.mark.timeout(180)
 def test_bad_settings_are_refused_naming_the_field():
     from fsdp_kit.errors import KitError
     from fsdp_kit.peft_guide import PeftSpec, method_config
-    from fsdp_kit.spec import StepSpec
-    from fsdp_kit.mesh import MeshSpec
     for kw, start in ((dict(steps=0), "steps=0 is not allowed: a whole number >= 1"),
-                      (dict(step=StepSpec(lr=-1.0)), "lr=-1.0 is not allowed: a finite number > 0"),
-                      (dict(mesh=MeshSpec(cp=2)), "cp=2 is not allowed: 1 (what PeftSpec runs)"),
+                      (dict(lr=-1.0), "lr=-1.0 is not allowed: a finite number > 0"),
                       (dict(best_max_steps=3), "best_max_steps=3 is not allowed: a whole number >= 4"),
                       (dict(seed=-1), "seed=-1 is not allowed: a whole number in 0 .. 4294967295")):
         with pytest.raises(KitError) as e: PeftSpec(**kw).check()
         assert str(e.value).startswith(start)
-    assert PeftSpec(steps=3, step=StepSpec(lr=1e-2)).check() == PeftSpec(steps=3, step=StepSpec(lr=1e-2))  # the guide's own
+    assert PeftSpec(steps=3, lr=1e-2).check() == PeftSpec(steps=3, lr=1e-2)  # the guide's own
+    with pytest.raises(TypeError): PeftSpec(mesh=None)  # no mesh, FSDP or LoRA section: each method carries its own
     with pytest.raises(KitError) as e: method_config("qlora")  # refused before peft is imported (this process must stay forkable)
     assert str(e.value) == ("method='qlora' is not allowed: one of lora, dora, modules_to_save, prompt_tuning, prefix_tuning, "
                             "adaption_prompt")
