@@ -1,4 +1,4 @@
-"""Sharded or full checkpoints, published by a rename, resumed bit for bit at the same or another world size; LoRA adapters saved whole.
+"""Sharded or full checkpoints, published by a rename, resumed bit for bit at the same or another world size.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/checkpoint.html.md"""
 
@@ -44,14 +44,17 @@ class CheckpointSpec:
 
     def check(self) -> "CheckpointSpec":
         "Refuse settings that cannot work, naming the field; create the folder, check it is writable; return the spec."
-        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir): raise bad_value("ckpt", self.dir, "a folder path")
+        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
+            raise bad_value("ckpt", self.dir, "a folder path")
         for name in ("resume", "overwrite"):
             if not isinstance(getattr(self, name), bool): raise bad_value(name, getattr(self, name), "True or False")
         if self.resume and self.overwrite:
-            raise bad_value("overwrite", True, "False with resume=True: resuming continues the checkpoints in ckpt, "
-                            "overwrite replaces them")
-        if Path(self.dir).exists() and not Path(self.dir).is_dir(): raise bad_value("ckpt", str(self.dir), "a folder (this is a file)")
-        if self.kind is None: raise bad_value("state_dict", self.state_dict, "sharded or full (SHARDED_STATE_DICT or FULL_STATE_DICT)")
+            why = "resuming continues the checkpoints in ckpt, overwrite replaces them"
+            raise bad_value("overwrite", True, f"False with resume=True: {why}")
+        if Path(self.dir).exists() and not Path(self.dir).is_dir():
+            raise bad_value("ckpt", str(self.dir), "a folder (this is a file)")
+        if self.kind is None:
+            raise bad_value("state_dict", self.state_dict, "sharded or full (SHARDED_STATE_DICT or FULL_STATE_DICT)")
         for name, low in (("save_every", 0), ("keep", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -60,24 +63,31 @@ class CheckpointSpec:
         if not (self.resume or self.overwrite): refuse_other_runs(self.dir)
         return self
 
+# %% ../nbs/07_checkpoint.ipynb #8b0a4fba
 def other_runs(dir) -> list:
-    "The checkpoint folders (step-NNNNNN, complete or not) already in `dir`, oldest first: a run that does not resume would mix with them."
+    "The checkpoint folders (step-NNNNNN, complete or not) already in `dir`, oldest first."
     return sorted(p.name for p in Path(dir).glob("step-*") if p.is_dir()) if Path(dir).is_dir() else []
 
-def refuse_other_runs(dir, resume:str="resume=True", overwrite:str="overwrite=True"): # how the caller spells the two ways on
+def refuse_other_runs(dir, # the checkpoint folder
+                      resume:str="resume=True", # how the caller spells resuming
+                      overwrite:str="overwrite=True" # how the caller spells replacing
+                     ):
     "Refuse a new run in a folder that holds another run's checkpoints, naming them and the two ways on."
     if not (held := other_runs(dir)): return
     shown = ", ".join(held) if len(held) <= 4 else f"{held[0]} ... {held[-1]}"
-    raise KitError(f"ckpt={str(dir)!r} holds {len(held)} checkpoint(s) of another run ({shown}): a new run there would put its own "
-                   f"among them. Continue that run with {resume}, replace its checkpoints with {overwrite} (they are removed once "
-                   "this run saves its first), or choose another folder")
+    raise KitError(f"ckpt={str(dir)!r} holds {len(held)} checkpoint(s) of another run ({shown}): "
+                   f"a new run there would put its own among them. Continue that run with {resume}, "
+                   f"replace its checkpoints with {overwrite} (they are removed once this run saves its first), "
+                   "or choose another folder")
 
-_DIR_ERRORS = {errno.EACCES: "it is read-only", errno.EPERM: "it is read-only", errno.EROFS: "it is on a read-only file system",
+# %% ../nbs/07_checkpoint.ipynb #0121daeb
+_DIR_ERRORS = {errno.EACCES: "it is read-only", errno.EPERM: "it is read-only",
+               errno.EROFS: "it is on a read-only file system",
                errno.ENOTDIR: "a part of the path is a file, not a folder", errno.ELOOP: "it is a symlink loop",
                errno.EEXIST: "it is a symlink to nothing", errno.ENOSPC: "its disk is full"}
 
 def _dir_problem(dir) -> str:
-    "Create `dir` (parents too) and a probe file in it, then remove the probe: '' if that works, else why not and where."
+    "Create `dir` (parents too) and a probe file in it, then remove the probe: '' if that works, else why and where."
     probe = Path(dir)/f".probe-{os.getpid()}"
     try:
         Path(dir).mkdir(parents=True, exist_ok=True)
@@ -85,16 +95,20 @@ def _dir_problem(dir) -> str:
         probe.unlink()
         return ""
     except OSError as e:
-        if e.errno == errno.EEXIST and os.path.islink(dir):  # mkdir says "File exists" for a looping or dangling symlink
+        # mkdir says "File exists" for a looping or dangling symlink
+        if e.errno == errno.EEXIST and os.path.islink(dir):
             try: os.stat(dir)
             except OSError as loop: e = loop if loop.errno == errno.ELOOP else e
-        elif e.errno == errno.EEXIST: return f"it is a file, not a folder: {e.filename}"  # mkdir's "File exists" for a file in the way
+        # mkdir's "File exists" for a file in the way
+        elif e.errno == errno.EEXIST: return f"it is a file, not a folder: {e.filename}"
         return f"{_DIR_ERRORS.get(e.errno, (e.strerror or type(e).__name__).lower())}: {e.filename}"
 
 def _probe_dir(dir, field:str="ckpt"):
     "Refuse, naming `field`, a folder this process cannot create and write into (`_dir_problem`)."
-    if why := _dir_problem(dir): raise bad_value(field, str(dir), f"a folder this process can create and write into ({why})")
+    if why := _dir_problem(dir):
+        raise bad_value(field, str(dir), f"a folder this process can create and write into ({why})")
 
+# %% ../nbs/07_checkpoint.ipynb #ce38c0c4
 @contextmanager
 def lock_checkpoint_dir(dir):
     "Hold an exclusive lock on checkpoint folder `dir` (DIR/.lock, holding this pid) while the block runs."
@@ -130,17 +144,20 @@ def _files(folder:Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in ("manifest.json", ".lock")}
 
 # %% ../nbs/07_checkpoint.ipynb #87276a0e
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
 
 def _manifest_problem(m, folder:Path) -> str:
     "What is wrong with the manifest `m` itself ('' if nothing): its type, format, step, files table."
-    if not isinstance(m, dict): return f"its manifest.json is {_JSON_TYPES.get(type(m), type(m).__name__)}, not an object"
+    if not isinstance(m, dict):
+        return f"its manifest.json is {_JSON_TYPES.get(type(m), type(m).__name__)}, not an object"
     if m.get("format") != FORMAT: return f"its manifest says format {m.get('format')!r}, expected {FORMAT!r}"
     step, name = m.get("step"), Path(os.path.realpath(folder)).name
     if type(step) is not int: return f"its manifest has step {step!r}, not a whole number"
     if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) != step:
         return f"its manifest says step {step} but the folder is {name} (edited or moved?)"
-    if m.get("state_dict") not in STATE_DICT_TYPES: return f"its manifest says state_dict {m.get('state_dict')!r}, expected sharded or full"
+    if m.get("state_dict") not in STATE_DICT_TYPES:
+        return f"its manifest says state_dict {m.get('state_dict')!r}, expected sharded or full"
     if type(m.get("world_size")) is not int or m["world_size"] < 1:
         return f"its manifest has world_size {m.get('world_size')!r}, not a whole number >= 1"
     files = m.get("files")
@@ -149,11 +166,13 @@ def _manifest_problem(m, folder:Path) -> str:
                 else f"its manifest's 'files' is {_JSON_TYPES.get(type(files), type(files).__name__)}, not a table")
     if "trainer_state.pt" not in files: return "its manifest does not list trainer_state.pt"
     for rel, info in files.items():
-        if Path(rel).is_absolute() or ".." in Path(rel).parts: return f"its manifest names {rel!r}, outside the checkpoint"
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"its manifest names {rel!r}, outside the checkpoint"
         if not isinstance(info, dict) or type(info.get("bytes")) is not int or not isinstance(info.get("sha256"), str):
             return f"its manifest's entry for {rel} lacks bytes or sha256"
     return ""
 
+# %% ../nbs/07_checkpoint.ipynb #d6aa52df
 def _checked_manifest(folder:Path) -> tuple:
     "(the manifest in `folder`, or None where it is unusable; what is wrong with the checkpoint, [] if nothing)."
     manifest = folder/"manifest.json"
@@ -168,9 +187,10 @@ def _checked_manifest(folder:Path) -> tuple:
         p = folder/rel
         try:
             if not p.is_file(): problems.append(f"{rel} is missing")
-            elif p.stat().st_size != info["bytes"]:
-                problems.append(f"{rel} has {p.stat().st_size:,} bytes, its manifest says {info['bytes']:,} (truncated?)")
-            elif _sha256(p) != info["sha256"]: problems.append(f"{rel} does not match its SHA-256 in the manifest (altered after the save)")
+            elif (size := p.stat().st_size) != info["bytes"]:
+                problems.append(f"{rel} has {size:,} bytes, its manifest says {info['bytes']:,} (truncated?)")
+            elif _sha256(p) != info["sha256"]:
+                problems.append(f"{rel} does not match its SHA-256 in the manifest (altered after the save)")
         except OSError as e: problems.append(f"{rel} cannot be read ({e.strerror})")
     return m, problems
 
@@ -189,8 +209,8 @@ def list_checkpoints(root) -> list:
         m, problems = _checked_manifest(p)
         m = m if not problems else {}
         out.append(dict(name=p.name, step=int(p.name[5:]), ok=not problems, problems=problems, latest=p.name == latest,
-                        state_dict=m.get("state_dict"), world_size=m.get("world_size"), model=m.get("model"), run=m.get("run"),
-                        bytes=sum(f["bytes"] for f in m.get("files", {}).values())))
+                        state_dict=m.get("state_dict"), world_size=m.get("world_size"), model=m.get("model"),
+                        run=m.get("run"), bytes=sum(f["bytes"] for f in m.get("files", {}).values())))
     return out
 
 # %% ../nbs/07_checkpoint.ipynb #c84250a5
@@ -240,12 +260,13 @@ def _trainer_state(step:int, schedule) -> dict:
 
 # %% ../nbs/07_checkpoint.ipynb #c7311ab5
 def _run_of(folder:Path):
-    "The run that wrote checkpoint `folder`, as its manifest says (None: unreadable, or written before manifests named runs)."
+    "The run that wrote checkpoint `folder`, as its manifest says (None: unreadable, or from before runs were named)."
     m, _ = _manifest_or_why(folder)
     return m.get("run") if isinstance(m, dict) else None
 
+# %% ../nbs/07_checkpoint.ipynb #59cc74ed
 def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tuple=(), overwrite:bool=False):
-    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop this run's old checkpoints."
+    "Rank 0: write the manifest last, rename the folder into place, point `latest` at it, drop this run's old ones."
     manifest["files"] = _files(tmp)
     with open(tmp/"manifest.json", "w") as f:
         f.write(json.dumps(manifest, indent=1))
@@ -259,9 +280,11 @@ def _publish(root:Path, tmp:Path, name:str, manifest:dict, keep:int, broken:tupl
     os.replace(link, root/"latest")  # atomic: `latest` always names a complete checkpoint
     others = sorted(p for p in root.glob("step-*") if p.name != name)
     run, runs = manifest.get("run"), {p: _run_of(p) for p in others}  # each manifest read once
-    drop = [p for p in others if p.name in broken and runs[p] in (None, run)]  # failed to verify or load: not one of the `keep`
+    # failed to verify or load: not one of the `keep`
+    drop = [p for p in others if p.name in broken and runs[p] in (None, run)]
     own = [p for p in others if p not in drop and run and runs[p] == run]  # another run's are never rotated away
-    drop += [p for p in own if p.name > name]  # left by this run before it resumed from an earlier step: another history
+    # left by this run before it resumed from an earlier step: another history
+    drop += [p for p in own if p.name > name]
     older = [p for p in own if p.name < name]
     drop += older[:max(0, len(older) - (keep - 1))]
     if overwrite: drop += [p for p in others if p not in drop and p not in own]  # what overwrite=True said to replace
@@ -281,11 +304,13 @@ def _write_failure(e:BaseException) -> str:
     if not any(s in text for s in _TORCH_WRITER): return ""
     return "size" if _file_size_limit() is not None else "space"  # a limit set makes EFBIG the likelier cause
 
+# %% ../nbs/07_checkpoint.ipynb #d50faa68
 def _file_size_limit():
     "This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), or None where there is none."
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     return None if soft == resource.RLIM_INFINITY else soft
 
+# %% ../nbs/07_checkpoint.ipynb #2af72b86
 def _reraise_interrupt(e:BaseException) -> BaseException:
     "Return `e` if it is a failure to report; raise it again if it is an interrupt or an exit."
     if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)): raise e
@@ -297,6 +322,7 @@ def _error_text(e:BaseException) -> str:
     nested = [l for l in lines if l.split(":")[0].endswith(("Error", "Exception"))]
     return (nested[-1] if nested else f"{type(e).__name__}: {lines[0] if lines else ''}")[:300]
 
+# %% ../nbs/07_checkpoint.ipynb #45b4e4d6
 def _mount_of(path:Path) -> str:
     "The file system holding `path`: 'DEVICE at MOUNT' where /proc/mounts says, else the mount point."
     mount = Path(os.path.realpath(path))
@@ -306,8 +332,9 @@ def _mount_of(path:Path) -> str:
     except OSError: devices = []
     return f"{devices[-1]} at {mount}" if devices else str(mount)
 
+# %% ../nbs/07_checkpoint.ipynb #97ba674f
 def _need_bytes(root:Path, model, optim) -> int:
-    "About how many bytes a checkpoint takes: the newest readable manifest's total, else the model's and optimizer's tensors."
+    "Bytes a checkpoint takes, about: the newest readable manifest's total, else the model's and optimizer's tensors."
     import torch
     for folder in sorted(root.glob("step-*"), reverse=True):
         m, _ = _manifest_or_why(folder)
@@ -315,8 +342,9 @@ def _need_bytes(root:Path, model, optim) -> int:
     tensors = [*model.parameters(), *(v for s in optim.state.values() for v in s.values() if torch.is_tensor(v))]
     return sum(t.numel() * t.element_size() for t in tensors)
 
+# %% ../nbs/07_checkpoint.ipynb #c94f786e
 def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
-    "Run part of a save on every rank; if it fails on any, rank 0 removes `tmp` and every rank raises the same KitError."
+    "Run part of a save on every rank; if it fails on one, rank 0 removes `tmp` and every rank raises one KitError."
     import torch.distributed as dist
     try: fn(); error = None
     except BaseException as e: error = (_write_failure(_reraise_interrupt(e)), _error_text(e))
@@ -327,19 +355,20 @@ def _save_part(fn, root:Path, tmp:Path, name:str, model, optim):
         shutil.rmtree(tmp, ignore_errors=True)
         kinds = {kind for _, (kind, _) in failed}
         if not kinds - {""}:
-            return (f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; the checkpoints "
-                    "before it are intact")
+            return (f"saving checkpoint {name} in ckpt={str(root)!r} failed on rank {failed[0][0]}: {failed[0][1][1]}; "
+                    "the checkpoints before it are intact")
         need, free = _need_bytes(root, model, optim), shutil.disk_usage(root).free
         if "size" in kinds:
+            limit = (_file_size_limit() or 0) / 1e6
             return (f"a file of checkpoint {name} in ckpt={str(root)!r} outgrew this process's file-size limit "
-                    f"({(_file_size_limit() or 0) / 1e6:.1f} MB, "
-                    f"ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): raise the limit (ulimit -f unlimited) and "
-                    "run "
-                    "again; the checkpoints before it are intact")
-        return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} (needs about {need / 1e6:.1f} MB, "
-                f"{free / 1e6:.1f} MB free): free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
+                    f"({limit:.1f} MB, ulimit -f), not the disk ({free / 1e6:.1f} MB free on {_mount_of(root)}): "
+                    "raise the limit (ulimit -f unlimited) and run again; the checkpoints before it are intact")
+        return (f"no space left on {_mount_of(root)} for checkpoint {name} in ckpt={str(root)!r} "
+                f"(needs about {need / 1e6:.1f} MB, {free / 1e6:.1f} MB free): "
+                "free some space or point --ckpt at a larger disk; the checkpoints before it are intact")
     raise KitError(decide_on_rank0(message))
 
+# %% ../nbs/07_checkpoint.ipynb #478c6a38
 def save_checkpoint(root, # the checkpoint folder
                     step:int, # steps done
                     model, # the sharded model (a PeftModel's adapter is also saved whole, in peft's format)
@@ -348,19 +377,21 @@ def save_checkpoint(root, # the checkpoint folder
                     kind:str="sharded", # "sharded" or "full"
                     keep:int=2, # complete checkpoints of this run to keep
                     info:dict=None, # more to record in the manifest (model name, LoRA rank...)
-                    broken:tuple=(), # names of checkpoints in `root` that failed to verify or load: removed, never counted in `keep`
+                    broken:tuple=(), # checkpoints in `root` that failed to verify or load: removed, never in `keep`
                     run:str=None, # the run saving: only its own older checkpoints are rotated away (None: none is)
-                    overwrite:bool=False # also remove every other run's checkpoint in `root` (`CheckpointSpec.overwrite`)
+                    overwrite:bool=False # also remove other runs' checkpoints in `root` (`CheckpointSpec.overwrite`)
                    ) -> Path:
     "Save a checkpoint of `step` into `root` atomically (every rank calls this); return its folder."
     import torch, torch.distributed as dist
     root, name, rank = Path(root), step_name(step), dist.get_rank()
     tmp = root/f".tmp-{name}"
-    together = lambda fn: _save_part(fn, root, tmp, name, model, optim)  # a failure on any rank: the same KitError on every rank
+    # a failure on any rank: the same KitError on every rank
+    together = lambda fn: _save_part(fn, root, tmp, name, model, optim)
     def prepare():
         if rank != 0: return
         root.mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob(".tmp-*"), *root.glob(".trash-*")]: shutil.rmtree(stale, ignore_errors=True)  # left by a killed save
+        # left by a killed save
+        for stale in [*root.glob(".tmp-*"), *root.glob(".trash-*")]: shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     together(prepare)
     together(lambda: _save_model_optim(tmp, model, optim, kind))
@@ -371,8 +402,8 @@ def save_checkpoint(root, # the checkpoint folder
     def publish():
         if rank != 0: return
         torch.save(state, tmp/"trainer_state.pt")
-        manifest = dict(format=FORMAT, step=step, state_dict=kind, world_size=dist.get_world_size(), saved_at=time.time(), run=run,
-                        **(info or {}))
+        manifest = dict(format=FORMAT, step=step, state_dict=kind, world_size=dist.get_world_size(),
+                        saved_at=time.time(), run=run, **(info or {}))
         _publish(root, tmp, name, manifest, keep, broken, overwrite)
     together(publish)
     return root/name
@@ -390,7 +421,8 @@ def _full_weights(folder:Path, model) -> dict:
         plain = plain_key(key)
         if "lora_" in key: out[key] = adapter[key.replace(".default.", ".")]
         elif plain in saved: out[key] = saved[plain]
-        elif tied and plain.endswith("lm_head.weight"): out[key] = next(v for k, v in saved.items() if k.endswith("embed_tokens.weight"))
+        elif tied and plain.endswith("lm_head.weight"):
+            out[key] = next(v for k, v in saved.items() if k.endswith("embed_tokens.weight"))
         else: raise KitError(f"{folder} has no tensor {plain!r}: it was saved from another model")
     return out
 
@@ -402,21 +434,24 @@ def _on_every_rank(fn, what:str):
     except BaseException as e: out, error = None, _error_text(_reraise_interrupt(e))
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    if failed := [(r, e) for r, e in enumerate(errors) if e]: raise KitError(f"{what} (rank {failed[0][0]}: {failed[0][1]})")
+    if failed := [(r, e) for r, e in enumerate(errors) if e]:
+        raise KitError(f"{what} (rank {failed[0][0]}: {failed[0][1]})")
     return out
 
+# %% ../nbs/07_checkpoint.ipynb #c2d89027
 def load_checkpoint(folder, # a checkpoint folder (step-NNNNNN)
                     model, # the sharded model to load into
                     optim, # its optimizer
                     schedule # its learning-rate schedule
                    ) -> dict:
-    "Load model, optimizer, schedule and this rank's RNG state from `folder` (every rank calls this); return its manifest."
+    "Load model, optimizer, schedule and this rank's RNG state from `folder` (on every rank); return its manifest."
     import torch, torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_state_dict, set_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict, StateDictOptions)
     folder, rank = Path(folder), dist.get_rank()
-    def read():  # every rank its own files, before any collective: a rank that fails here cannot strand the others in one
+    # every rank its own files, before any collective: a rank that fails here cannot strand the others in one
+    def read():
         manifest = json.loads((folder/"manifest.json").read_text())
         trainer = torch.load(folder/"trainer_state.pt", weights_only=False)
         if manifest["state_dict"] == "sharded":
@@ -449,25 +484,29 @@ def _check_same_run(manifest:dict, info:dict, folder:Path):
             if key in manifest and manifest[key] != value:  # older checkpoints have no fingerprint: not refused for it
                 was = manifest[key].get("parameters") if isinstance(manifest[key], dict) else None
                 was = f"{was:,}" if isinstance(was, int) else "?"
-                raise KitError(f"--resume: ckpt={str(folder.parent)!r} holds {folder.name}, written for a model of other parameter shapes "
-                               f"({was} parameters; model={info.get('model')!r} now has {value['parameters']:,}): "
-                               "its config changed since. Resume with the config the run started with, or point --ckpt at a new folder")
+                raise KitError(f"--resume: ckpt={str(folder.parent)!r} holds {folder.name}, written for a model "
+                               f"of other parameter shapes ({was} parameters; model={info.get('model')!r} now has "
+                               f"{value['parameters']:,}): its config changed since. Resume with the config the run "
+                               "started with, or point --ckpt at a new folder")
         elif manifest.get(key) != value:
             raise bad_value(key, value, f"{manifest.get(key)!r}, as the checkpoint {folder} was written with",
                             "Resume with the settings the run started with, or point --ckpt at a new folder")
 
+# %% ../nbs/07_checkpoint.ipynb #c760860e
 def model_shape(model:str) -> dict:
-    "A fingerprint of `model`'s parameters: SHA-256 of every name and shape (built on the meta device), and their count."
+    "A fingerprint of `model`'s parameters: SHA-256 of every name and shape (built on the meta device), their count."
     import torch
     built = build_model(model_config(model), device="meta")
     shapes = [(name, list(p.shape)) for name, p in built.named_parameters()]
-    return dict(sha256=hashlib.sha256(json.dumps(shapes).encode()).hexdigest(), parameters=sum(torch.Size(s).numel() for _, s in shapes))
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()
+    return dict(sha256=digest, parameters=sum(torch.Size(s).numel() for _, s in shapes))
 
 def _run_info(spec) -> dict:
     "What a checkpoint must agree with to be resumed by the run `spec` describes."
     lora = spec.lora.r if spec.lora else 0  # "lora": the key manifests have always had, the rank (0: a full fine-tune)
     return dict(model=str(spec.model), lora=lora, seed=spec.seed, model_shape=model_shape(spec.model))
 
+# %% ../nbs/07_checkpoint.ipynb #f8df9381
 def _trainer_state_problem(folder:Path, step:int) -> str:
     "What is wrong with `folder`'s trainer_state.pt ('' if nothing): it must load and hold step, schedule, RNG."
     import torch
@@ -483,6 +522,7 @@ def _first_line(e:BaseException) -> str:
     "The first non-empty line of an exception's message, at most 300 characters."
     return next((l.strip() for l in str(e).splitlines() if l.strip()), "")[:300]
 
+# %% ../nbs/07_checkpoint.ipynb #7e887f12
 def check_resume(spec) -> tuple:
     "Before launching: (the checkpoint `spec` would resume from or None, notes); refuses what cannot be resumed."
     folder, notes = find_checkpoint(spec.ckpt.dir)
@@ -500,13 +540,15 @@ def _manifest_or_why(folder:Path) -> tuple:
     try: return json.loads((folder/"manifest.json").read_text()), ""
     except (OSError, ValueError) as e: return None, f"{type(e).__name__}: {_first_line(e)}"
 
+# %% ../nbs/07_checkpoint.ipynb #e658f7ab
 class Saver:
     "Checkpoints a training run: `resume()` before the loop, called after each step, `finish()` at the end."
     def __init__(self, ckpt:CheckpointSpec, model, optim, schedule, spec):
         self.ckpt, self.model, self.optim, self.schedule = ckpt, model, optim, schedule
         self.info = _run_info(spec)
         self.saved, self.resumed_from, self.notes, self.step, self.broken = [], None, [], 0, []
-        self.run = decide_on_rank0(lambda: uuid.uuid4().hex[:12])  # named in each manifest; a resumed run keeps the one it continues
+        # named in each manifest; a resumed run keeps the one it continues
+        self.run = decide_on_rank0(lambda: uuid.uuid4().hex[:12])
         self.overwrite = ckpt.overwrite  # until the first save has replaced the other run's checkpoints
 
     def resume(self) -> int:
@@ -514,7 +556,8 @@ class Saver:
         if not self.ckpt.resume: return 0
         folders, self.notes = decide_on_rank0(lambda: _complete(self.ckpt.dir))
         if not folders: return 0
-        good = {f.name for f in folders}  # the others failed to verify: rotation must not count them as checkpoints to keep
+        # the others failed to verify: rotation must not count them as checkpoints to keep
+        good = {f.name for f in folders}
         self.broken = [p.name for p in Path(self.ckpt.dir).glob("step-*") if p.name not in good]
         skipped = []
         for folder in folders:  # the newest complete checkpoint; if it fails to load, the ones before it
@@ -527,7 +570,9 @@ class Saver:
                 except KitError as e: why = str(e).removeprefix(f"{folder.name} ")
             skipped.append(f"{folder.name} {'vanished' if not folder.exists() else 'failed'} while loading: {why}")
             self.broken.append(folder.name)
-        else: raise KitError(f"--resume: no checkpoint in ckpt={str(self.ckpt.dir)!r} could be loaded: " + " | ".join(skipped))
+        else:
+            raise KitError(f"--resume: no checkpoint in ckpt={str(self.ckpt.dir)!r} could be loaded: "
+                           + " | ".join(skipped))
         if skipped: self.notes.append("; ".join(skipped) + f"; resumed from {folder.name}")
         self.resumed_from = dict(path=str(folder), step=manifest["step"], world_size=manifest["world_size"],
                                  state_dict=manifest["state_dict"])
@@ -540,49 +585,62 @@ class Saver:
         if self.ckpt.save_every and done % self.ckpt.save_every == 0: self.save(done)
 
     def save(self, step:int):
-        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep, self.info,
-                        tuple(self.broken), self.run, self.overwrite)
+        save_checkpoint(self.ckpt.dir, step, self.model, self.optim, self.schedule, self.ckpt.kind, self.ckpt.keep,
+                        self.info, tuple(self.broken), self.run, self.overwrite)
         self.saved.append(step)
         self.overwrite = False
 
     def finish(self, steps:int) -> dict:
         "Save the last step if it is not saved yet; return what was saved and resumed."
-        if self.step not in self.saved and not (self.resumed_from and self.resumed_from["step"] == self.step): self.save(self.step)
+        if self.step not in self.saved and not (self.resumed_from and self.resumed_from["step"] == self.step):
+            self.save(self.step)
         if self.resumed_from and self.resumed_from["step"] >= steps:
-            self.notes.append(f"the checkpoint is at step {self.resumed_from['step']}, --steps is {steps}: nothing left to train")
-        return dict(dir=str(self.ckpt.dir), state_dict=self.ckpt.kind, saved_steps=self.saved, run=self.run,  # paths as typed
+            resumed = self.resumed_from["step"]
+            self.notes.append(f"the checkpoint is at step {resumed}, --steps is {steps}: nothing left to train")
+        # paths as typed
+        return dict(dir=str(self.ckpt.dir), state_dict=self.ckpt.kind, saved_steps=self.saved, run=self.run,
                     resumed_from=self.resumed_from, latest=str(Path(self.ckpt.dir)/"latest"), notes=self.notes)
 
     def adapter_dir(self) -> str:
         "Where the finished run's adapter goes: DIR/adapter."
         return str(Path(self.ckpt.dir)/"adapter")
 
-# %% ../nbs/07_checkpoint.ipynb #e05af2ba
-def to_full(dir, # a checkpoint folder (its newest complete checkpoint is converted), or one sharded checkpoint in it (step-NNNNNN)
-            out # the folder to write: config.json and model.safetensors, what from_pretrained reads (new or empty)
-           ) -> Path:
-    "A sharded (DCP) checkpoint as a transformers folder, in one process: the weights whole, the optimizer state left behind."
-    folder, out = Path(dir), Path(out)
-    if not folder.is_dir(): raise bad_value("dir", str(folder), "an existing checkpoint folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())): raise bad_value("out", str(out), "a new or empty folder")
-    if why := _dir_problem(out.parent):  # before reading anything: a folder it cannot write in is refused at once
-        raise bad_value("out", str(out), f"a path in a folder this process can create and write into ({why})")
-    import warnings, torch, torch.distributed.checkpoint as dcp
+# %% ../nbs/07_checkpoint.ipynb #2c472609
+def _sharded_to_convert(folder:Path) -> tuple:
+    "(the sharded checkpoint `to_full` converts in `folder`, its manifest); anything else is refused, saying why."
     if not (folder/"manifest.json").exists():  # a checkpoint folder: its newest complete checkpoint
         found, notes = find_checkpoint(folder)
-        if found is None: raise bad_value("dir", str(folder), "a sharded checkpoint (step-NNNNNN) or a folder holding a complete one",
-                                          " ".join(n for n in notes if n.startswith("skipped")))
+        if found is None:
+            raise bad_value("dir", str(folder), "a sharded checkpoint (step-NNNNNN) or a folder holding a complete one",
+                            " ".join(n for n in notes if n.startswith("skipped")))
         folder = found
     if problems := verify(folder): raise KitError(f"{folder} is damaged, not converted: {'; '.join(problems)}")
     manifest = json.loads((folder/"manifest.json").read_text())
     if manifest["state_dict"] != "sharded":
-        raise bad_value("dir", str(folder), "a sharded checkpoint (this one is full already: from_pretrained reads it as it is)")
+        raise bad_value("dir", str(folder),
+                        "a sharded checkpoint (this one is full already: from_pretrained reads it as it is)")
     if manifest.get("lora"):
         raise bad_value("dir", str(folder), "a full fine-tune's checkpoint",
-                        f"A LoRA run's adapter is saved whole in {folder/'adapter'}: load it with PeftModel.from_pretrained on the base "
-                        "model")
+                        f"A LoRA run's adapter is saved whole in {folder/'adapter'}: "
+                        "load it with PeftModel.from_pretrained on the base model")
+    return folder, manifest
+
+# %% ../nbs/07_checkpoint.ipynb #e05af2ba
+def to_full(dir, # a checkpoint folder (its newest complete one is converted), or one sharded step-NNNNNN in it
+            out # the folder to write: config.json and model.safetensors, what from_pretrained reads (new or empty)
+           ) -> Path:
+    "A sharded (DCP) checkpoint as a transformers folder, in one process: whole weights, no optimizer state."
+    folder, out = Path(dir), Path(out)
+    if not folder.is_dir(): raise bad_value("dir", str(folder), "an existing checkpoint folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise bad_value("out", str(out), "a new or empty folder")
+    if why := _dir_problem(out.parent):  # before reading anything: a folder it cannot write in is refused at once
+        raise bad_value("out", str(out), f"a path in a folder this process can create and write into ({why})")
+    import warnings, torch, torch.distributed.checkpoint as dcp
+    folder, manifest = _sharded_to_convert(folder)
     reader = dcp.FileSystemReader(str(folder/"dcp"))
-    shapes = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items() if k.startswith("model.")}
+    shapes = {k.removeprefix("model."): m for k, m in reader.read_metadata().state_dict_metadata.items()
+              if k.startswith("model.")}
     state = {"model": {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in shapes.items()}}
     with warnings.catch_warnings():  # torch says it assumes one process: that is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -604,7 +662,7 @@ def to_full(dir, # a checkpoint folder (its newest complete checkpoint is conver
 def load_sharded(path:str, # a transformers folder (config.json + safetensors)
                  mesh, # the mesh to shard over
                  cfg=None, # an FSDPConfig: how to shard, and its cpu_ram_efficient_loading (None: that loading on)
-                 on_stage=None # called with "read", "sharded", "received" as the load reaches each (to measure it); None: nothing
+                 on_stage=None # called with "read", "sharded", "received" as the load reaches each (None: nothing)
                 ):
     "Load a transformers checkpoint and shard it as `cfg` says, with rank 0 alone reading under efficient loading."
     import torch, torch.distributed as dist
@@ -616,7 +674,8 @@ def load_sharded(path:str, # a transformers folder (config.json + safetensors)
     efficient, on_stage = cfg.cpu_ram_efficient_loading, on_stage or (lambda stage: None)
     if not efficient or rank == 0: model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
-        with torch.device("meta"): model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     on_stage("read")
     if not efficient:
         model = apply_fsdp(model, cfg, mesh)[0]
@@ -628,7 +687,8 @@ def load_sharded(path:str, # a transformers folder (config.json + safetensors)
     model, _ = apply_fsdp(model, cfg, mesh)
     if rank != 0: model.to_empty(device="cpu")
     on_stage("sharded")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # one tensor at a time
+    # one tensor at a time
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     on_stage("received")
     with torch.no_grad():
         for name, b in model.named_buffers(): b.copy_(buffers[0][name])
@@ -676,7 +736,8 @@ class PeakRSS:
 
 # %% ../nbs/07_checkpoint.ipynb #ce89d045
 LOADING_MODEL = dict(model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)  # big enough to see in host memory
+                     # big enough to see in host memory
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
 
 # %% ../nbs/07_checkpoint.ipynb #9f6be494
 def loading_worker(path:str, # a transformers folder to load
@@ -689,7 +750,8 @@ def loading_worker(path:str, # a transformers folder to load
     quiet_libraries()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = fsdp_mesh(build_mesh())
-    with torch.device("meta"): AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))  # import the model code before measuring
+    # import the model code before measuring
+    with torch.device("meta"): AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     dist.barrier()
     from fsdp_kit.config import FSDPConfig
     stages = {}
@@ -700,10 +762,10 @@ def loading_worker(path:str, # a transformers folder to load
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world_size, 32)
     loss = global_loss(model, tokens, rank, world_size)
     rows = [None] * world_size
-    dist.all_gather_object(rows,
-                           dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak), most=rss.mib(rss.most),
-                                stages=stages,
-                                      shard_mib=shard, largest_tensor_mib=max(p.nbytes for p in model.parameters()) / 2**20))
+    row = dict(rank=rank, peak_mib=(rss.peak - rss.before) / 2**20, at_peak=rss.mib(rss.at_peak),
+               most=rss.mib(rss.most), stages=stages, shard_mib=shard,
+               largest_tensor_mib=max(p.nbytes for p in model.parameters()) / 2**20)
+    dist.all_gather_object(rows, row)
     return dict(efficient=efficient, world_size=world_size, loss=loss, ranks=rows)
 
 # %% ../nbs/07_checkpoint.ipynb #dd810a07
