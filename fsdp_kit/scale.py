@@ -122,8 +122,8 @@ def _slurm_args(nodes:int, gpus_per_node:int, args:list) -> list:
     for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)): require_whole(name, value, 1)
     args = list(map(str, args))
     if not args or args[0] != "train":
-        raise bad_value("command", " ".join(args) or None, "train ... (the subcommand that runs on several nodes)",
-                        "Put it after --")
+        command = " ".join(args) or None
+        raise bad_value("command", command, "train ... (the subcommand that runs on several nodes)", "Put it after --")
     if given := [a for a in args if a.split("=")[0] in _NODE_OPTIONS]:
         raise bad_value("command", " ".join(given),
                         "no node options: the script sets --nnodes, --node-rank, --nproc and the rendezvous")

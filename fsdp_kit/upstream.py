@@ -19,8 +19,8 @@ from .errors import KitError, bad_value
 # %% ../nbs/03a_upstream.ipynb #9987cab0
 # FSDPConfig's names
 FIELDS = ("reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload",
-          "mixed_precision", "reduce_dtype", "activation_checkpointing", "state_dict_type", "cpu_ram_efficient_loading",
-          "parallelism_config")
+          "mixed_precision", "reduce_dtype", "activation_checkpointing", "state_dict_type",
+          "cpu_ram_efficient_loading", "parallelism_config")
 # the one dtype table: accelerate's name, torch's, bytes
 DTYPES = (("fp32", "float32", 4), ("bf16", "bfloat16", 2), ("fp16", "float16", 2))
 # torch dtype -> the spelling of accelerate and FSDPConfig
