@@ -150,7 +150,6 @@ def test_pyflakes_check_can_fail(tmp_path):
     assert n == 2 and "'os' imported but unused" in text and "undefined name 'undefined_name'" in text
 
 
-WIDTH = 140  # the house limit (../shared/STYLE.md), as nbdev's and fastcore's
 WIDTH = 140  # the tests and the benchmarks; the package keeps 120 (PACKAGE_WIDTH below, ../shared/STYLE.md)
 LONG_LINES_ALLOWED = set()  # files still over the width while they are rewritten: must stay empty
 
