@@ -1,4 +1,4 @@
-"""Activation checkpointing policies measured under FSDP2; then the chunked loss, the optimizer in backward and offload, each counted.
+"""Activation checkpointing measured under FSDP2; the chunked loss, the optimizer in backward, offload, each counted.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/ac.html.md"""
 
@@ -26,10 +26,11 @@ def saved_ops() -> set:
     return {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
 def _op_policy(saved:set):
-    "A selective-checkpoint policy for one call of one layer, torchtitan's `op` policy; recompute what it does not save."
+    "A selective-checkpoint policy for one call of one layer (torchtitan's `op`); recompute what it does not save."
     import torch
     from torch.utils.checkpoint import CheckpointPolicy
-    mm, seen = torch.ops.aten.mm.default, {False: 0, True: 0}  # matmuls so far, in forward (False) and in the recomputation (True)
+    # matmuls so far, in forward (False) and in the recomputation (True)
+    mm, seen = torch.ops.aten.mm.default, {False: 0, True: 0}
     def policy(ctx, op, *args, **kwargs):
         if op == mm:
             seen[ctx.is_recompute] += 1
@@ -46,13 +47,14 @@ def _op_contexts(saved:set):
 def checkpoint_layers(model, # a transformers model, before fully_shard
                       policy:str="full" # one of config.AC_POLICIES
                      ) -> dict:
-    "Wrap the decoder layers `policy` picks in torch's non-reentrant CheckpointWrapper; return {id(layer): its wrapper}."
+    "Wrap the decoder layers `policy` picks in torch's non-reentrant CheckpointWrapper; {id(layer): its wrapper}."
     kind, k = parse_ac(policy)
     if kind == "none": return {}
     if model_checkpointing(model):
-        raise bad_value("ac", policy, "'none' on a model whose own gradient checkpointing is on (both would recompute the same layers)",
-                        "Turn one of them off.")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing, checkpoint_wrapper,
+        both = "'none' on a model whose own gradient checkpointing is on (both would recompute the same layers)"
+        raise bad_value("ac", policy, both, "Turn one of them off.")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper,
                                                                              CheckpointWrapper)
     chosen = {id(m) for i, m in enumerate(decoder_layers(model)) if (i + 1) % k == 0}
     wrap = checkpoint_wrapper
@@ -71,17 +73,19 @@ def ac_policy(cfg # an FSDPConfig: its `ac` field is the policy
 # %% ../nbs/04c_ac.ipynb #2beae0e9
 def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded or not
                    tokens, # (batch, seq) token ids; the labels are the same ids, shifted as transformers shifts them
-                   ce_chunks:int=0 # 0: the model's own loss (whole logits); N: lm_head and the loss in N chunks of tokens
+                   ce_chunks:int=0 # 0: the model's own loss (whole logits); N: lm_head and the loss in N chunks
                   ):
     "The mean next-token cross-entropy of `tokens`, as `model(input_ids=tokens, labels=tokens).loss` computes it."
     if not ce_chunks: return model(input_ids=tokens, labels=tokens).loss
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
     head = model.get_output_embeddings()
-    labels = F.pad(tokens, (0, 1), value=-100)[..., 1:].flatten()  # transformers' ForCausalLMLoss: the next token, -100 after the last
+    # transformers' ForCausalLMLoss: the next token, -100 after the last
+    labels = F.pad(tokens, (0, 1), value=-100)[..., 1:].flatten()
     count = (labels != -100).sum()
     def chunk_loss(hidden, target):
-        return F.cross_entropy(F.linear(hidden, head.weight, head.bias).float(), target, ignore_index=-100, reduction="sum")
+        return F.cross_entropy(F.linear(hidden, head.weight, head.bias).float(), target, ignore_index=-100,
+                               reduction="sum")
     def forward(hidden):  # in place of lm_head's forward, for this call: returns the loss where the logits would be
         pairs = zip(hidden.flatten(0, -2).tensor_split(ce_chunks), labels.tensor_split(ce_chunks))
         return sum(checkpoint(chunk_loss, h, y, use_reentrant=False) for h, y in pairs) / count
@@ -91,7 +95,7 @@ def causal_lm_loss(model, # a transformers causal LM (a PeftModel too), sharded 
 
 # %% ../nbs/04c_ac.ipynb #4e59350c
 class OptimizerInBackward:
-    "AdamW fused into backward: one optimizer per trainable parameter, stepped as soon as its gradient is reduce-scattered."
+    "AdamW fused into backward: one optimizer per trainable parameter, stepped once its gradient is reduce-scattered."
     def __init__(self, model, # a model sharded with fully_shard (its parameters are the sharded DTensors)
                  lr:float=1e-3 # AdamW's learning rate
                 ):
@@ -129,7 +133,7 @@ def activations_on_host():
 def step_optimizer(model, # a sharded model
                    step # a spec.StepSpec: its lr and optimizer_in_backward
                   ):
-    "AdamW over the trainable parameters: one per parameter stepped inside backward (`OptimizerInBackward`), or one for all."
+    "AdamW over the trainable parameters: one per parameter, stepped in backward (`OptimizerInBackward`), or one."
     import torch
     if step.optimizer_in_backward: return OptimizerInBackward(model, lr=step.lr)
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=step.lr)
@@ -138,8 +142,9 @@ def train_step(model, optim, # the model and its optimizer (`step_optimizer`)
                tokens, # this rank's (batch, seq) token ids; the labels are the same ids
                step # a spec.StepSpec: ce_chunks and offload_activations
               ):
-    "One training step as `step` says: the loss (in chunks), backward (activations on the host), the optimizer; return the loss."
-    with activations_on_host() if step.offload_activations else nullcontext(): loss = causal_lm_loss(model, tokens, step.ce_chunks)
+    "One training step as `step` says: the loss (in chunks), backward (activations on the host), the optimizer."
+    with activations_on_host() if step.offload_activations else nullcontext():
+        loss = causal_lm_loss(model, tokens, step.ce_chunks)
     loss.backward()
     optim.step()
     optim.zero_grad()
@@ -159,11 +164,13 @@ class DeviceCopy:
 def _names_device(args:tuple, kwargs:dict) -> bool:
     "Whether a `Tensor.to` call names a device (a dtype alone does not)."
     import torch
-    return "device" in kwargs or any(isinstance(a, (str, int, torch.device, torch.Tensor)) and not isinstance(a, bool) for a in args)
+    return "device" in kwargs or any(isinstance(a,
+                                                (str, int, torch.device,
+                                                 torch.Tensor)) and not isinstance(a, bool) for a in args)
 
 @contextmanager
 def count_copies():
-    "A context that yields a list of a `DeviceCopy` for every copy between devices made in this process while it is open."
+    "A context yielding a list of a `DeviceCopy` for every copy between devices made in this process while it is open."
     import sys, torch
     calls, saved = [], {name: torch.Tensor.__dict__.get(name) for name in _COPY_METHODS}
     def wrap(name):
@@ -174,8 +181,10 @@ def count_copies():
             across = name != "copy_" or (isinstance(src, torch.Tensor) and src.device != self.device)
             if across and (name != "to" or _names_device(args, kwargs)):
                 caller = sys._getframe(1)
-                while caller.f_code is method.__code__: caller = caller.f_back  # an inner count_copies' wrapper: its caller is the call's
-                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(), name == "copy_"
+                # an inner count_copies' wrapper: its caller is the call's
+                while caller.f_code is method.__code__: caller = caller.f_back
+                calls.append(DeviceCopy(name, str(src.device), str(dst.device), src.numel() * src.element_size(),
+                                        name == "copy_"
                                         or out is not self,
                                         f"{caller.f_globals.get('__name__', '?')}.{caller.f_code.co_name}"))
             return out

@@ -31,16 +31,17 @@ from .wrap import unit_map, size_floor
 LORA = LoraSpec(base_dtype="bf16")  # LoRA: adapters on a frozen bf16 base (all-linear, r=8)
 QLORA = LoraSpec(base_dtype="nf4")  # QLoRA: the frozen base in 4-bit NF4, bf16 storage
 METHODS = dict(full=None, lora=LORA, qlora=QLORA)  # the planner page's and --method's words -> the spec's lora section
-LOAD_PATHS = ("per-weight", "whole-model")  # how a 4-bit model reaches FSDP under cpu_ram_efficient_loading (PlanSpec.loading)
+# how a 4-bit model reaches FSDP under cpu_ram_efficient_loading (PlanSpec.loading)
+LOAD_PATHS = ("per-weight", "whole-model")
 
 @dataclass(frozen=True)
 class PlanSpec(RunSpec):
-    "One training setting to predict (and measure): the shared sections (`RunSpec`: data, mesh, fsdp, step, lora), then the planner's own."
+    "One training setting to predict (and measure): the shared sections of `RunSpec`, then the planner's own."
     world_size:int=2 # ranks sharing the parameters (GPUs)
     _:KW_ONLY
-    fp8_all_gather:bool=False # decoder Linear weights all-gathered and used in float8 (torchao's fsdp float8 all-gather); GPU plans only
+    fp8_all_gather:bool=False # decoder Linear weights gathered and used in float8 (torchao's all-gather); GPU only
     compile:bool=False # the run uses torch.compile: accepted, not modelled (the plan is the eager step's, and says so)
-    loading:str=None # QLoRA with CPU offload: how cpu_ram_efficient_loading brought the 4-bit model to FSDP (LOAD_PATHS); None: unmodelled
+    loading:str=None # QLoRA with CPU offload: how the 4-bit model reached FSDP (LOAD_PATHS); None: not modelled
 
     @property
     def method(self) -> str:
@@ -52,7 +53,8 @@ class PlanSpec(RunSpec):
         "A full fine-tune whose weights, gradients and optimizer state are all bf16 (no fp32 master weights)."
         return self.method == "full" and self.step.pure_bf16
 
-BASE = PlanSpec("small", 2, batch=2, steps=1)  # where the settings below start: small on 2 ranks, 2 x 64 tokens per rank, one step
+# where the settings below start: small on 2 ranks, 2 x 64 tokens per rank, one step
+BASE = PlanSpec("small", 2, batch=2, steps=1)
 
 # %% ../nbs/08_plan.ipynb #a79a0cee
 @patch(as_prop=True)
@@ -60,7 +62,8 @@ def policy_ac(self:PlanSpec) -> str:
     "The activation checkpointing policy this setting runs: the config's `ac` (none or full for LoRA and QLoRA)."
     policy = ac_policy(self.config)
     if policy not in ("none", "full") and self.method != "full":
-        raise bad_value("ac", policy, "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)")
+        why = "none or full for a LoRA or QLoRA run (the planner models selective checkpointing for full fine-tunes)"
+        raise bad_value("ac", policy, why)
     return policy
 
 @patch(as_prop=True)
@@ -72,7 +75,7 @@ def precision(self:PlanSpec) -> str:
 
 @patch(as_prop=True)
 def base_bytes(self:PlanSpec) -> int:
-    "Bytes per element of the stored weights: fp32 (4) for a full fine-tune, bf16 (2) for pure bf16 and a LoRA/QLoRA base unless fp32."
+    "Bytes per element of the stored weights: 4 for a full fine-tune, 2 for pure bf16 and a LoRA base unless fp32."
     if self.lora is None: return 2 if self.pure_bf16 else 4
     return 4 if self.lora.base_dtype == "fp32" else 2
 
@@ -88,7 +91,7 @@ def reduce_bytes(self:PlanSpec) -> int:
 
 @patch(as_prop=True)
 def master_bytes(self:PlanSpec) -> int:
-    "Bytes per element of what the optimizer updates: trainable shards, reduced gradients, Adam's moments (LoRA adapters: fp32)."
+    "Bytes per element of what the optimizer updates: trainable shards, reduced gradients, Adam's moments."
     return 2 if self.pure_bf16 else 4
 
 # %% ../nbs/08_plan.ipynb #622f4e22
@@ -98,12 +101,15 @@ def check(self:PlanSpec, world_size:int=None): # unused: a PlanSpec names its ow
     require_whole("world_size", self.world_size, 1)
     cfg, step = self.config, self.step
     policies = (*POLICIES, *ADDED_POLICIES)
-    if cfg.auto_wrap_policy not in policies: raise bad_value("policy", cfg.auto_wrap_policy, f"one of {', '.join(policies)}")
+    if cfg.auto_wrap_policy not in policies:
+        raise bad_value("policy", cfg.auto_wrap_policy, f"one of {', '.join(policies)}")
     if cfg.mixed_precision not in ("no", "bf16"):
         raise bad_value("mixed_precision", cfg.mixed_precision, "no or bf16 (what the planner models)")
-    if cfg.reduce_dtype not in (None, "fp32"): raise bad_value("reduce_dtype", cfg.reduce_dtype, "None (the compute dtype) or fp32")
+    if cfg.reduce_dtype not in (None, "fp32"):
+        raise bad_value("reduce_dtype", cfg.reduce_dtype, "None (the compute dtype) or fp32")
     if cfg.reduce_dtype and cfg.mixed_precision != "bf16":
-        raise bad_value("reduce_dtype", cfg.reduce_dtype, "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
+        raise bad_value("reduce_dtype", cfg.reduce_dtype,
+                        "None unless mixed_precision is bf16 (the planner models fp32 reduce under bf16)")
     if self.pure_bf16 and cfg.mixed_precision != "no":
         raise bad_value("mixed_precision", cfg.mixed_precision,
                         "no when a full fine-tune keeps its weights in bf16 (pure bf16: no fp32 copy to cast from)")
@@ -123,45 +129,52 @@ def _check_extras(spec:PlanSpec):
     "Refuse a memory saver or GPU-only field the planner does not model for this setting, naming the field."
     step, tokens = spec.step, spec.batch * spec.seq_len // max(1, spec.mesh.cp)
     if spec.fp8_all_gather and (spec.method != "full" or spec.precision == "fp32"):
-        raise bad_value("fp8_all_gather", spec.fp8_all_gather, "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 "
+        raise bad_value("fp8_all_gather", spec.fp8_all_gather,
+                        "False on an fp32, LoRA or QLoRA run: float8 all-gather casts a bf16 "
                         "full fine-tune's Linear weights (accelerate-bf16, bf16-fp32-reduce or pure-bf16)")
     for name in ("optimizer_in_backward", "offload_activations"):
         if getattr(step, name) and spec.method != "full":
             raise bad_value(name, True, "False for a LoRA or QLoRA run (the planner models it for full fine-tunes)")
     if step.ce_chunks > tokens:
-        raise bad_value("ce_chunks", step.ce_chunks, f"at most the {tokens} tokens a rank computes logits for (batch x seq_len / cp): "
+        raise bad_value("ce_chunks", step.ce_chunks,
+                        f"at most the {tokens} tokens a rank computes logits for (batch x seq_len / cp): "
                         "a chunk with no tokens has no logits")
     if not isinstance(spec.compile, bool): raise bad_value("compile", spec.compile, "True or False")
-    if spec.loading not in (None, *LOAD_PATHS): raise bad_value("loading", spec.loading, f"None, {' or '.join(LOAD_PATHS)}")
+    if spec.loading not in (None, *LOAD_PATHS):
+        raise bad_value("loading", spec.loading, f"None, {' or '.join(LOAD_PATHS)}")
 
 # %% ../nbs/08_plan.ipynb #40ee139b
 @patch
 def label(self:PlanSpec) -> str:
-    "A short name: model, ranks, method, policy, reshard, precision, checkpointing, then what differs from the defaults."
+    "A short name: model, ranks, method, policy, reshard, precision, checkpointing, then what differs from the default."
     cfg, step, r = self.wrap_config, self.step, self.config.reshard_after_forward
     short = {"TRANSFORMER_BASED_WRAP": "layer", "NO_WRAP": "none", "PER_LINEAR": "linear"}
     policy = short.get(cfg.auto_wrap_policy, cfg.auto_wrap_policy)
     reshard = {True: "reshard", False: "keep"}.get(r, f"to{r}") if isinstance(r, bool) else f"to{r}"
-    model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model  # a shipped config: its folder
-    precision = {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision)  # the stored runs' names
-    parts = [model, f"w{self.world_size}", self.method, policy, reshard, precision, f"s{self.seq_len}" * (self.seq_len != 64)]
+    # a shipped config: its folder
+    model = Path(self.model).parent.name if str(self.model).endswith("config.json") else self.model
+    # the stored runs' names
+    precision = {"bf16-fp32-reduce": "bf16", "accelerate-bf16": "abf16"}.get(self.precision, self.precision)
+    parts = [model, f"w{self.world_size}", self.method, policy, reshard, precision,
+             f"s{self.seq_len}" * (self.seq_len != 64)]
     kind, k = parse_ac(self.policy_ac)
     adapted = lora_targets(self.lora.targets) if self.lora is not None and self.lora.targets != "all-linear" else ()
     targets = "lora:" + "".join(n[0] for n in adapted) if adapted else ""
     extras = [f"ce/{step.ce_chunks}" * bool(step.ce_chunks), "opt-in-bwd" * step.optimizer_in_backward,
-              "act-offload" * step.offload_activations, "fp8-ag" * self.fp8_all_gather, "root-edges" * (cfg.layout == "layers"),
+              "act-offload" * step.offload_activations, "fp8-ag" * self.fp8_all_gather,
+              "root-edges" * (cfg.layout == "layers"),
               f"min{cfg.min_num_params}" * (cfg.auto_wrap_policy == "SIZE_BASED_WRAP"), "offload" * cfg.cpu_offload]
     checkpointing = {"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind]
     return " ".join(p for p in parts + [checkpointing, targets] + extras if p)
 
 @patch(as_prop=True)
 def wrap_config(self:PlanSpec) -> FSDPConfig:
-    "The FSDP config as planned: SIZE_BASED_WRAP without a threshold takes the model's `wrap.size_floor`, the least accelerate builds."
+    "The FSDP config as planned: SIZE_BASED_WRAP without a threshold takes the model's `wrap.size_floor`."
     cfg = self.config
     if cfg.auto_wrap_policy != "SIZE_BASED_WRAP" or cfg.min_num_params: return cfg
     return replace(cfg, min_num_params=_floor(self.model))
 
-def recorded_spec(run:dict # a stored validation run: its `config` is `dataclasses.asdict` of the spec, and the spec's label
+def recorded_spec(run:dict # a stored validation run: its `config` is `dataclasses.asdict` of the spec, and its label
                  ) -> PlanSpec:
     "The PlanSpec a stored validation run was measured with."
     return PlanSpec.from_dict({k: v for k, v in run["config"].items() if k != "label"})
@@ -201,26 +214,29 @@ def meta_shapes(config) -> tuple:
     key = config.to_json_string()
     if key not in _SHAPES:
         meta = meta_model(config)
-        _SHAPES[key] = ([(n, tuple(p.shape)) for n, p in meta.named_parameters()], sum(b.numel() * 4 for b in meta.buffers()))
+        _SHAPES[key] = ([(n, tuple(p.shape)) for n, p in meta.named_parameters()],
+                        sum(b.numel() * 4 for b in meta.buffers()))
     return _SHAPES[key]
 
 def _floor(model:str) -> int:
-    "`wrap.size_floor` of a preset or config.json: PlanSpec's SIZE_BASED_WRAP threshold when it names none (`wrap_config`)."
+    "`wrap.size_floor` of a preset or config.json: the SIZE_BASED_WRAP threshold of a spec that names none."
     if model not in _FLOORS: _FLOORS[model] = size_floor(meta_model(plan_config(model)))
     return _FLOORS[model]
 
 # %% ../nbs/08_plan.ipynb #caf2675d
 def planned_units(config, spec:PlanSpec) -> dict:
-    "{parameter name: unit name}: `wrap.unit_map` of the meta model under `spec`'s FSDP config, as `apply_fsdp` builds the units."
+    "{parameter name: unit name}: `wrap.unit_map` of the meta model under `spec`'s FSDP config (`apply_fsdp`'s units)."
     cfg = spec.wrap_config
-    key = (config.to_json_string(), cfg.auto_wrap_policy, id(ADDED_POLICIES.get(cfg.auto_wrap_policy)), cfg.min_num_params, cfg.layout)
+    key = (config.to_json_string(), cfg.auto_wrap_policy, id(ADDED_POLICIES.get(cfg.auto_wrap_policy)),
+           cfg.min_num_params, cfg.layout)
     if key not in _MAPS: _MAPS[key] = unit_map(meta_model(config), cfg, cfg.layout == "accelerate")
     return _MAPS[key]
 
-_TENSORS, _UNITS = {}, {}  # model_tensors and units, kept per model and setting: a recommendation plans hundreds of settings of one model
+# model_tensors and units, kept per model and setting: a recommendation plans hundreds of settings of one model
+_TENSORS, _UNITS = {}, {}
 
 def model_tensors(config, spec:PlanSpec) -> list:
-    "Every parameter of `config`'s model under `spec.method`, from the meta device: shapes, stored and gathered bytes, trainable."
+    "Every parameter of `config`'s model under `spec`, from the meta device: shape, stored and gathered bytes."
     base = spec.base_bytes  # LoRA/QLoRA bases are loaded in bfloat16 unless told otherwise
     r, targets = (spec.lora.r, lora_targets(spec.lora.targets)) if spec.lora else (0, ())
     compute, shapes = spec.compute_bytes, meta_shapes(config)[0]
@@ -235,7 +251,8 @@ def model_tensors(config, spec:PlanSpec) -> list:
         if spec.method == "qlora" and linear: shape = (math.prod(shape) // 4, 1)
         gather = 1 if spec.fp8_all_gather and linear else compute  # float8: 1 byte gathered
         out.append(Param(name, shape, base, gather, spec.method == "full", layer, unit[name]))
-        if spec.method != "full" and linear and name.split(".")[-2] in targets:  # LoRA A, B: float32, in the Linear's unit
+        # LoRA A, B: float32, in the Linear's unit
+        if spec.method != "full" and linear and name.split(".")[-2] in targets:
             out += [Param(name.replace("weight", "lora_A"), (r, full[1]), 4, compute, True, layer, unit[name]),
                     Param(name.replace("weight", "lora_B"), (full[0], r), 4, compute, True, layer, unit[name])]
     return out
@@ -270,20 +287,23 @@ def units(tensors:list, spec:PlanSpec) -> dict:
     for name in order:
         ts = groups.get(name, [])
         tr = [t for t in ts if t.trainable]
-        out[name] = Unit(name, sum(t.shard_numel(W) * t.store for t in ts), sum(t.padded_numel(W) * t.gather for t in ts),
+        out[name] = Unit(name, sum(t.shard_numel(W) * t.store for t in ts),
+                         sum(t.padded_numel(W) * t.gather for t in ts),
                          sum(t.numel() * grad_b for t in tr), sum(t.padded_numel(W) * red for t in tr),
-                         sum(t.shard_numel(W) * master for t in tr), len(tr), max([t.shard_numel(W) * master for t in tr], default=0),
+                         sum(t.shard_numel(W) * master for t in tr), len(tr),
+                         max([t.shard_numel(W) * master for t in tr], default=0),
                          ts[0].layer if ts and len({t.layer for t in ts}) == 1 else -1)
     _UNITS[key] = (tensors, out)  # the tensors kept with their units, so that their id is not reused
     return out
 
 # %% ../nbs/08_plan.ipynb #ea00dacf
 def state_terms(config, spec:PlanSpec) -> dict:
-    "First principles, per rank: parameter shards P·b/N, a gradient shard and AdamW's two moments per trainable parameter."
+    "First principles, per rank: parameter shards P·b/N, and a gradient shard and AdamW's two moments when trained."
     ts, N = model_tensors(config, spec), spec.world_size
     trained = [t for t in ts if t.trainable]
     grads = sum(t.numel() for t in trained) * spec.master_bytes
-    return dict(sharded_params=sum(t.numel() * t.store for t in ts) // N, sharded_grads=grads // N, adam_moments=2 * grads // N,
+    return dict(sharded_params=sum(t.numel() * t.store for t in ts) // N, sharded_grads=grads // N,
+                adam_moments=2 * grads // N,
                 adam_steps=4 * len(trained))
 
 # %% ../nbs/08_plan.ipynb #63aba260
@@ -294,7 +314,7 @@ def unit_bytes(config, spec:PlanSpec) -> dict:
     return out
 
 def gathered_terms(config, spec:PlanSpec) -> dict:
-    "First principles: the largest unit gathered while in use and (N > 1) the next one prefetched; every unit if kept gathered."
+    "First principles: the largest unit gathered in use and (N > 1) the next prefetched; every unit if kept gathered."
     us = unit_bytes(config, spec)
     if spec.config.reshard_after_forward is False: return dict(in_use=sum(us.values()), prefetched=0)
     layers = [v for n, v in us.items() if n not in ("root", "embed", "tail")]
@@ -306,8 +326,9 @@ def dims(config, spec:PlanSpec) -> dict:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     seq = spec.seq_len // spec.mesh.cp
-    return dict(B=spec.batch, S=seq, T=spec.batch * seq, H=config.hidden_size, I=config.intermediate_size, V=config.vocab_size,
-                L=config.num_hidden_layers, heads=heads, q=heads * head_dim, kv=config.num_key_value_heads * head_dim, head_dim=head_dim,
+    return dict(B=spec.batch, S=seq, T=spec.batch * seq, H=config.hidden_size, I=config.intermediate_size,
+                V=config.vocab_size, L=config.num_hidden_layers, heads=heads, q=heads * head_dim,
+                kv=config.num_key_value_heads * head_dim, head_dim=head_dim,
                 b=spec.compute_bytes, r=spec.lora.r if spec.lora else 8, lora=spec.method != "full", cp=spec.mesh.cp,
                 chunks=spec.step.ce_chunks, targets=lora_targets(spec.lora.targets) if spec.lora else ())
 
@@ -324,7 +345,7 @@ def saved_per_layer(d:dict) -> dict:
 
 # %% ../nbs/08_plan.ipynb #db002f55
 def activation_terms(config, spec:PlanSpec) -> dict:
-    "First principles: what the decoder layers save for backward and the loss's log-softmax (none on the device when offloaded)."
+    "First principles: what the decoder layers save for backward and the loss's log-softmax (none when offloaded)."
     d, kind, k = dims(config, spec), *parse_ac(spec.policy_ac)
     checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(d["L"])]
     layers = sum(d["T"] * d["H"] * d["b"] if c else sum(saved_per_layer(d).values()) for c in checkpointed)
@@ -332,10 +353,12 @@ def activation_terms(config, spec:PlanSpec) -> dict:
     return dict(layers=layers, log_softmax=0 if spec.step.ce_chunks else d["T"] * d["V"] * 4)
 
 def first_principles(config, spec:PlanSpec) -> dict:
-    "The textbook per-rank peak in the tracker's categories (shards, gradients, AdamW, gathered units, activations) and its total."
+    "The textbook per-rank peak in the tracker's categories (shards, gradients, AdamW, gathered units, activations)."
     s, g, a = state_terms(config, spec), gathered_terms(config, spec), activation_terms(config, spec)
-    out = dict(sharded_params=s["sharded_params"], sharded_grads=0 if spec.step.optimizer_in_backward else s["sharded_grads"],
-               optimizer_state=s["adam_moments"] + s["adam_steps"], unsharded_params=g["in_use"], all_gather_buffers=g["prefetched"],
+    out = dict(sharded_params=s["sharded_params"],
+               sharded_grads=0 if spec.step.optimizer_in_backward else s["sharded_grads"],
+               optimizer_state=s["adam_moments"] + s["adam_steps"], unsharded_params=g["in_use"],
+               all_gather_buffers=g["prefetched"],
                activations=sum(a.values()))
     return out | dict(total=sum(out.values()))
 
@@ -345,7 +368,7 @@ def tracker_correction(first:dict, measured:dict) -> dict:
     return {k: measured.get(k, 0) - first.get(k, 0) for k in [*first, *(k for k in measured if k not in first)]}
 
 def correction_table(first:dict, measured:dict) -> str:
-    "First principles, the correction and the measurement per category, in MiB, with the correction's share of the measured peak."
+    "First principles, the correction and the measurement per category in MiB, and the correction's share of the peak."
     rows = [f"{'category':<24}{'first principles':>17}{'correction':>12}{'measured':>10}{'share of peak':>15}"]
     for k, v in sorted(tracker_correction(first, measured).items(), key=lambda kv: kv[0] == "total"):
         rows.append(f"{k:<24}{first.get(k, 0) / 2**20:>17.3f}{v / 2**20:>+12.3f}"
@@ -357,7 +380,8 @@ def activation_bytes(d:dict) -> dict:
     "Bytes saved for backward: per decoder layer, outside the layers, and the extra alive while the loss is computed."
     T, H, I, V, b = d["T"], d["H"], d["I"], d["V"], d["b"]
     frozen_norm, targets = d["lora"], set(d["targets"])  # a frozen norm weight: mul(weight, x) keeps no copy of x
-    adapted = lambda *names: not frozen_norm or bool(targets & set(names))  # is a Linear reading this tensor trained (its input kept)?
+    # is a Linear reading this tensor trained (its input kept)?
+    adapted = lambda *names: not frozen_norm or bool(targets & set(names))
     norm_stats = T * H * 4 + T * 4  # float32 input, rsqrt: kept when the residual stream needs a gradient
     # x (trainable weight), output (read by a trained Linear)
     normalized = lambda *names: (0 if frozen_norm else T * H * b) + (T * H * b if adapted(*names) else 0)
@@ -366,20 +390,25 @@ def activation_bytes(d:dict) -> dict:
     # gate out (SiLU input), SiLU out, up out; their product (down_proj's input)
     mlp = 3 * T * I * b + (T * I * b if adapted("down_proj") else 0)
     lora = len(targets) * T * d["r"] * b  # lora_A's output, one per adapted Linear
-    layer = 2 * norm_stats + normalized("q_proj", "k_proj", "v_proj") + attention + normalized("gate_proj", "up_proj") + mlp + lora
-    # LoRA's first layer: the frozen embedding's output needs no gradient, so nothing before the first adapted Linear keeps its input
+    layer = (2 * norm_stats + normalized("q_proj", "k_proj", "v_proj") + attention + normalized("gate_proj", "up_proj")
+             + mlp + lora)
+    # LoRA's first layer: the frozen embedding's output needs no gradient, so nothing before the first adapted Linear
+    # keeps its input
     qkv, after_attention = adapted("q_proj", "k_proj", "v_proj"), adapted("q_proj", "k_proj", "v_proj", "o_proj")
     first_layer = layer if not frozen_norm else (
         normalized("q_proj", "k_proj", "v_proj") + (attention if qkv else T * d["q"] * b if adapted("o_proj") else 0)
         + (norm_stats if after_attention else 0) + normalized("gate_proj", "up_proj")
-        + (3 * T * I * b if after_attention or adapted("gate_proj", "up_proj") else 0) + (T * I * b if adapted("down_proj") else 0) + lora)
+        + (3 * T * I * b if after_attention or adapted("gate_proj", "up_proj") else 0)
+        + (T * I * b if adapted("down_proj") else 0) + lora)
     # frozen weights (LoRA) keep neither normalized x nor lm_head's input
     final_norm = T * H * 4 + (0 if frozen_norm else 2 * T * H * b) + T * 4
     rope = 2 * d["S"] * d["head_dim"] * b  # cos and sin, (1, S, head_dim), shared by every layer
     fixed = final_norm + T * V * 4 + rope + 8 * T + 8  # + log_softmax (float32), shifted labels (int64), loss scalars
-    loss_extra = T * V * b + (T * V * 4 if b != 4 else 0) + 8 * (T + d["B"])  # logits, their float32 copy, padded labels
+    # logits, their float32 copy, padded labels
+    loss_extra = T * V * b + (T * V * 4 if b != 4 else 0) + 8 * (T + d["B"])
     grad_logits = 2 * T * V * 4  # the gradient of log_softmax's output and of its input, float32
-    if d["chunks"]:  # chunked cross-entropy: lm_head and the loss one chunk of C tokens at a time, each chunk checkpointed
+    # chunked cross-entropy: lm_head and the loss one chunk of C tokens at a time, each chunk checkpointed
+    if d["chunks"]:
         C = -(T // -d["chunks"])  # the largest chunk (torch.tensor_split puts the remainder first)
         # no log_softmax kept; the checkpoint keeps lm_head's input; labels, count
         fixed = final_norm + (T * H * b if frozen_norm else 0) + rope + 8 * T + 8
@@ -387,8 +416,8 @@ def activation_bytes(d:dict) -> dict:
         loss_extra = C * V * b + (C * V * 4 if b != 4 else 0) + C * V * 4
         # one chunk recomputed (log_softmax) and its two float32 gradients; the chunks done keep their hidden gradient
         grad_logits = 3 * C * V * 4 + (T - C) * H * b
-    # selective-op keeps a layer's input, the outputs of its 1st, 3rd, 5th and 7th matrix multiplies in call order (q, k, v, o, gate, up,
-    # down:
+    # selective-op keeps a layer's input, the outputs of its 1st, 3rd, 5th and 7th matrix multiplies in call order (q,
+    # k, v, o, gate, up, down:
     # torchtitan's op policy recomputes every second one) and attention's outputs (output, logsumexp)
     matmul_outputs = [d["q"], d["kv"], d["kv"], H, I, I, H]
     op_layer = T * H * b + T * sum(matmul_outputs[::2]) * b + T * d["q"] * b + d["B"] * d["heads"] * d["S"] * 4
@@ -410,17 +439,23 @@ def buffer_bytes(config) -> int:
     "Bytes of the model's buffers (rotary frequencies, float32), from the meta device."
     return meta_shapes(config)[1]
 
+# %% ../nbs/08_plan.ipynb #b68d50d5
 def step_context(config, spec:PlanSpec) -> SimpleNamespace:
-    "What every moment of one step reads: the units, the activations kept, the states alive throughout, what stays gathered."
+    "What each moment of a step reads: the units, the activations kept, the states alive throughout, what stays whole."
     tensors, d = model_tensors(config, spec), dims(config, spec)
     us, act, W, L = units(tensors, spec), activation_bytes(d), spec.world_size, d["L"]
-    root, embed, tail, reshard, tied = us["root"], us["embed"], us["tail"], spec.config.reshard_after_forward, tied_embeddings(tensors)
-    if not isinstance(reshard, bool) and reshard >= W: reshard = True  # resharding to the whole group is plain resharding
-    layer_units = [[u for n, u in us.items() if n != "root" and u.layer == l] for l in range(L)]  # the units inside decoder layer l
-    others = [u for n, u in us.items() if n not in ("root", "embed", "tail") and u.layer < 0]  # lm_head under PER_LINEAR
+    root, embed, tail = us["root"], us["embed"], us["tail"]
+    reshard, tied = spec.config.reshard_after_forward, tied_embeddings(tensors)
+    # resharding to the whole group is plain resharding
+    if not isinstance(reshard, bool) and reshard >= W: reshard = True
+    # the units inside decoder layer l
+    layer_units = [[u for n, u in us.items() if n != "root" and u.layer == l] for l in range(L)]
+    # lm_head under PER_LINEAR
+    others = [u for n, u in us.items() if n not in ("root", "embed", "tail") and u.layer < 0]
     grad_b = d["b"]
     # pure bf16 casts the buffers too
-    states = dict(sharded_params=_sum(us.values(), "sharded"), buffers=buffer_bytes(config) // (2 if spec.pure_bf16 else 1),
+    states = dict(sharded_params=_sum(us.values(), "sharded"),
+                  buffers=buffer_bytes(config) // (2 if spec.pure_bf16 else 1),
                   optimizer_state=2 * _sum(us.values(), "sharded_grads") + 4 * _sum(us.values(), "trainable_tensors"))
     # the embeddings reshard as configured; the root and the tail keep their weights
     embed_kept = embed.unsharded if reshard is False else 0
@@ -431,37 +466,40 @@ def step_context(config, spec:PlanSpec) -> SimpleNamespace:
     checkpointed = [kind in ("full", "op") or (kind == "layer" and (l + 1) % k == 0) for l in range(L)]
     whole = lambda l: act["first_layer"] if l == 0 else act["layer"]  # what layer l keeps without checkpointing
     # kept through forward, per layer
-    saved = [(act["op_layer"] if kind == "op" else act["checkpointed_layer"]) if c else whole(l) for l, c in enumerate(checkpointed)]
+    kept_checkpointed = act["op_layer"] if kind == "op" else act["checkpointed_layer"]
+    saved = [kept_checkpointed if c else whole(l) for l, c in enumerate(checkpointed)]
     gathered = lambda b: b if W > 1 else 0  # an all-gather's output buffer, in bytes (none on one rank)
     buffer = lambda u: gathered(u.unsharded)
-    # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the tail, or (edges in the
-    # root) the last layer
+    # the last unit gathered in forward (its all-gather buffer is alive until the next gather): lm_head's unit, the
+    # tail, or (edges in the root) the last layer
     last = others[-1] if others else tail if tail.unsharded else (layer_units[-1] or [root])[-1]
-    head_unit = lambda t: t.layer < 0 and "embed_tokens" not in t.name and t.unit in ("tail", "root")  # lm_head, the final norm
+    # lm_head, the final norm
+    head_unit = lambda t: t.layer < 0 and "embed_tokens" not in t.name and t.unit in ("tail", "root")
     carry = _grad_bytes(tensors, head_unit, grad_b)
     # accumulated over the chunks done
     lm_head_grad = _grad_bytes(tensors, lambda t: t.name.startswith("lm_head"), grad_b) if d["chunks"] > 1 else 0
-    log_softmax = 0 if d["chunks"] else d["T"] * d["V"] * 4  # kept for backward unless chunked (then recomputed, a temporary)
+    # kept for backward unless chunked (then recomputed, a temporary)
+    log_softmax = 0 if d["chunks"] else d["T"] * d["V"] * 4
     # offloaded activations: the device keeps rope's float32 cos and sin and what backward copied back
     def host(moment:dict, copied_back:int) -> dict:
         if not spec.step.offload_activations: return moment
         return moment | dict(activations=act["rope_fp32"], temporaries=moment.get("temporaries", 0) + copied_back)
-    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the unit whose forward ended
-    # before
-    # the tail's (the last layer, or under NO_WRAP the embeddings); a root holding lm_head gets its pre-backward at the loss itself, so with
-    # the
-    # edges in the root that prefetch is alive through the loss's backward
+    # backward reaches the tail (holding lm_head) once the loss's gradient is computed, and it then prefetches the unit
+    # whose forward ended before the tail's (the last layer, or under NO_WRAP the embeddings); a root holding lm_head
+    # gets its pre-backward at the loss itself, so with the edges in the root that prefetch is alive through the loss's
+    # backward
     prefetched = (layer_units[-1] or ([embed] if embed.unsharded and spec.config.layout == "accelerate" else []))[-1:]
-    after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)), all_gather_buffers=buffer(prefetched[0])
-                      if reshard is not False and prefetched else 0)
+    after_head = dict(states, unsharded_params=head["unsharded_params"] + kept(range(L)),
+                      all_gather_buffers=buffer(prefetched[0]) if reshard is not False and prefetched else 0)
     # kept for backward, 1/N each
     post_forward = lambda l: _sum(layer_units[l], "unsharded") // reshard if not isinstance(reshard, bool) else 0
-    embed_copy = embed.unsharded // reshard if not isinstance(reshard, bool) else 0  # the embeddings' 1/N copy, kept for their backward
+    # the embeddings' 1/N copy, kept for their backward
+    embed_copy = embed.unsharded // reshard if not isinstance(reshard, bool) else 0
     return SimpleNamespace(**locals())
 
 # %% ../nbs/08_plan.ipynb #cb820fec
 def head_moments(c:SimpleNamespace) -> list:
-    "The moments from the end of forward to the start of the layers' backward (the loss's, the norm's, the tail's post-backward)."
+    "The moments from the end of forward to the layers' backward (the loss's, the norm's, the tail's post-backward)."
     spec, d, act, states, head, kept, saved, L, W = c.spec, c.d, c.act, c.states, c.head, c.kept, c.saved, c.L, c.W
     tail, root, layer_units, reshard = c.tail, c.root, c.layer_units, c.reshard
     host, after_head, log_softmax = c.host, c.after_head, c.log_softmax
@@ -472,16 +510,18 @@ def head_moments(c:SimpleNamespace) -> list:
     out.append(("loss backward",
                 host(dict(after_head, all_gather_buffers=0 if tail.unsharded else after_head["all_gather_buffers"],
                           activations=sum(saved) + act["fixed"] - (0 if d["chunks"] else 8 * d["T"] + 4),
-                                            temporaries=act["grad_logits"] + c.lm_head_grad), log_softmax)))
+                          temporaries=act["grad_logits"] + c.lm_head_grad), log_softmax)))
     out.append(("final norm backward",
-                host(dict(after_head, activations=sum(saved) + act["norm_input"], temporaries=act["norm_backward"] + c.carry),
+                host(dict(after_head, activations=sum(saved) + act["norm_input"],
+                          temporaries=act["norm_backward"] + c.carry),
                      d["T"] * d["H"] * 4)))
     # the tail's post-backward: its weights freed, its gradients still whole while their reduce-scatter input is built
     if tail.reduce and not c.tied:
-        out.append(("tail post-backward", host(dict(after_head, unsharded_params=head["unsharded_params"] - tail.unsharded + kept(range(L)),
-                                                     activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4,
-                                                     temporaries=act["norm_backward"] + c.carry,
-                                                     unsharded_grads=c.carry, reduce_scatter_buffers=tail.reduce if W > 1 else 0), 0)))
+        out.append(("tail post-backward",
+                    host(dict(after_head, unsharded_params=head["unsharded_params"] - tail.unsharded + kept(range(L)),
+                              activations=sum(saved) + act["norm_input"] - d["T"] * d["H"] * 4,
+                              temporaries=act["norm_backward"] + c.carry, unsharded_grads=c.carry,
+                              reduce_scatter_buffers=tail.reduce if W > 1 else 0), 0)))
     if not isinstance(reshard, bool):
         out.append(("backward start",
                     dict(states, unsharded_params=root.unsharded + tail.unsharded, all_gather_buffers=c.buffer(c.last),
@@ -491,31 +531,40 @@ def head_moments(c:SimpleNamespace) -> list:
     return out
 
 # %% ../nbs/08_plan.ipynb #84c1506d
+def _layer_grads(tensors:list, L:int, grad_b:int) -> tuple:
+    "Unsharded gradient bytes per decoder layer, and of each layer's down_proj."
+    layer_grads, down_grads = [0] * L, [0] * L
+    for t in tensors:
+        if t.trainable and t.layer >= 0:
+            layer_grads[t.layer] += t.numel() * grad_b
+            if ".down_proj." in t.name: down_grads[t.layer] += t.numel() * grad_b
+    return layer_grads, down_grads
+
+# %% ../nbs/08_plan.ipynb #dbadf593
 def backward_moments(c:SimpleNamespace) -> list:
     "Each layer's MLP backward, from the last layer to the first, then the embeddings' backward."
-    spec, d, act, states, kept, saved, L, W, tensors = c.spec, c.d, c.act, c.states, c.kept, c.saved, c.L, c.W, c.tensors
+    spec, d, act, states, kept, saved = c.spec, c.d, c.act, c.states, c.kept, c.saved
+    L, W, tensors = c.L, c.W, c.tensors
     tail, root, embed, layer_units = c.tail, c.root, c.embed, c.layer_units
     reshard, tied, carry, grad_b = c.reshard, c.tied, c.carry, c.grad_b
     checkpointed, whole, post_forward, embed_copy = c.checkpointed, c.whole, c.post_forward, c.embed_copy
     embed_kept, gathered, host, out = c.embed_kept, c.gathered, c.host, []
-    # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its weights freed before
-    # the layers';
-    # tied, the tail holds the embeddings too and waits for their backward, at the very end
-    tail_open = tail.unsharded if tied else 0  # the tail's gathered weights, alive through the layers' backward only when tied
+    # the tail's post-backward runs once the final norm's backward is done (untied): its gradients are reduced and its
+    # weights freed before the layers';
+    # tied, the tail holds the embeddings too and waits for their backward, at the very end.
+    # The tail's gathered weights, alive through the layers' backward only when tied:
+    tail_open = tail.unsharded if tied else 0
     held = 0 if tied else tail.reduce  # reduce-scatter input kept until the next unit's post-backward
     embed_gather = embed.unsharded if reshard is not False else 0  # the embeddings gathered again for their backward
     done_sharded_grads, done_unsharded_grads = 0 if tied or spec.step.optimizer_in_backward else tail.sharded_grads, 0
     # kept until the unit holding lm_head reduces: the tail's post-backward, or the root's at the end
     carry_open = carry if tied or spec.config.layout == "layers" else 0
-    layer_grads, down_grads = [0] * L, [0] * L  # unsharded gradient bytes per layer, and of its down_proj
-    for t in tensors:
-        if t.trainable and t.layer >= 0:
-            layer_grads[t.layer] += t.numel() * grad_b
-            if ".down_proj." in t.name: down_grads[t.layer] += t.numel() * grad_b
+    layer_grads, down_grads = _layer_grads(tensors, L, grad_b)
     for j in reversed(range(L)):
         current, down = layer_units[j], down_grads[j]
         rope = 2 * d["S"] * d["head_dim"] * d["b"] + 8
-        if checkpointed[j]:  # recomputed tensors count as temporaries (less what selective-op kept); the final norm's saved tensors stay
+        # recomputed tensors count as temporaries (less what selective-op kept); the final norm's saved tensors stay
+        if checkpointed[j]:
             # measured: T x 4 bytes of the final norm's saved tensors (its rsqrt's size) are still alive
             activations = sum(saved[:j + 1]) + 4 * d["T"] + rope
             recomputed = whole(j) - act["mlp_freed"] - (saved[j] - act["checkpointed_layer"]) - (
@@ -528,18 +577,24 @@ def backward_moments(c:SimpleNamespace) -> list:
         copied_back = act["checkpointed_layer"] if checkpointed[j] else 2 * d["T"] * d["I"] * d["b"]
         out.append((f"layer {j} backward (MLP)", host(dict(states, activations=activations, temporaries=temporaries,
                     reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads,
-                    unsharded_params=root.unsharded + tail_open + embed_kept + _sum(current, "unsharded") + kept(range(j)),
-                    all_gather_buffers=gathered(_sum(layer_units[j - 1], "unsharded") if j > 0 else embed_gather)), copied_back)))
+                    unsharded_params=(root.unsharded + tail_open + embed_kept + _sum(current, "unsharded")
+                                      + kept(range(j))),
+                    all_gather_buffers=gathered(_sum(layer_units[j - 1], "unsharded") if j > 0 else embed_gather)),
+                    copied_back)))
         if current:
             held, done_sharded_grads = _sum(current, "reduce"), done_sharded_grads + (
-                0 if spec.step.optimizer_in_backward else _sum(current, "sharded_grads"))  # stepped and freed in backward
+                # stepped and freed in backward
+                0 if spec.step.optimizer_in_backward else _sum(current, "sharded_grads"))
         else: done_unsharded_grads += layer_grads[j]
-    # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient (vocab x hidden) computed
+    # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient (vocab
+    # x hidden) computed
     embed_grad = _grad_bytes(tensors, lambda t: "embed_tokens" in t.name, grad_b)
     out.append(("embeddings backward",
                 dict(states, activations=8 * d["T"],
-                     temporaries=embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads + (held if W == 1 else 0),
-                reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads, all_gather_buffers=gathered(embed_gather),
+                     temporaries=(embed_grad + act["grad_hidden"] + carry_open + done_unsharded_grads
+                                  + (held if W == 1 else 0)),
+                reduce_scatter_buffers=held if W > 1 else 0, sharded_grads=done_sharded_grads,
+                     all_gather_buffers=gathered(embed_gather),
                 unsharded_params=root.unsharded + tail_open + embed.unsharded)))
     return out
 
@@ -550,7 +605,8 @@ def moments(config, spec:PlanSpec) -> list:
     out = head_moments(c) + backward_moments(c)
     largest = max(u.largest_shard for u in c.us.values())
     if not spec.step.optimizer_in_backward:
-        out.append(("optimizer step", dict(c.states, sharded_grads=_sum(c.us.values(), "sharded_grads"), temporaries=2 * largest)))
+        out.append(("optimizer step",
+                    dict(c.states, sharded_grads=_sum(c.us.values(), "sharded_grads"), temporaries=2 * largest)))
     return [(name, m | dict(total=sum(m.values()))) for name, m in out]
 
 def predict_peak(config, spec:PlanSpec) -> tuple:
@@ -559,14 +615,16 @@ def predict_peak(config, spec:PlanSpec) -> tuple:
 
 # %% ../nbs/08_plan.ipynb #6b5eaaf2
 def comm_per_unit(config, spec:PlanSpec) -> list:
-    "Per FSDP unit, one step on one rank: all-gathers and their bytes, reduce-scatters and their bytes (none on one rank)."
+    "Per FSDP unit, one step on one rank: all-gathers, reduce-scatters and their bytes (none on one rank)."
     if spec.world_size == 1: return []
     out = []
     for u in units(model_tensors(config, spec), spec).values():
         # apply_fsdp's root and tail keep their weights
-        keeps = u.name == "tail" or (u.name == "root" and spec.config.layout == "accelerate") or spec.config.reshard_after_forward is False
+        root_kept = u.name == "root" and spec.config.layout == "accelerate"
+        keeps = u.name == "tail" or root_kept or spec.config.reshard_after_forward is False
         gathers = (1 if keeps else 2) if u.unsharded else 0
-        out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded, reduce_scatters=int(u.reduce > 0),
+        out.append(dict(unit=u.name, all_gathers=gathers, all_gather_bytes=gathers * u.unsharded,
+                        reduce_scatters=int(u.reduce > 0),
                         reduce_scatter_bytes=u.reduce))
     return out
 
@@ -580,24 +638,30 @@ def predict_comm(config, spec:PlanSpec) -> dict:
 
 # %% ../nbs/08_plan.ipynb #b298d817
 MODEL_PRESETS = {  # public architectures' config.json values (no weights), built on the meta device to count parameters
-    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "llama-2-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                        num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "llama-2-70b": dict(model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
-    "llama-3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
-                        rms_norm_eps=1e-5),
-    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, sliding_window=4096,
-                       rms_norm_eps=1e-5),
-    "yi-34b": dict(model_type="llama", vocab_size=64000, hidden_size=7168, intermediate_size=20480, num_hidden_layers=60,
-                   num_attention_heads=56, num_key_value_heads=8, max_position_embeddings=4096, rope_theta=5000000.0, rms_norm_eps=1e-5),
-    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama-2-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                        max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama-2-70b": dict(model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "llama-3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, sliding_window=4096, rms_norm_eps=1e-5),
+    "yi-34b": dict(model_type="llama", vocab_size=64000, hidden_size=7168, intermediate_size=20480,
+                   num_hidden_layers=60, num_attention_heads=56, num_key_value_heads=8, max_position_embeddings=4096,
+                   rope_theta=5000000.0, rms_norm_eps=1e-5),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 def plan_config(model:str # a preset of MODEL_PRESETS, a kit preset (tiny, small), or a config.json path
@@ -610,30 +674,34 @@ def plan_config(model:str # a preset of MODEL_PRESETS, a kit preset (tiny, small
         return AutoConfig.for_model(d.pop("model_type"), **d)
     is_path = str(model).endswith(".json") or "/" in str(model) or os.path.exists(str(model))
     if not is_path and model not in PRESETS:
-        raise bad_value("model", model, f"a preset ({', '.join([*MODEL_PRESETS, *PRESETS])}) or a path to a config.json")
+        raise bad_value("model", model,
+                        f"a preset ({', '.join([*MODEL_PRESETS, *PRESETS])}) or a path to a config.json")
     return model_config(model)
 
 def count_parameters(model:str) -> int:
     "Parameters of `model`, counted on the meta device (no memory): exact."
     return sum(p.numel() for p in build_model(plan_config(model), device="meta").parameters())
 
-MODELS_TABLE = EXAMPLES / "plan" / "models.json"  # `count_models()` as stored in the package: `fsdp-kit plan --list-models` builds no model
+# `count_models()` as stored in the package: `fsdp-kit plan --list-models` builds no model
+MODELS_TABLE = EXAMPLES / "plan" / "models.json"
 
 def list_models() -> list:
-    "Every preset with its exact parameter count and shape, from the table stored in the package (`count_models` computes it)."
+    "Every preset with its exact parameter count and shape, from the table stored in the package (`count_models`)."
     return json.loads(MODELS_TABLE.read_text())
 
 def count_models() -> list:
-    "Every preset with its exact parameter count and shape, each model built on the meta device (seconds; `list_models` reads the result)."
+    "Every preset with its exact parameter count and shape, each built on the meta device (`list_models` reads them)."
     out = []
     for name, d in MODEL_PRESETS.items():
-        out.append(dict(name=name, parameters=count_parameters(name), model_type=d["model_type"], layers=d["num_hidden_layers"],
+        out.append(dict(name=name, parameters=count_parameters(name), model_type=d["model_type"],
+                        layers=d["num_hidden_layers"],
                         hidden_size=d["hidden_size"], vocab_size=d["vocab_size"], kv_heads=d["num_key_value_heads"]))
     return out
 
 # %% ../nbs/08_plan.ipynb #6fb41c32
 GiB = 2**30
-SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")  # the widths that set a model's size
+# the widths that set a model's size
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 
 def host_memory() -> int:
     "Bytes of memory this machine can give now: psutil's available, else all physical pages."
@@ -642,7 +710,7 @@ def host_memory() -> int:
     return psutil.virtual_memory().available
 
 def step_memory(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, method:str="full", lora_r:int=8) -> dict:
-    "Estimated host bytes of one training step, per rank and for the `nproc` ranks on this machine (what `check_fits` counts)."
+    "Estimated host bytes of one training step, per rank and for the `nproc` ranks on this machine (`check_fits`)."
     config = model_config(model)
     lora = None if method == "full" else replace(QLORA if method == "qlora" else LORA, r=lora_r)
     spec = PlanSpec(str(model), nproc * nnodes, batch=batch, seq_len=seq_len, lora=lora)
@@ -651,27 +719,34 @@ def step_memory(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, me
     params = sum(math.prod(s) for _, s in shapes)
     build = params * 4 + buffers  # each rank builds the whole model in fp32 before fully_shard shards it
     if build > parts["total"]:
-        moment, parts = "building the model (fp32, whole, before sharding)", dict(parameters=params * 4, buffers=buffers, total=build)
-    states = sum(v for k, v in parts.items() if k in ("sharded_params", "sharded_grads", "optimizer_state", "buffers", "parameters"))
+        moment = "building the model (fp32, whole, before sharding)"
+        parts = dict(parameters=params * 4, buffers=buffers, total=build)
+    kinds = ("sharded_params", "sharded_grads", "optimizer_state", "buffers", "parameters")
+    states = sum(v for k, v in parts.items() if k in kinds)
     sizes = {k: getattr(config, k, None) for k in SIZE_KEYS}
-    return dict(parameters=params, sizes=sizes, peak_moment=moment, parts={k: v for k, v in parts.items() if k != "total" and v},
+    return dict(parameters=params, sizes=sizes, peak_moment=moment,
+                parts={k: v for k, v in parts.items() if k != "total" and v},
                 per_rank=parts["total"], per_host=nproc * parts["total"], model_states=states, available=host_memory())
 
 def check_fits(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, method:str="full", lora_r:int=8) -> dict:
     "Refuse a step needing more host memory than this machine has available (per rank: `step_memory`, times nproc)."
     for name, value in (("--batch", batch), ("--seq-len", seq_len), ("--nproc", nproc), ("--nnodes", nnodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1: raise bad_value(name, value, "a whole number >= 1")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_value(name, value, "a whole number >= 1")
     m = step_memory(model, batch, seq_len, nproc, nnodes, method, lora_r)
     if m["per_host"] <= m["available"]: return m
-    top = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(m["parts"].items(), key=lambda kv: -kv[1])[:3] if v * 100 >= m["per_rank"])
-    need = (f"needs about {m['per_host'] / GiB:,.1f} GiB of host memory ({nproc} process(es) x {m['per_rank'] / GiB:,.2f} GiB at "
-            f"'{m['peak_moment']}': {top} GiB), but this machine has {m['available'] / GiB:.1f} GiB available")
+    largest = sorted(m["parts"].items(), key=lambda kv: -kv[1])[:3]
+    top = ", ".join(f"{k} {v / GiB:.2f}" for k, v in largest if v * 100 >= m["per_rank"])
+    need = (f"needs about {m['per_host'] / GiB:,.1f} GiB of host memory ({nproc} process(es) x "
+            f"{m['per_rank'] / GiB:,.2f} GiB at '{m['peak_moment']}': {top} GiB), "
+            f"but this machine has {m['available'] / GiB:.1f} GiB available")
     if m["model_states"] * 2 >= m["per_rank"]:
         given = _given_keys(model)
-        sizes = ", ".join(f"{k}={v}" + ("" if k in given else " (transformers' default)") for k, v in m["sizes"].items())
+        default = lambda k: "" if k in given else " (transformers' default)"
+        sizes = ", ".join(f"{k}={v}{default(k)}" for k, v in m["sizes"].items())
         raise bad_value("model", str(model), "a model whose training step fits in this machine's memory",
-                        f"{m['parameters']:,} parameters ({sizes}): a step of {batch} x {seq_len} tokens per rank {need}: use a smaller "
-                        "model (set these keys in its config.json)")
+                        f"{m['parameters']:,} parameters ({sizes}): a step of {batch} x {seq_len} tokens per rank "
+                        f"{need}: use a smaller model (set these keys in its config.json)")
     raise bad_value("--batch", batch, f"a batch whose step fits in this machine's memory with --seq-len {seq_len}",
                     f"model={str(model)!r} ({m['parameters']:,} parameters) {need}: use a smaller --batch or --seq-len")
 

@@ -1,4 +1,4 @@
-"""The step model on real GPUs (allocator, CUDA context, quantization state, offload); what fits, ranked; published figures
+"""The step model on real GPUs (allocator, CUDA context, 4-bit state, offload); what fits, ranked; published figures
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 
@@ -18,28 +18,31 @@ from .errors import bad_value
 from .config import EXAMPLES, FSDPConfig
 from .spec import accelerate_precision
 from .lora import LINEARS
-from .plan import PlanSpec, LORA, QLORA, METHODS, LOAD_PATHS, layer_index, meta_shapes, model_tensors, units, dims, moments
-from .plan import activation_bytes, comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
+from .plan import PlanSpec, LORA, QLORA, METHODS, LOAD_PATHS, layer_index, meta_shapes, model_tensors, units
+from .plan import dims, moments, activation_bytes, comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
 
 # %% ../nbs/08b_plan_gpu.ipynb #7a280d94
-# CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of that peak.
-# Fitted on the one published pair of both statistics: Answer.AI's Llama-2-7B LoRA row (benchmarks_03_2024.md: 9.16 GiB
-# allocated, 10.22 GiB reserved, 11.6% more; see PUBLISHED). No record of benchmarks/gpu_check.py (examples/gpu/) has checked it
-# yet: `plan --validate` on CUDA does.
+# CUDA caching allocator: reserved beyond the tensors alive at the peak (rounding, cached free blocks), a fraction of
+# that peak. Fitted on the one published pair of both statistics: Answer.AI's Llama-2-7B LoRA row
+# (benchmarks_03_2024.md: 9.16 GiB allocated, 10.22 GiB reserved, 11.6% more; see PUBLISHED). No record of
+# benchmarks/gpu_check.py (examples/gpu/) has checked it yet: `plan --validate` on CUDA does.
 ALLOCATOR_OVERHEAD = 0.10
 
-# CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds). An assumption, not a measurement:
-# the order nvidia-smi shows for a process that has only initialised CUDA 12 and NCCL on A100/H100 cards (0.3-0.6 GiB, more with
-# lazy module loading off). No gpu_check record has measured it yet; its plan-validate step reads NVML beside it.
+# CUDA context and NCCL communicators per process, outside the allocator (what nvidia-smi adds). An assumption, not a
+# measurement: the order nvidia-smi shows for a process that has only initialised CUDA 12 and NCCL on A100/H100 cards
+# (0.3-0.6 GiB, more with lazy module loading off). No gpu_check record has measured it yet; its plan-validate step
+# reads NVML beside it.
 CUDA_CONTEXT_BYTES = int(0.6 * 2**30)
 
 GB = 10**9
 
+# --precision -> the FSDP config's fields (pure-bf16 sets the step's precision too)
 PRECISIONS = {"fp32": dict(mixed_precision="no"), "accelerate-bf16": dict(mixed_precision="bf16"),
               "bf16-fp32-reduce": dict(mixed_precision="bf16", reduce_dtype="fp32"),
-              "pure-bf16": dict(mixed_precision="no")}  # --precision -> the FSDP config's fields (pure-bf16: the step's precision too)
+              "pure-bf16": dict(mixed_precision="no")}
 
-# reserved beyond allocated, low and high, as a fraction of allocated: never below what is handed out; twice the overhead the peak assumes
+# reserved beyond allocated, low and high, as a fraction of allocated: never below what is handed out; twice the
+# overhead the peak assumes
 RESERVED_RANGE = (0.0, 2 * ALLOCATOR_OVERHEAD)
 
 # %% ../nbs/08b_plan_gpu.ipynb #7ced5553
@@ -50,20 +53,20 @@ class GPUPlan:
     parameters:int # counted on the meta device
     gpus:int # GPUs sharing the parameters (FSDP over all of them; CP ranks included)
     gpu_mem_gb:float # memory of one GPU, GB (10^9 bytes)
-    settings:dict # the setting planned: method, LoRA, batch, seq_len, precision, reshard, cp, ac (the policy run), offload, savers, layout
+    settings:dict # the setting planned (`gpu_settings`): method, LoRA, batch, seq_len, precision, reshard, cp, ac, ...
     per_gpu_peak_bytes:int # tensors at the peak + allocator overhead + CUDA context (what nvidia-smi shows)
     per_gpu_allocated_bytes:int # tensors at the peak (torch.cuda.max_memory_allocated)
-    per_gpu_reserved_bytes:list # [low, high] the caching allocator holds at the peak (max_memory_reserved), without the CUDA context
+    per_gpu_reserved_bytes:list # [low, high] the caching allocator holds at the peak, without the CUDA context
     breakdown:dict # category -> bytes at the peak
     peak_moment:str # where in the step the peak falls
     host_bytes:int # host memory per GPU process during training (offloaded states), bytes
     host_load_bytes:dict # host memory per node while loading weights, with and without cpu_ram_efficient_loading
     fits:bool # per_gpu_peak_bytes <= gpu_mem_gb
-    communication:dict # per GPU per step: all_gather / reduce_scatter {count, bytes}, per_unit, context_parallel, host_device, total_bytes
+    communication:dict # per GPU per step: all_gather, reduce_scatter, per_unit, context_parallel, host_device, total
     notes:list=field(default_factory=list) # what the model assumes
-    terms:dict=field(default_factory=dict) # each memory saver that is on -> the bytes it takes off per_gpu_allocated_bytes
+    terms:dict=field(default_factory=dict) # each memory saver that is on -> the allocated bytes it takes off
 
-PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # field -> option of fsdp-kit plan
+PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # field -> plan's option
 
 def _check_plan_args(spec:PlanSpec, gpu_mem_gb):
     "Refuse sizes that make no sense, naming the option of `fsdp-kit plan` that sets them."
@@ -72,7 +75,8 @@ def _check_plan_args(spec:PlanSpec, gpu_mem_gb):
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad_value(f"--{PLAN_OPTIONS[name]}", value, f"a whole number >= 1 ({name})")
-    if isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb, (int, float)) or not math.isfinite(gpu_mem_gb) or gpu_mem_gb <= 0:
+    if isinstance(gpu_mem_gb, bool) or not isinstance(gpu_mem_gb,
+                                                      (int, float)) or not math.isfinite(gpu_mem_gb) or gpu_mem_gb <= 0:
         raise bad_value("--gpu-mem-gb", gpu_mem_gb, "a finite number of GB > 0 (gpu_mem_gb)")
     mixed_precision = spec.config.mixed_precision
     if accelerate_precision(mixed_precision) not in ("no", "bf16"):
@@ -88,25 +92,28 @@ def _offloaded(moment:dict, staging:int) -> dict:
     return gpu | dict(total=sum(gpu.values()))
 
 def _quant_state(config, spec:PlanSpec) -> int:
-    "Bytes of bitsandbytes' quantization state for every 4-bit weight; each rank keeps it whole (it is not a parameter)."
+    "Bytes of bitsandbytes' quantization state of every 4-bit weight; each rank keeps it whole (it is no parameter)."
     from fsdp_kit.qlora import quant_state_bytes
     if spec.method != "qlora": return 0
     return sum(sum(quant_state_bytes(shape).values()) for name, shape in meta_shapes(config)[0]
                if layer_index(name) >= 0 and name.split(".")[-2] in LINEARS and name.endswith(".weight"))
 
 def load_high_water(config, spec:PlanSpec, path:str) -> int:
-    "Bytes one GPU holds at the top of loading a 4-bit model and sharding it with CPU offload, along `path` (LOAD_PATHS)."
+    "Bytes one GPU holds at the top of loading a 4-bit model and sharding it with CPU offload, along `path`."
     n = max(math.prod(s) for name, s in meta_shapes(config)[0]
             if layer_index(name) >= 0 and name.split(".")[-2] in LINEARS and name.endswith(".weight"))
-    quantizing = 2 * n + 4 * -(n // -64)  # the largest weight's bf16 copy on the GPU and its float32 absmax, beside its codes (n / 2)
-    whole = [u.sharded for u in units(model_tensors(config, spec), replace(spec, world_size=1)).values()]  # each unit as stored
+    # the largest weight's bf16 copy on the GPU and its float32 absmax, beside its codes (n / 2)
+    quantizing = 2 * n + 4 * -(n // -64)
+    # each unit as stored
+    whole = [u.sharded for u in units(model_tensors(config, spec), replace(spec, world_size=1)).values()]
     largest, shard = max(whole), -(max(whole) // -spec.world_size)
     if path == "per-weight":  # one weight quantized, or one unit moved to the GPU, flattened and its shard cloned
         return _quant_state(config, spec) + max(quantizing + n // 2, 2 * largest + shard)
-    return _quant_state(config, spec) + sum(whole) + quantizing + shard  # every rank's own quantized copy, then one unit's shard
+    # every rank's own quantized copy, then one unit's shard
+    return _quant_state(config, spec) + sum(whole) + quantizing + shard
 
 def _cp_comm(config, spec:PlanSpec) -> int:
-    "Context parallel: each layer all-gathers K and V over the CP ranks in forward and reduce-scatters their gradients in backward."
+    "Context parallel: each layer all-gathers K and V over the CP ranks, and reduce-scatters their gradients."
     if spec.mesh.cp == 1: return 0
     d = dims(config, spec)
     return d["L"] * 2 * 2 * d["T"] * spec.mesh.cp * d["kv"] * d["b"]
@@ -130,7 +137,7 @@ def gpu_peak(config, spec:PlanSpec, ms:list) -> tuple:
     return name, breakdown, allocated, high_water
 
 def offloaded_activations(config, spec:PlanSpec) -> int:
-    "Bytes sent to the host in forward and back in backward: what forward keeps without offloading, less the loss's logits."
+    "Bytes sent to the host in forward and back in backward: what forward keeps unoffloaded, less the loss's logits."
     if not spec.step.offload_activations: return 0
     kept = moments(config, replace(spec, step=replace(spec.step, offload_activations=False)))[0][1]["activations"]
     return kept - activation_bytes(dims(config, spec))["loss_extra"]
@@ -140,7 +147,8 @@ def gpu_communication(config, spec:PlanSpec) -> dict:
     comm = predict_comm(config, spec)
     comm["per_unit"] = comm_per_unit(config, spec)
     comm["context_parallel"] = dict(bytes=_cp_comm(config, spec))
-    if spec.config.cpu_offload:  # each all-gather first copies the unit's shard to the GPU; each reduce-scatter's output goes back
+    # each all-gather first copies the unit's shard to the GPU; each reduce-scatter's output goes back
+    if spec.config.cpu_offload:
         gathers = {d["unit"]: d["all_gathers"] for d in comm["per_unit"]}  # a kept unit (the tail) once; one GPU: once
         us = units(model_tensors(config, spec), spec).values()
         comm["host_device"] = dict(bytes=sum(u.sharded * gathers.get(u.name, 1) + u.sharded_grads for u in us))
@@ -156,18 +164,20 @@ def gpu_notes(spec:PlanSpec, high_water:int=0) -> list:
     notes = [f"allocator overhead modelled as {ALLOCATOR_OVERHEAD:.0%} of the tensors alive at the peak, plus "
              f"{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB of CUDA context and NCCL per process",
              "communication counts network collectives and, with offload, host-device copies (total_bytes adds both)",
-             "activations as the kit measures them on CPU with SDPA (saved q, k, v, output and logsumexp per layer; flash attention "
-             "on GPU saves the same)"]
+             "activations as the kit measures them on CPU with SDPA (saved q, k, v, output and logsumexp per layer; "
+             "flash attention on GPU saves the same)"]
     if spec.method == "qlora":
-        notes.append("quantization state (absmax, code tables) is kept whole on every GPU: it is not a parameter, FSDP does not shard it")
-    notes.append(f"per_gpu_reserved_bytes: allocated plus {RESERVED_RANGE[0]:.0%} to {RESERVED_RANGE[1]:.0%}, without the CUDA context; "
-                 f"the peak adds the context to allocated plus {ALLOCATOR_OVERHEAD:.0%}")
+        notes.append("quantization state (absmax, code tables) is kept whole on every GPU: "
+                     "it is not a parameter, FSDP does not shard it")
+    low, high = RESERVED_RANGE
+    notes.append(f"per_gpu_reserved_bytes: allocated plus {low:.0%} to {high:.0%}, without the "
+                 f"CUDA context; the peak adds the context to allocated plus {ALLOCATOR_OVERHEAD:.0%}")
     if spec.fp8_all_gather:
-        notes.append("float8 all-gather: decoder Linear weights gathered and kept unsharded in 1 byte per element; Float8 matmuls' own "
-                     "saved casts are not modelled (activations as bf16)")
+        notes.append("float8 all-gather: decoder Linear weights gathered and kept unsharded in 1 byte per element; "
+                     "Float8 matmuls' own saved casts are not modelled (activations as bf16)")
     if spec.compile:
-        notes.append("torch.compile is not modelled: it fuses element-wise ops and can save fewer activations; this plan is the eager "
-                     "step's, an upper bound for activations")
+        notes.append("torch.compile is not modelled: it fuses element-wise ops and can save fewer activations; "
+                     "this plan is the eager step's, an upper bound for activations")
     if high_water: notes.append(f"loading ({spec.loading}) holds {high_water / GB:.2f} GB at its top; "
                                 "the caching allocator keeps it reserved and the step reuses it")
     return notes
@@ -175,82 +185,97 @@ def gpu_notes(spec:PlanSpec, high_water:int=0) -> list:
 def savers_off(spec:PlanSpec) -> dict:
     "Each memory saver that is on -> the same setting without it (`GPUPlan.terms` compares their allocated bytes)."
     cfg, step = spec.config, spec.step
-    fsdp_off, step_off = lambda **kw: replace(spec, fsdp=replace(cfg, **kw)), lambda **kw: replace(spec, step=replace(step, **kw))
-    off = dict(ac=fsdp_off(ac="none") if spec.policy_ac != "none" else None, offload=fsdp_off(cpu_offload=False) if cfg.cpu_offload else None,
+    fsdp_off = lambda **kw: replace(spec, fsdp=replace(cfg, **kw))
+    step_off = lambda **kw: replace(spec, step=replace(step, **kw))
+    pure_off = replace(fsdp_off(mixed_precision="bf16"), step=replace(step, precision="fp32"))
+    off = dict(ac=fsdp_off(ac="none") if spec.policy_ac != "none" else None,
+               offload=fsdp_off(cpu_offload=False) if cfg.cpu_offload else None,
                ce_chunks=step_off(ce_chunks=0) if step.ce_chunks else None,
                optimizer_in_backward=step_off(optimizer_in_backward=False) if step.optimizer_in_backward else None,
                offload_activations=step_off(offload_activations=False) if step.offload_activations else None,
                fp8_all_gather=replace(spec, fp8_all_gather=False) if spec.fp8_all_gather else None,
-               precision=replace(fsdp_off(mixed_precision="bf16"), step=replace(step, precision="fp32")) if spec.pure_bf16 else None)
+               precision=pure_off if spec.pure_bf16 else None)
     return {k: v for k, v in off.items() if v is not None}
 
 # %% ../nbs/08b_plan_gpu.ipynb #2322de7c
 def gpu_settings(spec:PlanSpec) -> dict:
-    "The setting a plan is of, in the planner's words (`GPUPlan.settings`: what the explanations and the --json output name)."
+    "The setting a plan is of, in the planner's words (`GPUPlan.settings`, what the explanations and --json name)."
     cfg, step, lora = spec.config, spec.step, spec.lora
     base_dtype = "bf16" if spec.pure_bf16 else "fp32" if lora and lora.base_dtype == "fp32" else None
     return dict(method=spec.method, lora_r=lora.r if lora else 8, lora_targets=lora.targets if lora else "all-linear",
-                ce_chunks=step.ce_chunks, optimizer_in_backward=step.optimizer_in_backward, offload_activations=step.offload_activations,
-                fp8_all_gather=spec.fp8_all_gather, batch=spec.batch, seq_len=spec.seq_len, grad_ckpt=spec.policy_ac == "full",
-                offload=cfg.cpu_offload, mixed_precision=cfg.mixed_precision, reduce_dtype=cfg.reduce_dtype, precision=spec.precision,
-                reshard=cfg.reshard_after_forward, cp=spec.mesh.cp, base_dtype=base_dtype, ac=spec.policy_ac, compile=spec.compile,
-                layout=cfg.layout, cpu_ram_efficient_loading=spec.loading)
+                ce_chunks=step.ce_chunks, optimizer_in_backward=step.optimizer_in_backward,
+                offload_activations=step.offload_activations, fp8_all_gather=spec.fp8_all_gather, batch=spec.batch,
+                seq_len=spec.seq_len, grad_ckpt=spec.policy_ac == "full", offload=cfg.cpu_offload,
+                mixed_precision=cfg.mixed_precision, reduce_dtype=cfg.reduce_dtype, precision=spec.precision,
+                reshard=cfg.reshard_after_forward, cp=spec.mesh.cp, base_dtype=base_dtype, ac=spec.policy_ac,
+                compile=spec.compile, layout=cfg.layout, cpu_ram_efficient_loading=spec.loading)
 
-def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, mesh (cp), fsdp, step, lora, and the GPU fields (fp8, compile, loading)
+def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, mesh (cp), fsdp, step, lora, fp8, compile, loading
              gpu_mem_gb:float=80, # memory per GPU, GB
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
             ) -> GPUPlan:
     "Predict one training step's per-GPU peak (meta-device shapes only), host memory and communication."
     if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a plan.PlanSpec")
     _check_plan_args(spec, gpu_mem_gb)
-    spec = replace(spec, fsdp=replace(spec.config, mixed_precision=accelerate_precision(spec.config.mixed_precision))).check()
+    mixed_precision = accelerate_precision(spec.config.mixed_precision)  # accelerate's names: fp32 (old spelling) is no
+    spec = replace(spec, fsdp=replace(spec.config, mixed_precision=mixed_precision)).check()
     config, gpus = plan_config(spec.model), spec.world_size
     tensors, ms = model_tensors(config, spec), moments(config, spec)
     name, breakdown, allocated, high_water = gpu_peak(config, spec, ms)
     states = sum(ms[-1][1].get(k, 0) for k in ("sharded_params", "sharded_grads", "optimizer_state"))
-    offloaded = offloaded_activations(config, spec)  # with CPU offload, the states and the optimizer step's temporaries in host memory
-    host = (states + 2 * max(t.shard_numel(gpus) * 4 for t in tensors if t.trainable) if spec.config.cpu_offload else 0) + offloaded
+    offloaded = offloaded_activations(config, spec)
+    # with CPU offload, the states and the optimizer step's temporaries are in host memory
+    optimizer_step = 2 * max(t.shard_numel(gpus) * 4 for t in tensors if t.trainable)
+    host = (states + optimizer_step if spec.config.cpu_offload else 0) + offloaded
     parameters = sum(math.prod(s) for _, s in meta_shapes(config)[0])
     load = parameters * (4 if spec.precision == "fp32" else 2)
     reserved = [max(int(allocated * (1 + f)), high_water) for f in RESERVED_RANGE]
-    terms = {k: plan_gpu(v, _terms=False).per_gpu_allocated_bytes - allocated for k, v in savers_off(spec).items()} if _terms else {}
+    off = savers_off(spec) if _terms else {}
+    terms = {k: plan_gpu(v, _terms=False).per_gpu_allocated_bytes - allocated for k, v in off.items()}
     per_gpu = sum(breakdown.values())
-    return GPUPlan(spec.model, parameters, gpus, gpu_mem_gb, gpu_settings(spec), per_gpu, allocated, reserved, breakdown, name, host,
-                   dict(cpu_ram_efficient_loading=load, every_process_loads=min(gpus, 8) * load), per_gpu <= gpu_mem_gb * GB,
-                   gpu_communication(config, spec), gpu_notes(spec, high_water), terms)
+    loads = dict(cpu_ram_efficient_loading=load, every_process_loads=min(gpus, 8) * load)
+    return GPUPlan(spec.model, parameters, gpus, gpu_mem_gb, gpu_settings(spec), per_gpu, allocated, reserved,
+                   breakdown, name, host, loads, per_gpu <= gpu_mem_gb * GB, gpu_communication(config, spec),
+                   gpu_notes(spec, high_water), terms)
 
 # %% ../nbs/08b_plan_gpu.ipynb #6ebaa85a
 def _describe(p:GPUPlan) -> str:
     "The settings of a plan in a few words."
-    s = p.settings
-    return (f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}, {s['method']}" + (f" r={s['lora_r']}" if s["method"] != "full" else "")
-            + (f" on {s['lora_targets']}" if s["method"] != "full" and s["lora_targets"] != "all-linear" else "")
-            + (f", {s['precision']}" if s["method"] == "full" else "") + f", batch {s['batch']}, "
-            f"reshard {s['reshard']}, checkpointing {dict(none='off', full='on').get(s['ac'], s['ac'])}, offload "
-            f"{'on' if s['offload'] else 'off'}"
-            + f", chunked CE ({s['ce_chunks']})" * bool(s["ce_chunks"]) + ", optimizer in backward" * s["optimizer_in_backward"]
+    s, adapters = p.settings, p.settings["method"] != "full"
+    checkpointing = dict(none="off", full="on").get(s["ac"], s["ac"])
+    return (f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}, {s['method']}" + f" r={s['lora_r']}" * adapters
+            + (f" on {s['lora_targets']}" if adapters and s["lora_targets"] != "all-linear" else "")
+            + f", {s['precision']}" * (not adapters) + f", batch {s['batch']}, reshard {s['reshard']}, "
+            f"checkpointing {checkpointing}, offload {'on' if s['offload'] else 'off'}"
+            + f", chunked CE ({s['ce_chunks']})" * bool(s["ce_chunks"])
+            + ", optimizer in backward" * s["optimizer_in_backward"]
             + ", activations offloaded" * s["offload_activations"] + ", fp8 all-gather" * s["fp8_all_gather"]
             + ", embeddings and head in the root" * (s["layout"] == "layers"))
 
 def plan_text(p:GPUPlan) -> str:
     "A few lines: the per-GPU peak and its breakdown, host memory, fit, communication."
-    lines = [f"{p.model} ({p.parameters:,} parameters) on {p.gpus} x {p.gpu_mem_gb:g} GB, {_describe(p)}, seq {p.settings['seq_len']}",
-             f"per-GPU peak {p.per_gpu_peak_bytes / GB:.2f} GB at '{p.peak_moment}': {'fits' if p.fits else 'does NOT fit'} "
-             f"(allocated {p.per_gpu_allocated_bytes / GB:.2f} GB, reserved "
-             f"{p.per_gpu_reserved_bytes[0] / GB:.2f}-{p.per_gpu_reserved_bytes[1] / GB:.2f} GB)"]
+    low, high = p.per_gpu_reserved_bytes
+    lines = [f"{p.model} ({p.parameters:,} parameters) on {p.gpus} x {p.gpu_mem_gb:g} GB, {_describe(p)}, "
+             f"seq {p.settings['seq_len']}",
+             f"per-GPU peak {p.per_gpu_peak_bytes / GB:.2f} GB at '{p.peak_moment}': "
+             f"{'fits' if p.fits else 'does NOT fit'} (allocated {p.per_gpu_allocated_bytes / GB:.2f} GB, "
+             f"reserved {low / GB:.2f}-{high / GB:.2f} GB)"]
     lines += [f"  {k:<24}{v / GB:>9.3f} GB" for k, v in sorted(p.breakdown.items(), key=lambda kv: -kv[1])]
-    if p.terms: lines.append("each setting against this plan without it (allocated): " + ", ".join(
-        f"{k} {'saves' if v >= 0 else 'costs'} {abs(v) / GB:.2f} GB" for k, v in sorted(p.terms.items(), key=lambda kv: -kv[1])))
+    terms = sorted(p.terms.items(), key=lambda kv: -kv[1])
+    if terms: lines.append("each setting against this plan without it (allocated): " + ", ".join(
+        f"{k} {'saves' if v >= 0 else 'costs'} {abs(v) / GB:.2f} GB" for k, v in terms))
+    load = p.host_load_bytes
     lines.append(f"host memory per process {p.host_bytes / GB:.2f} GB; at load per node "
-                 f"{p.host_load_bytes['cpu_ram_efficient_loading'] / GB:.1f} GB "
-                 f"(cpu_ram_efficient_loading) or {p.host_load_bytes['every_process_loads'] / GB:.1f} GB (every process loads)")
+                 f"{load['cpu_ram_efficient_loading'] / GB:.1f} GB (cpu_ram_efficient_loading) or "
+                 f"{load['every_process_loads'] / GB:.1f} GB (every process loads)")
     c = p.communication
-    gather, scatter = c.get("all_gather", {}), c.get("reduce_scatter", {})
-    lines.append(f"communication per GPU per step: all-gather {gather.get('bytes', 0) / GB:.2f} GB in {gather.get('count', 0)} calls, "
-                 f"reduce-scatter {scatter.get('bytes', 0) / GB:.2f} GB in {scatter.get('count', 0)} calls "
-                 f"({'bf16' if p.settings['precision'] in ('accelerate-bf16', 'pure-bf16') else 'fp32'})"
+    gather, scatter, cp = c.get("all_gather", {}), c.get("reduce_scatter", {}), c["context_parallel"]["bytes"]
+    dtype = "bf16" if p.settings["precision"] in ("accelerate-bf16", "pure-bf16") else "fp32"
+    lines.append(f"communication per GPU per step: all-gather {gather.get('bytes', 0) / GB:.2f} GB in "
+                 f"{gather.get('count', 0)} calls, reduce-scatter {scatter.get('bytes', 0) / GB:.2f} GB in "
+                 f"{scatter.get('count', 0)} calls ({dtype})"
                  + (f", host-device {c['host_device']['bytes'] / GB:.2f} GB" if "host_device" in c else "")
-                 + (f", context parallel {c['context_parallel']['bytes'] / GB:.2f} GB" if c["context_parallel"]["bytes"] else ""))
+                 + (f", context parallel {cp / GB:.2f} GB" if cp else ""))
     return "\n".join(lines)
 
 # %% ../nbs/08b_plan_gpu.ipynb #84620501
@@ -261,46 +286,55 @@ EXTRAS = ({}, dict(ce_chunks=8), dict(ce_chunks=8, optimizer_in_backward=True),
           dict(ce_chunks=8, optimizer_in_backward=True, offload_activations=True))  # tried in this order until one fits
 
 def _tie(best:GPUPlan, other:GPUPlan, method:str) -> str:
-    "Why `best` won over `other` at equal bytes per token: the first later criterion of `recommend` that tells them apart."
+    "Why `best` won over `other` at equal bytes per token: the first later criterion of `recommend` to tell them apart."
     b, o = best.settings, other.settings
-    if b["ac"] != o["ac"]: return (f"{b['ac']} wins the tie over {o['ac']}: it recomputes less of the forward in backward "
-                                   "(none nothing, selective-op every other matmul and the cheap ops, full every layer's forward: about a "
-                                   "third more compute)")
+    if b["ac"] != o["ac"]:
+        return (f"{b['ac']} wins the tie over {o['ac']}: it recomputes less of the forward in backward "
+                "(none nothing, selective-op every other matmul and the cheap ops, "
+                "full every layer's forward: about a third more compute)")
     for k, why in (("ce_chunks", "chunked cross-entropy recomputes lm_head's forward in backward"),
                    ("optimizer_in_backward", "an optimizer in backward rules out gradient clipping and accumulation")):
         if bool(b[k]) != bool(o[k]): return f"{k}={b[k]} wins the tie: {why}"
     if (b["method"] != method) != (o["method"] != method): return f"the method asked for ({method}) wins the tie"
     if best.gpus != other.gpus: return f"fewer GPUs win the tie ({best.gpus} vs {other.gpus})"
     if b["batch"] != o["batch"]: return f"the larger batch wins the tie ({b['batch']} vs {o['batch']})"
-    return ("nothing else tells them apart: on 1 GPU nothing is gathered, so this setting changes nothing" if best.gpus == 1 else
-            "nothing else tells them apart; the first one searched is kept")
+    if best.gpus == 1:
+        return "nothing else tells them apart: on 1 GPU nothing is gathered, so this setting changes nothing"
+    return "nothing else tells them apart; the first one searched is kept"
 
 def _why_not(best:GPUPlan, cost:float, other:GPUPlan, other_cost:float, method:str) -> str:
     "Why `recommend` ranked `other` below `best`: the first of its criteria, in its order, that tells the two apart."
     mib = lambda c: f"{c / 2**20:.2f} MiB/token"
     b, o, text = best.settings, other.settings, f"moves {mib(other_cost)}"
     for k, what in (("offload", "CPU offload"), ("offload_activations", "activations offloaded")):
-        if o[k] != b[k]: return (text + f", more than {mib(cost)}" * (other_cost > cost) + f", and it uses {what}, which copies tensors "
-                                 "between host and GPU every step: taken only when nothing fits without it")
+        if o[k] != b[k]:
+            return (text + f", more than {mib(cost)}" * (other_cost > cost) + f", and it uses {what}, which copies "
+                    "tensors between host and GPU every step: taken only when nothing fits without it")
     if abs(other_cost - cost) > 1e-9 * cost: return f"{text}, more than {mib(cost)}"
     return f"{text}, the same bytes; {_tie(best, other, method)}"
 
 # %% ../nbs/08b_plan_gpu.ipynb #88dc2b61
-RECOMMEND_LINES = (("offload", "CPU offload"), ("offload_activations", "offload_activations"), ("reshard", "reshard_after_forward"),
-                   ("ac", "activation checkpointing"), ("ce_chunks", "chunked cross-entropy (ce_chunks)"),
+RECOMMEND_LINES = (("offload", "CPU offload"), ("offload_activations", "offload_activations"),
+                   ("reshard", "reshard_after_forward"), ("ac", "activation checkpointing"),
+                   ("ce_chunks", "chunked cross-entropy (ce_chunks)"),
                    ("optimizer_in_backward", "optimizer_in_backward"))
 # the memory savers of `EXTRAS`, tried only where nothing fits without them
 SAVERS = ("offload_activations", "ce_chunks", "optimizer_in_backward")
 
+# the memory savers of `EXTRAS`, tried only where nothing fits without them
+SAVERS = ("offload_activations", "ce_chunks", "optimizer_in_backward")
+
 def _setting_line(best:GPUPlan, cost:float, fitting:list, field_:str, name:str, method:str) -> str:
-    "One line of `recommend`'s explanation: why `best` has this value of `field_`, by the best fitting setting with another value."
-    value = best.gpus if field_ == "gpus" else best.settings[field_]
+    "One line of `recommend`'s explanation: why `best` has this value of `field_`, by the best that fits with another."
+    value_of = lambda p: p.gpus if field_ == "gpus" else p.settings[field_]
+    value = value_of(best)
     if field_ in SAVERS and not value:
-        return f"{name}={value}: not needed: it is tried only for settings that do not fit without it, and the chosen one fits without it"
-    other = [(p, c) for p, c in fitting if (p.gpus if field_ == "gpus" else p.settings[field_]) != value]
+        return (f"{name}={value}: not needed: it is tried only for settings that do not fit without it, "
+                "and the chosen one fits without it")
+    other = [(p, c) for p, c in fitting if value_of(p) != value]
     if not other: return f"{name}={value}: nothing that fits has another value"
     o, c = other[0]
-    return (f"{name}={value}: the best setting with {name}={o.gpus if field_ == 'gpus' else o.settings[field_]} ({_describe(o)}) "
+    return (f"{name}={value}: the best setting with {name}={value_of(o)} ({_describe(o)}) "
             f"{_why_not(best, cost, o, c, method)}")
 
 # %% ../nbs/08b_plan_gpu.ipynb #88745d50
@@ -318,7 +352,8 @@ def search(spec:PlanSpec, # the setting asked about: model, method, LoRA rank an
         full = lo is None
         for ac, offload in itertools.product(RECOMPUTE if full else ("none", "full"), (False, True)):
             fsdp = replace(spec.config, reshard_after_forward=reshard, ac=ac, cpu_offload=offload)
-            for extra in (EXTRAS if full else EXTRAS[:2]):  # the first that fits (or the last): a saver only when needed
+            # the first that fits (or the last): a saver only when needed
+            for extra in (EXTRAS if full else EXTRAS[:2]):
                 p = plan_gpu(replace(spec, world_size=g, lora=lo, batch=b, fsdp=fsdp, step=replace(spec.step, **extra)),
                              gpu_mem_gb=gpu_mem_gb, _terms=False)
                 if p.fits: break
@@ -327,32 +362,35 @@ def search(spec:PlanSpec, # the setting asked about: model, method, LoRA rank an
 
 # %% ../nbs/08b_plan_gpu.ipynb #22e2e035
 def _rank(t:tuple, method:str) -> tuple:
-    "`recommend`'s order for a (plan, bytes per token): offload last, then fewest bytes, least recomputation, the fewest extras."
+    "`recommend`'s order for a (plan, bytes per token): offload last, then the fewest bytes, the least recomputation."
     s = t[0].settings
-    return (s["offload"], s["offload_activations"], t[1], RECOMPUTE[s["ac"]], bool(s["ce_chunks"]), s["optimizer_in_backward"],
-            s["method"] != method, t[0].gpus, -s["batch"])
+    return (s["offload"], s["offload_activations"], t[1], RECOMPUTE[s["ac"]], bool(s["ce_chunks"]),
+            s["optimizer_in_backward"], s["method"] != method, t[0].gpus, -s["batch"])
 
-ORDER = ("The kit minimises the bytes each GPU moves per training token (collectives and host-device copies), not the GPU count, "
-         "though fewer GPUs each move less (an all-gather brings (n-1)/n of a unit). In this order: no CPU offload (of parameters, "
-         "then of activations) if anything fits without it, then the fewest bytes per token, then the least recomputation (none, "
-         "selective-op, full checkpointing), no chunked cross-entropy, no optimizer in backward, the method asked for, fewer GPUs, "
-         "a larger batch; chunked cross-entropy, the optimizer in backward and activation offload are tried, in that order, only for "
-         "settings that do not fit without them")  # recommend's criteria, the first line of its explanation
+# recommend's criteria, the first line of its explanation
+ORDER = ("The kit minimises the bytes each GPU moves per training token (collectives and host-device copies), "
+         "not the GPU count, though fewer GPUs each move less (an all-gather brings (n-1)/n of a unit). In this order: "
+         "no CPU offload (of parameters, then of activations) if anything fits without it, then the fewest bytes per "
+         "token, then the least recomputation (none, selective-op, full checkpointing), no chunked cross-entropy, "
+         "no optimizer in backward, the method asked for, fewer GPUs, a larger batch; "
+         "chunked cross-entropy, the optimizer in backward and activation offload are tried, in that order, "
+         "only for settings that do not fit without them")
 
 def _batch_line(b:int, batch:int) -> str:
     "Why the chosen setting has batch `b`, asked for `batch`."
-    if b == batch: return (f"batch {b} per GPU, the largest searched (the search tries "
-                           f"{f'--batch {batch} and its halves' if batch > 1 else '--batch 1 only'}): communication per step does not "
-                           "grow with the batch, so a larger --batch that fits would move fewer bytes per token")
-    return (f"batch {b} per GPU: the largest that fits with these settings; communication per step does not grow with the batch, "
-            "so per token it falls as the batch grows")
+    tries = f"--batch {batch} and its halves" if batch > 1 else "--batch 1 only"
+    if b == batch:
+        return (f"batch {b} per GPU, the largest searched (the search tries {tries}): communication per step does "
+                "not grow with the batch, so a larger --batch that fits would move fewer bytes per token")
+    return (f"batch {b} per GPU: the largest that fits with these settings; communication per step does not grow "
+            "with the batch, so per token it falls as the batch grows")
 
 # %% ../nbs/08b_plan_gpu.ipynb #36ac1b4f
-def recommend(spec:PlanSpec, # the setting asked about: model, method, LoRA rank and targets, batch, seq_len, cp, precision
+def recommend(spec:PlanSpec, # the setting asked about: model, method, LoRA rank and targets, batch, seq_len, cp
               gpus:int=8, # at most this many GPUs
               gpu_mem_gb:float=80 # memory per GPU, GB
              ) -> dict:
-    "Search the settings (`search`) and pick what fits and moves the fewest bytes per token, then the least recomputation."
+    "Search the settings (`search`); pick what fits and moves the fewest bytes per token, then the least recomputation."
     if not isinstance(spec, PlanSpec): raise bad_value("spec", spec, "a plan.PlanSpec")
     _check_plan_args(replace(spec, world_size=gpus), gpu_mem_gb)
     method, tried = spec.method, search(spec, gpus, gpu_mem_gb)
@@ -361,59 +399,66 @@ def recommend(spec:PlanSpec, # the setting asked about: model, method, LoRA rank
         best = min(tried, key=lambda t: t[0].per_gpu_peak_bytes)[0]
         return dict(fits=False, candidates=len(tried), plan=asdict(best),
                     explanation=f"nothing fits in {gpu_mem_gb} GB with up to {gpus} GPUs; the smallest peak is "
-                                f"{best.per_gpu_peak_bytes / GB:.1f} GB/GPU ({_describe(best)}): add GPUs, use a shorter sequence, "
-                                "or larger GPUs")
+                                f"{best.per_gpu_peak_bytes / GB:.1f} GB/GPU ({_describe(best)}): add GPUs, use a "
+                                "shorter sequence, or larger GPUs")
     best, cost = fitting[0]
     why = [f"{len(fitting)} of {len(tried)} settings fit in {gpu_mem_gb} GB. {ORDER}",
-           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', {cost / 2**20:.2f} MiB/token "
-           "moved per GPU (collectives and host-device copies)"]
+           f"chosen: {_describe(best)}: {best.per_gpu_peak_bytes / GB:.1f} GB/GPU at '{best.peak_moment}', "
+           f"{cost / 2**20:.2f} MiB/token moved per GPU (collectives and host-device copies)"]
     why += [_setting_line(best, cost, fitting, field_, name, method) for field_, name in RECOMMEND_LINES
             if not (field_ in SAVERS and method != "full" and not best.settings[field_])]
-    why.append(f"GPUs: {best.gpus} of up to {gpus}: " + _setting_line(best, cost, fitting, "gpus", "GPUs", method).split(": ", 1)[1])
-    why.append(_batch_line(best.settings["batch"], spec.batch))
+    gpu_line = _setting_line(best, cost, fitting, "gpus", "GPUs", method).split(": ", 1)[1]
+    why += [f"GPUs: {best.gpus} of up to {gpus}: {gpu_line}", _batch_line(best.settings["batch"], spec.batch)]
     return dict(fits=True, candidates=len(tried), fitting=len(fitting), plan=asdict(best), explanation=why)
 
 # %% ../nbs/08b_plan_gpu.ipynb #f5a154eb
-# per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give, each as a PlanSpec (from_dict). Every
-# one of them kept the embeddings, the final norm and the output head in the root unit (`layout="layers"`): FSDP1 (PEFT's and
-# philschmid's accelerate runs, axolotl's, Answer.AI's train.py), torchtune's recipe without custom_sharded_layers, and
-# torchtitan's parallelize_llama of the time (layers, then `fully_shard(model)`; it carves them out since)
+# per-GPU memory others reported for FSDP fine-tuning, with the settings their sources give, each a PlanSpec.
+# Every one of them kept the embeddings, the final norm and the output head in the root unit (`layout="layers"`): FSDP1
+# (PEFT's and philschmid's accelerate runs, axolotl's, Answer.AI's train.py), torchtune's recipe without
+# custom_sharded_layers, and torchtitan's parallelize_llama of the time (layers, then `fully_shard(model)`; it carves
+# them out since)
 PUBLISHED = EXAMPLES / "plan" / "published.json"
 
 def published_figures() -> list:
-    "Each published figure: source, setting in words, published_gb, the statistic it `reports`, gpu_mem_gb, the `spec`, why it misses."
+    "Each published figure: source, setting, published_gb, the statistic it `reports`, gpu_mem_gb, spec, miss."
     return json.loads(PUBLISHED.read_text())
 
 def published_table() -> list:
-    "Each published figure beside the planner's prediction of the statistic it reports, in GB (10^9 bytes), and the relative error."
-    # peak allocated (per_gpu_allocated_bytes), peak reserved (allocated plus the allocator overhead, within per_gpu_reserved_bytes),
-    # or, for nvidia-smi and unstated figures, per_gpu_peak_bytes
+    "Each published figure beside the planner's prediction of the statistic it reports (GB, 10^9 bytes), and the error."
+    # peak allocated (per_gpu_allocated_bytes), peak reserved (allocated plus the allocator overhead, within
+    # per_gpu_reserved_bytes), or, for nvidia-smi and unstated figures, per_gpu_peak_bytes
     rows = []
     for entry in published_figures():
         p = plan_gpu(PlanSpec.from_dict(entry["spec"]), gpu_mem_gb=entry["gpu_mem_gb"], _terms=False)  # the peaks only
         reports = entry.get("reports", "nvidia-smi")
-        reserved = int(p.per_gpu_allocated_bytes * (1 + ALLOCATOR_OVERHEAD)) + p.breakdown.get("load_reserved", 0)  # loading's excess
-        predicted = {"allocated": p.per_gpu_allocated_bytes, "reserved": reserved}.get(reports, p.per_gpu_peak_bytes) / GB
-        rows.append(dict(source=entry["source"], setting=entry["setting"], reports=reports, published_gb=entry["published_gb"],
+        # loading's excess
+        reserved = int(p.per_gpu_allocated_bytes * (1 + ALLOCATOR_OVERHEAD)) + p.breakdown.get("load_reserved", 0)
+        predicted = {"allocated": p.per_gpu_allocated_bytes, "reserved": reserved}.get(reports,
+                                                                                       p.per_gpu_peak_bytes) / GB
+        rows.append(dict(source=entry["source"], setting=entry["setting"], reports=reports,
+                         published_gb=entry["published_gb"],
                          predicted_gb=predicted, reserved_gb=[b / GB for b in p.per_gpu_reserved_bytes],
-                         error=(predicted - entry["published_gb"]) / entry["published_gb"], miss=entry["miss"], peak_moment=p.peak_moment))
+                         error=(predicted - entry["published_gb"]) / entry["published_gb"], miss=entry["miss"],
+                         peak_moment=p.peak_moment))
     return rows
 
 # %% ../nbs/08b_plan_gpu.ipynb #5f1a7c05
-PLANNER_GRID = dict(model=list(MODEL_PRESETS), method=["full", "lora", "qlora"], gpus=[1, 2, 4, 8, 16, 32, 64], batch=[1, 2, 4, 8],
-                    seq_len=[1024, 2048, 4096, 8192], ac=["none", "full"])  # the settings the docs' planner page offers
+# the settings the docs' planner page offers
+PLANNER_GRID = dict(model=list(MODEL_PRESETS), method=["full", "lora", "qlora"], gpus=[1, 2, 4, 8, 16, 32, 64],
+                    batch=[1, 2, 4, 8], seq_len=[1024, 2048, 4096, 8192], ac=["none", "full"])
 
 def grid_spec(setting:dict # one value per axis of PLANNER_GRID
              ) -> PlanSpec:
-    "The PlanSpec of one setting of the planner page: bf16 (accelerate's), its checkpointing policy, its method's adapters."
+    "The PlanSpec of one setting of the planner page: bf16 (accelerate's), its checkpointing policy, its method."
     return PlanSpec(setting["model"], setting["gpus"], batch=setting["batch"], seq_len=setting["seq_len"],
                     fsdp=FSDPConfig(mixed_precision="bf16", ac=setting["ac"]), lora=METHODS[setting["method"]])
 
 def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combination is planned
                  ) -> dict:
     "Every plan of a grid of settings, for a page that shows plans without Python (row-major over the grid's axes)."
-    # per plan its per-GPU peak and allocated bytes and the moment of the peak, or the one-line reason the planner refuses it. Whether
-    # a plan fits is the page's comparison of the peak with the memory it is asked about (per_gpu_peak_bytes <= gpu_mem_gb * GB).
+    # per plan its per-GPU peak and allocated bytes and the moment of the peak, or the one-line reason the planner
+    # refuses it. Whether a plan fits is the page's comparison of the peak with the memory it is asked about
+    # (per_gpu_peak_bytes <= gpu_mem_gb * GB).
     from fsdp_kit.errors import KitError
     grid, moments_, plans = grid or PLANNER_GRID, [], []
     for values in itertools.product(*grid.values()):
@@ -425,5 +470,6 @@ def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combinat
 
 def plan_line(peak:int, allocated:int, moment:str, gpu_mem_gb:float) -> str:
     "The planner page's one line for a plan: the peak, its moment, whether it fits, allocated memory (GB, 10^9 bytes)."
-    return (f"per-GPU peak {peak / GB:.2f} GB at '{moment}': {'fits' if peak <= gpu_mem_gb * GB else 'does NOT fit'} in {gpu_mem_gb:g} GB "
+    fits = "fits" if peak <= gpu_mem_gb * GB else "does NOT fit"
+    return (f"per-GPU peak {peak / GB:.2f} GB at '{moment}': {fits} in {gpu_mem_gb:g} GB "
             f"(allocated {allocated / GB:.2f} GB)")

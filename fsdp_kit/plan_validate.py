@@ -23,7 +23,8 @@ from .plan import PlanSpec, BASE, LORA, QLORA, plan_config, predict_peak, predic
 def _lora_spec(spec:PlanSpec):
     "The QLoRASpec that builds this setting's LoRA or QLoRA model with fsdp_kit.qlora."
     from fsdp_kit.qlora import QLoRASpec, nf4
-    return QLoRASpec(model=spec.model, lora=nf4(r=spec.lora.r, targets=spec.lora.targets), batch=spec.batch, seq_len=spec.seq_len)
+    return QLoRASpec(model=spec.model, lora=nf4(r=spec.lora.r, targets=spec.lora.targets), batch=spec.batch,
+                     seq_len=spec.seq_len)
 
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
@@ -46,14 +47,17 @@ def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
     step = spec.step
-    r = run_config(spec.wrap_config, CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1), mesh,
-                   dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=step.ce_chunks, optimizer_in_backward=step.optimizer_in_backward,
+    r = run_config(spec.wrap_config, CompareSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, steps=1),
+                   mesh,
+                   dtype="bfloat16" if spec.pure_bf16 else None, ce_chunks=step.ce_chunks,
+                   optimizer_in_backward=step.optimizer_in_backward,
                    offload_activations=step.offload_activations,
                    edge_units=spec.config.layout == "accelerate")
     return r.peak_bytes, r.collectives, r.step_seconds
 
+# %% ../nbs/08a_plan_validate.ipynb #1ca33bf8
 def nvml_used() -> int:
-    "Bytes in use on this process's GPU as NVML counts them (what nvidia-smi shows), or None where `pynvml` is not importable."
+    "Bytes in use on this process's GPU as NVML counts them (what nvidia-smi shows); None without `pynvml`."
     try: import pynvml
     except ImportError: return None
     import torch
@@ -61,31 +65,36 @@ def nvml_used() -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())).used)
 
 def cuda_statistics(spec:PlanSpec, step_seconds:float) -> dict:
-    """On CUDA, after a measured step: the allocator's peaks over the timed steps (`measure_step` resets them first), NVML's used bytes
-    (the caching allocator still holds its peak reserve, plus the CUDA context), the step time and tokens/s of all ranks."""
+    "On CUDA, after a measured step: the allocator's peaks, NVML's used bytes, the step time, tokens/s."
+    # measure_step resets the peaks first; NVML counts the allocator's peak reserve, still held, and the CUDA context
     import torch
-    return dict(max_memory_allocated=torch.cuda.max_memory_allocated(), max_memory_reserved=torch.cuda.max_memory_reserved(),
+    return dict(max_memory_allocated=torch.cuda.max_memory_allocated(),
+                max_memory_reserved=torch.cuda.max_memory_reserved(),
                 nvml_used=nvml_used(), step_seconds=step_seconds,
                 tokens_per_second=spec.batch * spec.seq_len * spec.world_size / step_seconds)
 
+# %% ../nbs/08a_plan_validate.ipynb #7d78e0f1
 def validate_worker(specs:list, progress:tuple=None) -> list:
     "Measure one training step of each spec on this process group; rank 0's [(peak_bytes, collectives, cuda)]."
     import torch, torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.ranks import shared_tempdir, quiet_libraries
-    quiet_libraries()  # first: save_pretrained's progress bar, drawn in a forked worker, would reach the kernel's terminal as 19 warnings
+    # first: save_pretrained's progress bar, drawn in a forked worker, would reach the kernel's terminal as 19 warnings
+    quiet_libraries()
     mesh, out, checkpoints = fsdp_mesh(build_mesh()), [], {}
     try:
         for spec in specs:
             cuda = mesh.device_type == "cuda"
-            if cuda: torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()  # the last setting's cached blocks are not this one's
+            # the last setting's cached blocks are not this one's
+            if cuda: torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
             if progress and out: progress_line(progress, len(out), specs[len(out) - 1])
             if spec.method == "full":
                 peak, collectives, seconds = _measure_full(spec, mesh)
                 out.append((peak, collectives, cuda_statistics(spec, seconds) if cuda else None)); continue
             if spec.model not in checkpoints:
                 checkpoints[spec.model] = shared_tempdir()
-                if dist.get_rank() == 0: build_model(model_config(spec.model), 0).save_pretrained(checkpoints[spec.model])
+                if dist.get_rank() == 0:
+                    build_model(model_config(spec.model), 0).save_pretrained(checkpoints[spec.model])
                 dist.barrier()
             m = _measure_lora(spec, mesh, checkpoints[spec.model])
             out.append((m.peak_bytes, m.collectives, cuda_statistics(spec, m.step_seconds) if cuda else None))
@@ -97,23 +106,27 @@ def validate_worker(specs:list, progress:tuple=None) -> list:
     return out
 
 def progress_line(progress:tuple, done_here:int, spec:PlanSpec):
-    "Rank 0's line after a setting: `setting n/N label`, the time since the start and an estimate of what is left at this pace."
+    "Rank 0's line after a setting: `setting n/N label`, the time since the start and what is left at this pace."
     import time, torch.distributed as dist
     before, total, start = progress
     if dist.get_rank() != 0: return
     done, elapsed = before + done_here, time.time() - start
     # a worker's stdout: the launching command puts it on its stderr, beside its other progress
-    print(f"setting {done}/{total} {spec.label()}: {elapsed:.1f} s elapsed, about {elapsed / done * (total - done):.0f} s left", flush=True)
+    left = elapsed / done * (total - done)
+    print(f"setting {done}/{total} {spec.label()}: {elapsed:.1f} s elapsed, about {left:.0f} s left", flush=True)
 
 # %% ../nbs/08a_plan_validate.ipynb #28cdafc9
-BF16 = FSDPConfig(mixed_precision="bf16", reduce_dtype="fp32")  # the matrix's bf16: bf16 compute, gradients reduced in float32
+# the matrix's bf16: bf16 compute, gradients reduced in float32
+BF16 = FSDPConfig(mixed_precision="bf16", reduce_dtype="fp32")
 
 def validation_matrix(max_world:int=2) -> list:
-    "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each feature."
+    "The settings `validate` runs: world sizes 1, 2 (and 4 when `max_world` allows), tiny and small models, each term."
     one, four = replace(BASE, world_size=1), replace(BASE, world_size=4)
-    specs = [replace(one, model="tiny"), replace(one, model="tiny", lora=LORA), one, replace(one, fsdp=FSDPConfig(auto_wrap_policy="NO_WRAP")),
+    specs = [replace(one, model="tiny"), replace(one, model="tiny", lora=LORA), one,
+             replace(one, fsdp=FSDPConfig(auto_wrap_policy="NO_WRAP")),
              replace(one, fsdp=BF16), replace(one, step=StepSpec(optimizer_in_backward=True))]
-    if max_world >= 2: specs += wrapping_settings() + precision_settings() + adapter_settings() + step_settings() + long_settings()
+    if max_world >= 2:
+        specs += wrapping_settings() + precision_settings() + adapter_settings() + step_settings() + long_settings()
     if max_world >= 4:
         specs += [four, replace(four, fsdp=FSDPConfig(reshard_after_forward=2)), replace(four, fsdp=BF16),
                   replace(four, fsdp=FSDPConfig(ac="full")), replace(four, model="tiny", lora=QLORA)]
@@ -122,9 +135,11 @@ def validation_matrix(max_world:int=2) -> list:
 # %% ../nbs/08a_plan_validate.ipynb #28cdafcb
 def wrapping_settings() -> list:
     "The matrix on 2 ranks: the wrap policies, and reshard true, false and 2."
-    specs = [replace(BASE, model=m, fsdp=FSDPConfig(auto_wrap_policy=p, reshard_after_forward=r)) for m in ("tiny", "small")
+    specs = [replace(BASE, model=m,
+                     fsdp=FSDPConfig(auto_wrap_policy=p, reshard_after_forward=r)) for m in ("tiny", "small")
              for p, r in (("TRANSFORMER_BASED_WRAP", True), ("TRANSFORMER_BASED_WRAP", False), ("NO_WRAP", True))]
-    return specs + [replace(BASE, fsdp=FSDPConfig(auto_wrap_policy="PER_LINEAR")), replace(BASE, fsdp=FSDPConfig(reshard_after_forward=2))]
+    return specs + [replace(BASE, fsdp=FSDPConfig(auto_wrap_policy="PER_LINEAR")),
+                    replace(BASE, fsdp=FSDPConfig(reshard_after_forward=2))]
 
 def precision_settings() -> list:
     "The matrix on 2 ranks: bf16 mixed precision and the checkpointing policies."
@@ -143,14 +158,16 @@ def step_settings() -> list:
     in_backward = StepSpec(optimizer_in_backward=True)
     specs = [replace(BASE, step=StepSpec(precision="pure-bf16")), replace(BASE, step=in_backward),
              replace(BASE, fsdp=FSDPConfig(ac="full"), step=in_backward)]
-    return specs + [replace(BASE, fsdp=FSDPConfig(layout="layers")), replace(BASE, fsdp=replace(BF16, ac="full", layout="layers"))]
+    return specs + [replace(BASE, fsdp=FSDPConfig(layout="layers")),
+                    replace(BASE, fsdp=replace(BF16, ac="full", layout="layers"))]
 
 def long_settings() -> list:
-    "The matrix on 2 ranks at 2 x 256 tokens per rank, where the loss and the activations, not the weights, set the peak: the savers."
+    "The matrix's memory savers on 2 ranks, at 2 x 256 tokens per rank: the loss and the activations set the peak."
     long, offloaded = replace(BASE, seq_len=256), StepSpec(offload_activations=True)
     all_three = StepSpec(precision="pure-bf16", ce_chunks=8, optimizer_in_backward=True, offload_activations=True)
     return [replace(long, fsdp=BF16, step=StepSpec(ce_chunks=8)), replace(long, lora=LORA, step=StepSpec(ce_chunks=8)),
-            replace(long, step=offloaded), replace(long, fsdp=replace(BF16, ac="full"), step=offloaded), replace(long, step=all_three)]
+            replace(long, step=offloaded), replace(long, fsdp=replace(BF16, ac="full"), step=offloaded),
+            replace(long, step=all_three)]
 
 # %% ../nbs/08a_plan_validate.ipynb #28cdafcd
 # Llama-3.2-1B's shape (1.24B parameters, tied embeddings), no weights
@@ -158,7 +175,8 @@ LLAMA_1B = str(EXAMPLES / "configs" / "llama-3.2-1b" / "config.json")
 
 def cuda_validation_matrix(gpus:int=1) -> list:
     "The settings `validate` runs on CUDA, all on `gpus` GPUs: the ~1B Llama-3.2-shaped config and the small preset."
-    small, big = PlanSpec("small", gpus, batch=4, seq_len=512, steps=3), PlanSpec(LLAMA_1B, gpus, batch=2, seq_len=1024, steps=3)
+    small, big = PlanSpec("small", gpus, batch=4, seq_len=512, steps=3), PlanSpec(LLAMA_1B, gpus, batch=2,
+                                                                                  seq_len=1024, steps=3)
     checkpointed = replace(BF16, ac="full")
     return [small, replace(small, fsdp=BF16), replace(small, fsdp=checkpointed), big, replace(big, fsdp=BF16),
             replace(big, fsdp=checkpointed), replace(big, fsdp=BF16, lora=LORA), replace(big, fsdp=BF16, lora=QLORA),
@@ -166,15 +184,15 @@ def cuda_validation_matrix(gpus:int=1) -> list:
 
 def validation_settings(max_world:int=2 # the most ranks to use (--nproc)
                        ) -> tuple:
-    "What `plan --validate` runs here: ('cuda', the CUDA matrix) where CUDA is available, else ('cpu', `validation_matrix`)."
+    "What `plan --validate` runs here: ('cuda', the CUDA matrix) where CUDA is, else ('cpu', `validation_matrix`)."
     import torch
     if torch.cuda.is_available(): return "cuda", cuda_validation_matrix(min(max_world, torch.cuda.device_count()))
     return "cpu", validation_matrix(max_world) + held_out_matrix(max_world)
 
 # %% ../nbs/08a_plan_validate.ipynb #7c2e5a90
 def held_out_matrix(max_world:int=2) -> list:
-    """Settings never used to write the planner: its terms were checked, and its timeline constants read, on `validation_matrix`'s tiny and
-    small Llama presets; these are Qwen2 (biased q, k, v) and Mistral shapes with other batch sizes and lengths."""
+    "Settings never used to write the planner: Qwen2 (biased q, k, v) and Mistral shapes, other batches and lengths."
+    # its terms were checked, and its timeline constants read, on validation_matrix's tiny and small Llama presets
     qwen, mistral = (str(EXAMPLES / "configs" / name / "config.json") for name in ("qwen2-tiny", "mistral-tiny"))
     one = replace(BASE, model=qwen, world_size=1, batch=3, seq_len=48)
     if max_world < 2: return [one]
@@ -182,17 +200,17 @@ def held_out_matrix(max_world:int=2) -> list:
             replace(BASE, model=mistral, seq_len=80, fsdp=FSDPConfig(reshard_after_forward=False, ac="full"))]
 
 def fitted_and_held_out(result:dict) -> str:
-    "Two lines: the largest |error| on the settings the planner was written on (fitted) and on those it never saw (`held_out_matrix`)."
+    "Two lines: the largest |error| on the settings the planner was written on (fitted), and on `held_out_matrix`'s."
     held = {s.label() for s in held_out_matrix(4)}
+    fitted = "the tiny and small Llama settings its terms were checked on and its timeline constants read from"
+    unseen = "Qwen2 and Mistral shapes, other batch sizes and lengths, never used to write it"
     lines = []
-    for name, runs, what in (("fitted", [r for r in result["runs"] if r["config"]["label"] not in held],
-                              "the tiny and small Llama settings its terms "
-                              "were checked on and its timeline constants read from"),
-                             ("held out", [r for r in result["runs"] if r["config"]["label"] in held],
-                              "Qwen2 and Mistral shapes, other batch sizes "
-                              "and lengths, never used to write it")):
-        if runs: lines.append(f"{name}: {len(runs)} settings ({what}), largest |error| {max(abs(r['error']) for r in runs) * 100:.1f}%, "
-                              f"within 0.05%: {sum(abs(r['error']) <= 5e-4 for r in runs)}")
+    for name, runs, what in (("fitted", [r for r in result["runs"] if r["config"]["label"] not in held], fitted),
+                             ("held out", [r for r in result["runs"] if r["config"]["label"] in held], unseen)):
+        if not runs: continue
+        largest, close = max(abs(r["error"]) for r in runs), sum(abs(r["error"]) <= 5e-4 for r in runs)
+        lines.append(f"{name}: {len(runs)} settings ({what}), "
+                     f"largest |error| {largest * 100:.1f}%, within 0.05%: {close}")
     return "\n".join(lines)
 
 # %% ../nbs/08a_plan_validate.ipynb #e657de3d
@@ -216,14 +234,16 @@ def _comm_bytes(collectives:dict) -> int:
     return sum(collectives.get(k, {}).get("bytes", 0) for k in ("all_gather", "reduce_scatter"))
 
 def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
-    "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), reserved, nvidia-smi."
+    "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), reserved, NVML."
     from fsdp_kit.plan_gpu import plan_gpu
     p = plan_gpu(spec, gpu_mem_gb=1000, _terms=False)
     allocated, (low, high), nvml = measured["max_memory_allocated"], p.per_gpu_reserved_bytes, measured["nvml_used"]
     return measured | dict(predicted_allocated=p.per_gpu_allocated_bytes,
                            allocated_error=(p.per_gpu_allocated_bytes - allocated) / allocated,
-                           predicted_reserved=[low, high], reserved_inside=low <= measured["max_memory_reserved"] <= high,
-                           predicted_nvml=p.per_gpu_peak_bytes, nvml_error=(p.per_gpu_peak_bytes - nvml) / nvml if nvml else None)
+                           predicted_reserved=[low, high],
+                           reserved_inside=low <= measured["max_memory_reserved"] <= high,
+                           predicted_nvml=p.per_gpu_peak_bytes,
+                           nvml_error=(p.per_gpu_peak_bytes - nvml) / nvml if nvml else None)
 
 def compare(spec:PlanSpec, peak:dict, collectives:dict, cuda:dict=None) -> ValidationRun:
     "The prediction for `spec` beside what was measured."
@@ -251,22 +271,24 @@ def _gaps(measured:dict, predicted:dict, peak:int, share:float) -> list:
             if abs(measured.get(c, 0) - predicted.get(c, 0)) > share * peak]
 
 def closest_moment(run:dict) -> tuple:
-    "The planner's candidate moment whose categories are nearest the measured peak's (least total absolute difference): (name, categories)."
+    "(name, categories) of the planner's moment nearest the measured peak's categories (least absolute difference)."
     spec = recorded_spec(run)
     m = run["measured_by_category"]
     candidates = [(name, as_tracked(name, c)) for name, c in moments(plan_config(spec.model), spec)]
     return min(candidates, key=lambda nc: sum(abs(m.get(k, 0) - nc[1].get(k, 0)) for k in {*m, *nc[1]} - {"total"}))
 
 def off_diagonal(result:dict, share:float=0.01) -> list:
-    "Each (setting, category) whose predicted and measured bytes differ by over `share` of the measured peak, with its cause."
+    "Each (setting, category) whose predicted and measured bytes differ by over `share` of the measured peak, and why."
     out = []
     for r in result["runs"]:
-        gaps = _gaps(r["measured_by_category"], as_tracked(r["peak_moment"], r["predicted_by_category"]), r["measured_bytes"], share)
+        gaps = _gaps(r["measured_by_category"], as_tracked(r["peak_moment"], r["predicted_by_category"]),
+                     r["measured_bytes"], share)
         if not gaps: continue
         closest, there = closest_moment(r)
         cause = "same moment" if closest == r["peak_moment"] else "another moment"
         out += [dict(label=r["config"]["label"], category=c, measured=m, predicted=p, cause=cause, moment=closest,
-                     moment_bytes=there["total"], measured_bytes=r["measured_bytes"], predicted_bytes=r["predicted_bytes"])
+                     moment_bytes=there["total"], measured_bytes=r["measured_bytes"],
+                     predicted_bytes=r["predicted_bytes"])
                 for c, m, p in gaps]
     return out
 
@@ -284,25 +306,27 @@ def validate(specs:list=None, # the settings to run; None: validation_matrix(max
     start, runs = time.perf_counter(), []
     for world in sorted({s.world_size for s in specs}):
         group = [s for s in specs if s.world_size == world]
-        measured = launch(validate_worker, group, (len(runs), len(specs), start + time.time() - time.perf_counter()) if progress else None,
+        measured = launch(validate_worker, group,
+                          (len(runs), len(specs), start + time.time() - time.perf_counter()) if progress else None,
                           nprocs=world, launcher=launcher, timeout=timeout)
         runs += [compare(s, *m) for s, m in zip(group, measured)]
     env = environment()
-    return dict(runs=[asdict(r) for r in runs], seconds=time.perf_counter() - start, device="cuda" if runs[0].gpu else "cpu",
+    return dict(runs=[asdict(r) for r in runs], seconds=time.perf_counter() - start,
+                device="cuda" if runs[0].gpu else "cpu",
                 gpu_name=env["gpu_name"],
                 versions=env["versions"], max_abs_error=max(abs(r.error) for r in runs),
                 comm_exact=all(r.predicted_comm_bytes == r.measured_comm_bytes for r in runs))
 
 def validation_table(result:dict) -> str:
     "A plain-text table: each setting's measured and predicted peak (MiB), the error, and communication bytes."
-    rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}{'predicted':>11}  peak "
-            "(predicted)"]
+    rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}"
+            f"{'predicted':>11}  peak (predicted)"]
     for r in result["runs"]:
-        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}{r['predicted_bytes'] / 2**20:>14.3f}"
-                    f"{r['error'] * 100:>7.1f}%"
+        rows.append(f"{r['config']['label']:<72}{r['measured_bytes'] / 2**20:>13.3f}"
+                    f"{r['predicted_bytes'] / 2**20:>14.3f}{r['error'] * 100:>7.1f}%"
                     f"{r['measured_comm_bytes']:>21,}{r['predicted_comm_bytes']:>11,}  {r['peak_moment']}")
-    rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, communication predicted exactly: "
-                f"{result['comm_exact']}, {result['seconds']:.0f} s")
+    rows.append(f"{len(result['runs'])} settings, largest |error| {result['max_abs_error'] * 100:.1f}%, "
+                f"communication predicted exactly: {result['comm_exact']}, {result['seconds']:.0f} s")
     if any(r["config"]["label"] in {s.label() for s in held_out_matrix(4)} for r in result["runs"]):
         rows.append(fitted_and_held_out(result))
     return "\n".join(rows)
@@ -310,12 +334,12 @@ def validation_table(result:dict) -> str:
 def gpu_validation_table(result:dict) -> str:
     "On CUDA: each setting's predicted and measured allocated peak (GB), the error, reserved, NVML, tokens/s."
     GB = 1e9
-    rows = [f"{'setting':<64}{'alloc pred':>11}{'measured':>9}{'error':>8}{'reserved range':>16}{'measured':>9}{'inside':>7}"
-            f"{'nvidia-smi':>11}{'tokens/s':>10}"]
+    rows = [f"{'setting':<64}{'alloc pred':>11}{'measured':>9}{'error':>8}{'reserved range':>16}{'measured':>9}"
+            f"{'inside':>7}{'nvidia-smi':>11}{'tokens/s':>10}"]
     for r in result["runs"]:
         g = r["gpu"]
-        rows.append(f"{r['config']['label'][-64:]:<64}{g['predicted_allocated'] / GB:>11.2f}{g['max_memory_allocated'] / GB:>9.2f}"
-                    f"{g['allocated_error'] * 100:>7.1f}%"
+        rows.append(f"{r['config']['label'][-64:]:<64}{g['predicted_allocated'] / GB:>11.2f}"
+                    f"{g['max_memory_allocated'] / GB:>9.2f}{g['allocated_error'] * 100:>7.1f}%"
                     f"{g['predicted_reserved'][0] / GB:>8.2f}-{g['predicted_reserved'][1] / GB:<7.2f}"
                     f"{g['max_memory_reserved'] / GB:>9.2f}{str(g['reserved_inside']):>7}"
                     f"{(g['nvml_used'] or 0) / GB:>11.2f}{g['tokens_per_second']:>10,.0f}")
@@ -331,7 +355,9 @@ def plot_validation(result:dict, share:float=0.01):
     m, p = [r["measured_bytes"] / 2**20 for r in runs], [r["predicted_bytes"] / 2**20 for r in runs]
     for world, marker in ((1, "o"), (2, "s"), (4, "^")):
         idx = [i for i, r in enumerate(runs) if r["config"]["world_size"] == world]
-        if idx: axes[0].scatter([m[i] for i in idx], [p[i] for i in idx], marker=marker, label=f"{world} rank{'s' if world > 1 else ''}")
+        if idx:
+            axes[0].scatter([m[i] for i in idx], [p[i] for i in idx], marker=marker,
+                            label=f"{world} rank{'s' if world > 1 else ''}")
     top = max(m + p) * 1.05
     axes[0].plot([0, top], [0, top], "k-", lw=0.8)
     axes[0].fill_between([0, top], [0, top * 0.95], [0, top * 1.05], color="gray", alpha=0.2, label="within 5%")
@@ -341,7 +367,8 @@ def plot_validation(result:dict, share:float=0.01):
     cats = sorted({c for r in runs for c in (*r["measured_by_category"], *r["predicted_by_category"])})
     marks = {(o["label"], o["category"]): o["cause"] for o in off}
     for cat in cats:
-        pts = [(r["measured_by_category"].get(cat, 0) / 2**20, as_tracked(r["peak_moment"], r["predicted_by_category"]).get(cat, 0) / 2**20,
+        pts = [(r["measured_by_category"].get(cat, 0) / 2**20,
+                as_tracked(r["peak_moment"], r["predicted_by_category"]).get(cat, 0) / 2**20,
                 marks.get((r["config"]["label"], cat))) for r in runs]
         for cause, style in ((None, dict(marker="o", s=14)), ("another moment", dict(marker="X", s=60)),
                              ("same moment", dict(marker="D", s=40, facecolors="none", linewidths=1.4))):
@@ -352,6 +379,7 @@ def plot_validation(result:dict, share:float=0.01):
                         label=f"off the diagonal: {cause} ({sum(o['cause'] == cause for o in off)})")
     top = max(max(r["measured_by_category"].values()) for r in runs) / 2**20 * 1.05
     axes[1].plot([0, top], [0, top], "k-", lw=0.8)
-    axes[1].set(xlabel="measured at the measured peak (MiB)", ylabel="predicted at the predicted peak (MiB)", title="by category")
+    axes[1].set(xlabel="measured at the measured peak (MiB)", ylabel="predicted at the predicted peak (MiB)",
+                title="by category")
     fig.legend(*axes[1].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=9)
     return check_figure(fig)

@@ -23,7 +23,8 @@ from .ranks import quiet_libraries, shared_tempdir, gather_objects, mean_over_ra
 from .lora import save_adapter, check_adapter, lora_config, lora_targets
 
 # %% ../nbs/05_qlora.ipynb #10feb0e8
-STORAGE_BYTES = {"uint8": 1} | {t: DTYPE_BYTES[t] for t in QUANT_STORAGES[1:]}  # bytes per element of each storage dtype (upstream.DTYPES)
+# bytes per element of each storage dtype (upstream.DTYPES)
+STORAGE_BYTES = {"uint8": 1} | {t: DTYPE_BYTES[t] for t in QUANT_STORAGES[1:]}
 
 # %% ../nbs/05_qlora.ipynb #69515103
 def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.bfloat16
@@ -34,8 +35,8 @@ def dtype_name(value, # a dtype: "bfloat16", "torch.bfloat16", "bf16" or torch.b
     name = PRECISION.get(name) or name  # accelerate's short names (bf16, fp32) through the one precision table
     if name not in STORAGE_BYTES:
         raise bad_value(field, value, f"one of {', '.join(STORAGE_BYTES)}",
-                        "Under FSDP set quant_storage to the param_dtype of the MixedPrecisionPolicy, e.g. quant_storage='bfloat16' with "
-                        "param_dtype='bfloat16'")
+                        "Under FSDP set quant_storage to the param_dtype of the MixedPrecisionPolicy, "
+                        "e.g. quant_storage='bfloat16' with param_dtype='bfloat16'")
     return name
 
 # %% ../nbs/05_qlora.ipynb #a8105a83
@@ -49,7 +50,7 @@ def pack_codes(codes, # 4-bit codes (0..15), any shape; flattened in row-major o
                quant_storage:str="uint8", # the storage dtype to view the bytes as
                pad_code:int=7 # the nibble after an odd count: bitsandbytes quantizes a 0.0 there, NF4's code 7
               ):
-    "Pack 4-bit codes the way bitsandbytes stores them: two per byte, high nibble first, viewed as `quant_storage`, shape (N, 1)."
+    "Pack 4-bit codes as bitsandbytes does: two per byte, high nibble first, viewed as `quant_storage`, shape (N, 1)."
     import torch
     q = codes.reshape(-1).to(torch.uint8)
     if q.numel() % 2: q = torch.cat([q, q.new_full((1,), pad_code)])
@@ -86,7 +87,8 @@ def plot_codes_in_word(codes:list, # four codes, 0..15
         ax.text(x, -0.35, label, ha="center", fontsize=9, color="gray")
     ax.axvline(1, color="gray", lw=0.8); ax.axvline(9, color="gray", lw=0.8); ax.axvline(8, color="black", lw=2)
     ax.set_xlim(0, 16); ax.set_ylim(-0.6, 1.6); ax.axis("off")
-    ax.set_title(f"codes {codes} in one bfloat16 (bit 15 left): byte 1 = codes 2,3 | byte 0 = codes 0,1;  as a number: {word.item():.4g}")
+    ax.set_title(f"codes {codes} in one bfloat16 (bit 15 left): byte 1 = codes 2,3 | byte 0 = codes 0,1;  "
+                 f"as a number: {word.item():.4g}")
     return check_figure(ax.figure) if own else ax.figure
 
 # %% ../nbs/05_qlora.ipynb #31d7d3c7
@@ -99,9 +101,10 @@ def packed_shape(weight_shape:tuple, # the weight's shape before quantization, e
     nbytes, size = (n + 1) // 2, STORAGE_BYTES[name]  # two codes per byte; an odd count rounds up
     if nbytes % size:
         raise bad_value("weight_shape", tuple(weight_shape),
-                        f"a weight whose {nbytes} packed bytes fill whole {size}-byte elements of quant_storage={name!r}",
-                        f"{n} codes need {nbytes} bytes; bitsandbytes cannot store them as {name}. Use quant_storage='uint8' or pad the "
-                        "weight")
+                        f"a weight whose {nbytes} packed bytes fill whole {size}-byte elements "
+                        f"of quant_storage={name!r}",
+                        f"{n} codes need {nbytes} bytes; bitsandbytes cannot store them as {name}. "
+                        "Use quant_storage='uint8' or pad the weight")
     return (nbytes // size, 1)
 
 # %% ../nbs/05_qlora.ipynb #cfbb23de
@@ -113,7 +116,8 @@ def quant_state_bytes(weight_shape:tuple, # the weight's shape before quantizati
     "Bytes of each tensor of a 4-bit weight's quantization state, as bitsandbytes holds them."
     blocks = -(math.prod(weight_shape) // -blocksize)
     if not double_quant: return dict(absmax=4 * blocks, quant_map=16 * 4)
-    return dict(absmax=blocks, quant_map=16 * 4, nested_absmax=4 * -(blocks // -nested_blocksize), nested_quant_map=256 * 4, offset=4)
+    return dict(absmax=blocks, quant_map=16 * 4, nested_absmax=4 * -(blocks // -nested_blocksize),
+                nested_quant_map=256 * 4, offset=4)
 
 # %% ../nbs/05_qlora.ipynb #e947d0e9
 def check_quantization(quant_storage, # bnb_4bit_quant_storage
@@ -125,31 +129,35 @@ def check_quantization(quant_storage, # bnb_4bit_quant_storage
     param = None if param_dtype is None else dtype_name(param_dtype, "param_dtype")
     good = param if param and param != "uint8" else "bfloat16"
     if load_in_8bit:
-        raise bad_value("load_in_8bit", True, "only false under FSDP (8-bit weights are int8, with no quant_storage to match param_dtype)",
+        raise bad_value("load_in_8bit", True,
+                        "only false under FSDP (8-bit weights are int8, with no quant_storage to match param_dtype)",
                         f"Use 4-bit: load_in_4bit=True, bnb_4bit_quant_storage={good} and param_dtype={good}")
     if param and storage == "uint8":
-        raise bad_value("quant_storage", storage, f"a floating dtype equal to param_dtype={param!r} under FSDP mixed precision",
-                        f"Set quant_storage={param!r} (bnb_4bit_quant_storage=torch.{param}), or no mixed precision (param_dtype=None)")
+        raise bad_value("quant_storage", storage,
+                        f"a floating dtype equal to param_dtype={param!r} under FSDP mixed precision",
+                        f"Set quant_storage={param!r} (bnb_4bit_quant_storage=torch.{param}), "
+                        "or no mixed precision (param_dtype=None)")
     if param and storage != param:
-        short = lambda dtype: "no" if dtype == "float32" else {v: k for k, v in PRECISION.items() if v}[dtype]  # accelerate's name
-        instead = (f"or keep float32 storage, let FSDP cast nothing and compute in {param} under autocast: quant_storage=float32 "
-                   f"mixed_precision=no autocast={short(param)}"
+        # accelerate's name
+        short = lambda dtype: "no" if dtype == "float32" else {v: k for k, v in PRECISION.items() if v}[dtype]
+        instead = (f"or keep float32 storage, let FSDP cast nothing and compute in {param} under autocast: "
+                   f"quant_storage=float32 mixed_precision=no autocast={short(param)}"
                    if storage == "float32" else f"or mixed_precision={short(storage)}")
         raise bad_value("quant_storage", storage,
-                        f"only param_dtype={param!r} (FSDP casts every floating parameter to param_dtype as a number when it gathers a "
-                        "unit, which scrambles packed codes)",
-                        "The rule, as PEFT's FSDP-QLoRA guide states it: the storage dtype is the dtype the other parameters are in: "
-                        f"{param} under FSDP's "
-                        f"param_dtype={param} (mixed_precision={short(param)}), float32 under autocast, where parameters stay float32 and "
-                        f"only compute is in {param}. "
+                        f"only param_dtype={param!r} (FSDP casts every floating parameter to param_dtype as a number "
+                        "when it gathers a unit, which scrambles packed codes)",
+                        "The rule, as PEFT's FSDP-QLoRA guide states it: the storage dtype is the dtype the other "
+                        f"parameters are in: {param} under FSDP's param_dtype={param} "
+                        f"(mixed_precision={short(param)}), float32 under autocast, where parameters stay float32 "
+                        f"and only compute is in {param}. "
                         f"Type quant_storage={param} mixed_precision={short(param)}, {instead}")
     return storage, param
 
 # %% ../nbs/05_qlora.ipynb #bf7152a7
-def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
-                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
+def lora_fsdp_config(param_dtype:str=None, # FSDP's param_dtype (bfloat16, float16, float32); None: no mixed precision
+                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, fp32 reduce)
                     ) -> FSDPConfig:
-    "The FSDP config a (Q)LoRA model is sharded with: `cfg`, its compute dtype set to `param_dtype`, which the 4-bit storage must match."
+    "The FSDP config a (Q)LoRA model is sharded with: `cfg`, computing in `param_dtype` (the 4-bit storage's dtype)."
     precision = {v: k for k, v in PRECISION.items() if v}.get(dtype_name(param_dtype) if param_dtype else None, "no")
     cfg = cfg if cfg is not None else FSDPConfig(reduce_dtype="fp32")
     return replace(cfg, mixed_precision="no" if precision == "fp32" else precision)
@@ -163,7 +171,7 @@ def nf4(quant_storage:str="bfloat16", # bnb_4bit_quant_storage: uint8, bfloat16,
 
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
-    "A QLoRA run under FSDP2: `RunSpec`'s sections (lora None: `nf4()`, rank 8 in bfloat16 storage), autocast and the adapter folder."
+    "A QLoRA run under FSDP2: `RunSpec`'s sections (lora None: `nf4()`), autocast and the adapter folder."
     _:KW_ONLY
     autocast:str="no" # the forward under torch.autocast in this dtype, "no", "bf16" or "fp16"; parameters keep theirs
     load_in_8bit:bool=False # 8-bit instead of 4-bit (refused under FSDP)
@@ -171,19 +179,19 @@ class QLoRASpec(RunSpec):
 
     @property
     def adapters(self) -> LoraSpec:
-        "The LoRA section this lab runs: `lora`, else `nf4()`: rank 8 on every Linear of an NF4 base stored in bfloat16."
+        "The LoRA section this lab runs: `lora`, else `nf4()`: rank 8 on every Linear of an NF4 base in bfloat16."
         return self.lora if self.lora is not None else nf4()
 
     @property
     def param_dtype(self):
-        "FSDP's param_dtype name: `fsdp`'s mixed_precision (`config.PRECISION`); with no `fsdp`, a floating quant_storage's own dtype."
+        "FSDP's param_dtype name: `fsdp`'s mixed_precision (`config.PRECISION`); without, a floating quant_storage's."
         if self.fsdp is not None: return PRECISION[self.fsdp.mixed_precision]
         storage = dtype_name(self.adapters.quant_storage)
         return storage if storage != "uint8" else None
 
     @property
     def config(self) -> FSDPConfig:
-        "The FSDP config the LoRA model is sharded with: `fsdp` (its mixed_precision replaced by param_dtype, see `lora_fsdp_config`)."
+        "The FSDP config the LoRA model is sharded with: `fsdp`, computing in param_dtype (`lora_fsdp_config`)."
         return lora_fsdp_config(self.param_dtype, self.fsdp)
 
     def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
@@ -192,11 +200,14 @@ class QLoRASpec(RunSpec):
         if mixed is not None and mixed not in MIXED_PRECISION:
             try: hint = f"Did you mean {accelerate_precision(mixed)!r}? (fsdp-kit qlora still reads the old spelling)"
             except Exception: hint = "quant_storage must match the param_dtype it gives"
-            raise bad_value("mixed_precision", mixed, "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)", hint)
+            raise bad_value("mixed_precision", mixed,
+                            "None, no, bf16 or fp16 (accelerate's names for FSDP's compute dtype)", hint)
         if self.autocast not in MIXED_PRECISION:
             try: hint = f"Did you mean {accelerate_precision(self.autocast)!r}?"
-            except Exception: hint = "autocast=bf16 computes the forward in bfloat16 while the parameters keep their dtype"
-            raise bad_value("autocast", self.autocast, "no, bf16 or fp16 (accelerate's names for the dtype torch.autocast computes in)",
+            except Exception:
+                hint = "autocast=bf16 computes the forward in bfloat16 while the parameters keep their dtype"
+            raise bad_value("autocast", self.autocast,
+                            "no, bf16 or fp16 (accelerate's names for the dtype torch.autocast computes in)",
                             hint)
         if isinstance(self.adapters, LoraSpec) and (self.fsdp is None or isinstance(self.fsdp, FSDPConfig)):
             check_quantization(self.adapters.quant_storage, self.param_dtype, self.load_in_8bit)
@@ -204,10 +215,11 @@ class QLoRASpec(RunSpec):
         self.refuse_unless("step", StepSpec(lr=self.step.lr, warmup=self.step.warmup),
                            "the QLoRA lab's step reads only lr and warmup (it runs none of the memory savers)")
         if self.adapters.base_dtype not in (None, "nf4"):  # None: the lab's, nf4
-            raise bad_value("base_dtype", self.adapters.base_dtype, "None or nf4 (what QLoRASpec runs: a 4-bit base; see nf4())",
+            raise bad_value("base_dtype", self.adapters.base_dtype,
+                            "None or nf4 (what QLoRASpec runs: a 4-bit base; see nf4())",
                             "a float base with LoRA is fsdp-kit train --lora-r's")
-        self.refuse_unless("cp", 1,
-                           "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+        why = "the QLoRA lab splits batches, not sequences: context parallelism is the CP lab's (CPSpec, cp-eval)"
+        self.refuse_unless("cp", 1, why)
         lora_targets(self.adapters.targets)
         return self
 
@@ -230,7 +242,8 @@ def load_base(checkpoint:str, # a folder written by save_pretrained
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_quant_storage=getattr(torch, dtype_name(spec.adapters.quant_storage)),
                                       bnb_4bit_compute_dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization if quantized else None, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=quantization if quantized else None,
+                                                dtype=dtype)
 
 # %% ../nbs/05_qlora.ipynb #53ef90f2
 def with_autocast(model, # a model (or a LoRA model)
@@ -239,7 +252,8 @@ def with_autocast(model, # a model (or a LoRA model)
     "`model` with its forward under `torch.autocast` in `autocast`, as accelerate's `prepare_model` wraps it."
     import torch
     if autocast == "no": return model
-    model.forward = torch.autocast(next(model.parameters()).device.type, dtype=getattr(torch, PRECISION[autocast]))(model.forward)
+    model.forward = torch.autocast(next(model.parameters()).device.type,
+                                   dtype=getattr(torch, PRECISION[autocast]))(model.forward)
     return model
 
 
@@ -253,13 +267,14 @@ def load_lora_model(checkpoint:str, # a folder written by save_pretrained
     from peft import get_peft_model
     model = load_base(checkpoint, spec, quantized)
     torch.manual_seed(spec.seed)  # the same LoRA init on every rank and in the reference
-    return with_autocast(get_peft_model(model, lora_config(spec.adapters.r, spec.adapters.targets)).train(), spec.autocast)
+    return with_autocast(get_peft_model(model, lora_config(spec.adapters.r, spec.adapters.targets)).train(),
+                         spec.autocast)
 
 # %% ../nbs/05_qlora.ipynb #70d8447e
 def shard_lora_model(model, # from load_lora_model
                      mesh, # the mesh to shard over
-                     param_dtype:str=None, # FSDP's param_dtype ("bfloat16", "float16", "float32"); None for no mixed precision
-                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, gradients reduced in fp32)
+                     param_dtype:str=None, # FSDP's param_dtype (bfloat16, float16, float32); None: no mixed precision
+                     cfg:FSDPConfig=None # the rest of the FSDP config (None: a unit per decoder layer, fp32 reduce)
                     ):
     "Shard with `apply_fsdp` as `lora_fsdp_config(param_dtype, cfg)` says; return the model."
     from fsdp_kit.wrap import apply_fsdp
@@ -289,12 +304,14 @@ class QLoRAResult:
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
     config:dict=None # the FSDPConfig the model was sharded with (lora_fsdp_config)
     autocast:str="no" # the dtype torch.autocast ran the forward in (accelerate's name), no for none
-    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before
-    compute_dtype:str=None # the dtype the first 4-bit layer's matmul ran in during training (autocast's, else the layer's compute_dtype)
+    # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before
+    gathered_codes:dict=None
+    # the dtype the first 4-bit layer's matmul ran in during training (autocast's, else the layer's compute_dtype)
+    compute_dtype:str=None
 
 # %% ../nbs/05_qlora.ipynb #cc7b741f
 def batch_rows(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):
-    "Rows `rank` of `world_size` of step `step`'s global batch (`spec.batch` rows per process); world_size=1: all of it."
+    "Rows `rank` of `world_size` of step `step`'s global batch (`spec.batch` rows per process); world_size=1: all."
     import torch.distributed as dist
     rows = spec.batch * dist.get_world_size()
     return rank_rows(synthetic_tokens(vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size)
@@ -325,7 +342,8 @@ def _quant_state_bytes(model) -> dict:
     for p in model.parameters():
         if type(p).__name__ != "Params4bit": continue
         state = p.quant_state
-        tensors = [state.absmax, state.code] + ([state.offset, state.state2.absmax, state.state2.code] if state.nested else [])
+        tensors = [state.absmax,
+                   state.code] + ([state.offset, state.state2.absmax, state.state2.code] if state.nested else [])
         held += sum(t.numel() * t.element_size() for t in tensors)
         predicted += sum(quant_state_bytes(tuple(state.shape), state.blocksize, state.nested).values())
     return dict(held=held, predicted=predicted)
@@ -373,7 +391,7 @@ def gathered_codes(model, # sharded by shard_lora_model
 
 # %% ../nbs/05_qlora.ipynb #c368be5a
 def _reload_loss(checkpoint:str, adapter_dir:str, spec:QLoRASpec, tokens) -> dict:
-    "Load the saved adapter onto an unsharded 4-bit base; its loss on `tokens`, as loaded and with LoRA in param_dtype (as FSDP computed)."
+    "The saved adapter on an unsharded 4-bit base: its loss on `tokens` as loaded, and with LoRA in param_dtype."
     import torch
     from peft import PeftModel
     model = with_autocast(PeftModel.from_pretrained(load_base(checkpoint, spec), adapter_dir).train(), spec.autocast)
@@ -402,7 +420,7 @@ def _train(model, spec:QLoRASpec, rank:int, world_size:int) -> list:
     return mean_over_ranks(train_loop(model, spec, rank, world_size))
 
 def _train_one_process(checkpoint:str, spec:QLoRASpec, world_size:int) -> list:
-    "The reference: the same 4-bit model with LoRA, unsharded, trained in this process on each step's whole global batch; its losses."
+    "The reference: the same 4-bit model with LoRA, unsharded, trained here on each step's whole global batch."
     from fsdp_kit.train import train_loop
     return [l.item() for l in train_loop(load_lora_model(checkpoint, spec), spec, rows=spec.batch * world_size)]
 
@@ -412,13 +430,16 @@ def _adapter_round_trip(model, spec:QLoRASpec, checkpoint:str) -> dict:
     "Save the adapter gathered from every rank, check it, reload it on rank 0 and compare the held-out loss."
     import torch.distributed as dist
     adapter_dir = spec.adapter_dir or os.path.join(checkpoint, "adapter")
-    held_out = batch_rows(spec, model.config.vocab_size, spec.steps, 0, 1)  # a batch no step trained on, whole on every rank
+    # a batch no step trained on, whole on every rank
+    held_out = batch_rows(spec, model.config.vocab_size, spec.steps, 0, 1)
     trained = model_loss(model, held_out).item()
     shards = save_adapter(model, adapter_dir)
     if dist.get_rank() != 0: return {}
-    out = check_adapter(adapter_dir, shards) | dict(path=str(adapter_dir) if spec.adapter_dir else None)  # as the user typed it
+    # as the user typed it
+    out = check_adapter(adapter_dir, shards) | dict(path=str(adapter_dir) if spec.adapter_dir else None)
     reloaded = _reload_loss(checkpoint, adapter_dir, spec, held_out)
-    return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"], reloaded_loss_as_loaded=reloaded["as_loaded"],
+    return out | dict(trained_loss=trained, reloaded_loss=reloaded["in_param_dtype"],
+                      reloaded_loss_as_loaded=reloaded["as_loaded"],
                       reload_loss_diff=abs(trained - reloaded["in_param_dtype"]))
 
 # %% ../nbs/05_qlora.ipynb #90725327
@@ -434,7 +455,7 @@ def _matmul_dtype(module, x) -> str:
 def qlora_worker(spec:QLoRASpec,
                  progress:bool=False # rank 0 prints `part n/5` after each part (`ranks.progress`)
                 ) -> QLoRAResult:
-    "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure memory."
+    "Load a 4-bit model with LoRA, shard it, train, check it against one process, save and reload the adapter, measure."
     quiet_libraries()  # first: importing bitsandbytes logs its missing optional CPU kernel package
     import time, bitsandbytes as bnb, torch.distributed as dist
     from fsdp_kit.ranks import progress as say
@@ -469,7 +490,8 @@ def qlora_worker(spec:QLoRASpec,
         peaks = dict(qlora=gather_objects(_measure(model, spec)))
         done("memory with the 4-bit base")
         del model; gc.collect()
-        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec, quantized=False), mesh,
+        peaks["bf16_lora"] = gather_objects(_measure(shard_lora_model(load_lora_model(checkpoint, spec,
+                                                                                      quantized=False), mesh,
                                                                       spec.param_dtype, spec.fsdp), spec))
         done("memory with a bf16 base")
         shard_shapes = {name: [s[name] for s in gather_objects(local)] for name in local}
@@ -479,8 +501,10 @@ def qlora_worker(spec:QLoRASpec,
         if rank == 0: shutil.rmtree(checkpoint, ignore_errors=True)
     return QLoRAResult(spec.model, world_size, dtype_name(spec.adapters.quant_storage), spec.param_dtype,
                        {s: params_per_element(s) for s in ("uint8", "bfloat16", "float32")}, shapes, shard_shapes,
-                       dict(held=[s["held"] for s in state_per_rank], predicted=[s["predicted"] for s in state_per_rank]),
-                       losses, unsharded, max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable,
+                       dict(held=[s["held"] for s in state_per_rank],
+                            predicted=[s["predicted"] for s in state_per_rank]),
+                       losses, unsharded,
+                       max(abs(a - b) for a, b in zip(losses, unsharded)) if unsharded is not None else None, trainable,
                        changed,
                        {k: [p["total"] for p in v] for k, v in peaks.items()}, peaks, adapter, dist.get_backend(),
                        environment()["versions"], asdict(spec.config), spec.autocast, gathered, seen[0])
@@ -489,24 +513,27 @@ def qlora_worker(spec:QLoRASpec,
 PARAMETER_CATEGORIES = ("sharded_params", "unsharded_params", "all_gather_buffers")
 
 def weight_share(peak:dict) -> float:
-    "The base's weights at the peak (sharded, gathered, all-gather buffer: `PARAMETER_CATEGORIES`) as a share of the peak's total."
+    "The base's weights at the peak (sharded, gathered, all-gather buffer: `PARAMETER_CATEGORIES`) as a share of it."
     return sum(peak.get(c, 0) for c in PARAMETER_CATEGORIES) / peak["total"]
 
 def plot_memory(result:QLoRAResult):
     "Per rank, bf16 base vs 4-bit base: the step's peak by category, and the parameter categories alone."
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import plot_categories, category_colour, check_figure
-    peaks = {f"{label}\nrank {r}": p for key, label in (("bf16_lora", "bf16 base"), ("qlora", f"4-bit ({result.quant_storage})"))
+    peaks = {f"{label}\nrank {r}": p for key, label in (("bf16_lora", "bf16 base"),
+                                                        ("qlora", f"4-bit ({result.quant_storage})"))
              for r, p in enumerate(result.peak_by_category[key])}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.8), gridspec_kw=dict(width_ratios=[1.3, 1]))
-    plot_categories(peaks, ax=axes[0], title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)",
+    plot_categories(peaks, ax=axes[0],
+                    title=f"peak per rank, {model_label(result.model)}, {result.world_size} ranks (measured)",
                     legend_below=True)
     bottom = [0.0] * len(peaks)
     for cat in PARAMETER_CATEGORIES:
         vals = [p.get(cat, 0) / 2**20 for p in peaks.values()]
         axes[1].bar(range(len(peaks)), vals, bottom=bottom, label=cat, color=category_colour(cat))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[1].set_xticks(range(len(peaks)), [p.replace(" (", "\n(") for p in peaks], fontsize=9)  # the same names, one more line break
+    # the same names, one more line break
+    axes[1].set_xticks(range(len(peaks)), [p.replace(" (", "\n(") for p in peaks], fontsize=9)
     axes[1].set(ylabel="MiB", title="parameter memory at the peak")
     axes[1].legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)  # below the bars, as on the left
     fig.tight_layout()
@@ -521,7 +548,8 @@ def plot_qlora_losses(result:QLoRAResult, ax=None):
     if own: _, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(result.losses) + 1), result.losses, "o-",
             label=f"FSDP2, {result.world_size} ranks, 4-bit base ({result.quant_storage})")
-    ax.plot(range(1, len(result.unsharded_losses) + 1), result.unsharded_losses, "x", markersize=10, label="one process, whole batch")
+    ax.plot(range(1, len(result.unsharded_losses) + 1), result.unsharded_losses, "x", markersize=10,
+            label="one process, whole batch")
     ax.xaxis.get_major_locator().set_params(integer=True)  # whole steps
     ax.set(xlabel="step", ylabel="loss", title=f"LoRA on a 4-bit {model_label(result.model)} model")
     ax.legend()
@@ -531,7 +559,7 @@ def plot_qlora_losses(result:QLoRAResult, ax=None):
 def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16 or fp16
                    mixed_precision_policy=None # the FSDP plugin's own policy, e.g. "fp32"; None: accelerate's
                   ) -> dict:
-    "What accelerate does under FSDP2 for `mixed_precision`: its plugin's param_dtype and its autocast dtype (None: none)."
+    "What accelerate does under FSDP2 for `mixed_precision`: its plugin's param_dtype and autocast dtype (None: none)."
     import torch, warnings
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -547,9 +575,10 @@ def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16
                                                               mixed_precision_policy=mixed_precision_policy))
         policy = accelerator.state.fsdp_plugin.mixed_precision_policy
         amp = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        param_dtype = getattr(policy, "param_dtype", None)
         return dict(mixed_precision=mixed_precision, mixed_precision_policy=mixed_precision_policy,
                     distributed_type=str(accelerator.distributed_type),
-                    param_dtype=short_name(policy.param_dtype) if policy is not None and policy.param_dtype is not None else None,
+                    param_dtype=None if param_dtype is None else short_name(param_dtype),
                     autocast=short_name(amp.fast_dtype) if isinstance(amp, torch.autocast) else None)
     finally: AcceleratorState._reset_state(True)
 
@@ -558,7 +587,7 @@ def accelerate_amp(mixed_precision:str, # accelerate's mixed_precision: no, bf16
 def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec says
                      param_dtype:str # the param_dtype to shard with, past the guard
                     ) -> dict:
-    "Load `spec`'s 4-bit model, shard it with `param_dtype` whatever `check_quantization` says, gather it, run one forward."
+    "Load `spec`'s 4-bit model, shard it in `param_dtype` whatever `check_quantization` says, gather it, run a forward."
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     quiet_libraries()
@@ -569,9 +598,13 @@ def fsdp_cast_worker(spec:QLoRASpec, # the storage and model, loaded as spec say
         model = load_lora_model(checkpoint, spec)
         before = _snapshot(model)
         shard_lora_model(model, fsdp_mesh(build_mesh(spec.mesh)), param_dtype, spec.fsdp)
-        out = dict(quant_storage=dtype_name(spec.adapters.quant_storage), param_dtype=param_dtype, gathered=gathered_codes(model, before),
+        out = dict(quant_storage=dtype_name(spec.adapters.quant_storage), param_dtype=param_dtype,
+                   gathered=gathered_codes(model, before),
                    loss=None, error=None)
-        try: out["loss"] = model_loss(model, batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(), dist.get_world_size())).item()
+        try:
+            out["loss"] = model_loss(model,
+                                     batch_rows(spec, model.config.vocab_size, 0, dist.get_rank(),
+                                                dist.get_world_size())).item()
         except Exception as e: out["error"] = f"{type(e).__name__}: {e}"
         del model; gc.collect()
         out["accelerate"] = [accelerate_amp("bf16"), accelerate_amp("bf16", "fp32")]
