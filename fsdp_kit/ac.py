@@ -161,6 +161,7 @@ class DeviceCopy:
     copied:bool # False: the call returned the very tensor it was given, so nothing was copied
     site:str # module.function that made the call
 
+# %% ../nbs/04c_ac.ipynb #57dcdba7
 def _names_device(args:tuple, kwargs:dict) -> bool:
     "Whether a `Tensor.to` call names a device (a dtype alone does not)."
     import torch
@@ -168,6 +169,7 @@ def _names_device(args:tuple, kwargs:dict) -> bool:
                                                 (str, int, torch.device,
                                                  torch.Tensor)) and not isinstance(a, bool) for a in args)
 
+# %% ../nbs/04c_ac.ipynb #130a91bf
 @contextmanager
 def count_copies():
     "A context yielding a list of a `DeviceCopy` for every copy between devices made in this process while it is open."
@@ -198,6 +200,7 @@ def count_copies():
 
 _COPY_METHODS = ("to", "cpu", "cuda", "copy_")
 
+# %% ../nbs/04c_ac.ipynb #a85192db
 def copies_by_site(calls:list) -> dict:
     "`count_copies`' calls grouped: (site, 'src -> dst', copied) -> {'calls', 'bytes'}, in the order first seen."
     out = {}

@@ -66,6 +66,7 @@ def policy_ac(self:PlanSpec) -> str:
         raise bad_value("ac", policy, why)
     return policy
 
+# %% ../nbs/08_plan.ipynb #30904929
 @patch(as_prop=True)
 def precision(self:PlanSpec) -> str:
     "The precision in the planner's words: fp32, accelerate-bf16, bf16-fp32-reduce or pure-bf16 (see the list above)."
@@ -73,22 +74,26 @@ def precision(self:PlanSpec) -> str:
     if self.config.mixed_precision == "bf16" and self.config.reduce_dtype is None: return "accelerate-bf16"
     return "bf16-fp32-reduce" if self.config.mixed_precision == "bf16" or self.method != "full" else "fp32"
 
+# %% ../nbs/08_plan.ipynb #39456b7c
 @patch(as_prop=True)
 def base_bytes(self:PlanSpec) -> int:
     "Bytes per element of the stored weights: 4 for a full fine-tune, 2 for pure bf16 and a LoRA base unless fp32."
     if self.lora is None: return 2 if self.pure_bf16 else 4
     return 4 if self.lora.base_dtype == "fp32" else 2
 
+# %% ../nbs/08_plan.ipynb #45319e3d
 @patch(as_prop=True)
 def compute_bytes(self:PlanSpec) -> int:
     "Bytes per element of compute: activations, gathered parameters and unsharded gradients."
     return 4 if self.precision == "fp32" else 2
 
+# %% ../nbs/08_plan.ipynb #2710a638
 @patch(as_prop=True)
 def reduce_bytes(self:PlanSpec) -> int:
     "Bytes per element of the reduce-scatter input: bf16 under accelerate-bf16 and pure-bf16, float32 otherwise."
     return 2 if self.precision in ("accelerate-bf16", "pure-bf16") else 4
 
+# %% ../nbs/08_plan.ipynb #65f9fa29
 @patch(as_prop=True)
 def master_bytes(self:PlanSpec) -> int:
     "Bytes per element of what the optimizer updates: trainable shards, reduced gradients, Adam's moments."
@@ -124,7 +129,7 @@ def check(self:PlanSpec, world_size:int=None): # unused: a PlanSpec names its ow
     RunSpec.check(self, self.world_size)
     return self
 
-
+# %% ../nbs/08_plan.ipynb #86ba81d2
 def _check_extras(spec:PlanSpec):
     "Refuse a memory saver or GPU-only field the planner does not model for this setting, naming the field."
     step, tokens = spec.step, spec.batch * spec.seq_len // max(1, spec.mesh.cp)
@@ -167,6 +172,7 @@ def label(self:PlanSpec) -> str:
     checkpointing = {"none": "", "full": "ac", "layer": f"ac-layer{k}", "op": "ac-op"}[kind]
     return " ".join(p for p in parts + [checkpointing, targets] + extras if p)
 
+# %% ../nbs/08_plan.ipynb #9d2986cc
 @patch(as_prop=True)
 def wrap_config(self:PlanSpec) -> FSDPConfig:
     "The FSDP config as planned: SIZE_BASED_WRAP without a threshold takes the model's `wrap.size_floor`."
@@ -174,6 +180,7 @@ def wrap_config(self:PlanSpec) -> FSDPConfig:
     if cfg.auto_wrap_policy != "SIZE_BASED_WRAP" or cfg.min_num_params: return cfg
     return replace(cfg, min_num_params=_floor(self.model))
 
+# %% ../nbs/08_plan.ipynb #6b350344
 def recorded_spec(run:dict # a stored validation run: its `config` is `dataclasses.asdict` of the spec, and its label
                  ) -> PlanSpec:
     "The PlanSpec a stored validation run was measured with."
@@ -235,6 +242,7 @@ def planned_units(config, spec:PlanSpec) -> dict:
 # model_tensors and units, kept per model and setting: a recommendation plans hundreds of settings of one model
 _TENSORS, _UNITS = {}, {}
 
+# %% ../nbs/08_plan.ipynb #1bcfbf93
 def model_tensors(config, spec:PlanSpec) -> list:
     "Every parameter of `config`'s model under `spec`, from the meta device: shape, stored and gathered bytes."
     base = spec.base_bytes  # LoRA/QLoRA bases are loaded in bfloat16 unless told otherwise
@@ -262,6 +270,7 @@ def tied_embeddings(tensors:list) -> bool:
     "Do the input and output embeddings share one weight (no separate lm_head parameter on the meta model)?"
     return not any(t.name.startswith("lm_head.") for t in tensors)
 
+# %% ../nbs/08_plan.ipynb #a08d4e0b
 @dataclass
 class Unit:
     "Bytes one FSDP unit holds and moves, on one rank."
@@ -275,6 +284,7 @@ class Unit:
     largest_shard:int # bytes of its largest trainable parameter shard
     layer:int=-1 # the decoder layer holding all its parameters, -1 for none or several
 
+# %% ../nbs/08_plan.ipynb #7d5b0eca
 def units(tensors:list, spec:PlanSpec) -> dict:
     "Unit name -> Unit for `spec`: the root, the embeddings, the tail, then the policy's units in forward order."
     W, grad_b, master, red = spec.world_size, spec.compute_bytes, spec.master_bytes, spec.reduce_bytes
@@ -678,6 +688,7 @@ def plan_config(model:str # a preset of MODEL_PRESETS, a kit preset (tiny, small
                         f"a preset ({', '.join([*MODEL_PRESETS, *PRESETS])}) or a path to a config.json")
     return model_config(model)
 
+# %% ../nbs/08_plan.ipynb #1c8452de
 def count_parameters(model:str) -> int:
     "Parameters of `model`, counted on the meta device (no memory): exact."
     return sum(p.numel() for p in build_model(plan_config(model), device="meta").parameters())
@@ -685,10 +696,12 @@ def count_parameters(model:str) -> int:
 # `count_models()` as stored in the package: `fsdp-kit plan --list-models` builds no model
 MODELS_TABLE = EXAMPLES / "plan" / "models.json"
 
+# %% ../nbs/08_plan.ipynb #9f9225fe
 def list_models() -> list:
     "Every preset with its exact parameter count and shape, from the table stored in the package (`count_models`)."
     return json.loads(MODELS_TABLE.read_text())
 
+# %% ../nbs/08_plan.ipynb #53782c7a
 def count_models() -> list:
     "Every preset with its exact parameter count and shape, each built on the meta device (`list_models` reads them)."
     out = []
@@ -709,6 +722,7 @@ def host_memory() -> int:
     except ImportError: return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return psutil.virtual_memory().available
 
+# %% ../nbs/08_plan.ipynb #353454ab
 def step_memory(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, method:str="full", lora_r:int=8) -> dict:
     "Estimated host bytes of one training step, per rank and for the `nproc` ranks on this machine (`check_fits`)."
     config = model_config(model)
@@ -728,6 +742,7 @@ def step_memory(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, me
                 parts={k: v for k, v in parts.items() if k != "total" and v},
                 per_rank=parts["total"], per_host=nproc * parts["total"], model_states=states, available=host_memory())
 
+# %% ../nbs/08_plan.ipynb #5753a6d7
 def check_fits(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, method:str="full", lora_r:int=8) -> dict:
     "Refuse a step needing more host memory than this machine has available (per rank: `step_memory`, times nproc)."
     for name, value in (("--batch", batch), ("--seq-len", seq_len), ("--nproc", nproc), ("--nnodes", nnodes)):
@@ -750,6 +765,7 @@ def check_fits(model:str, batch:int, seq_len:int, nproc:int=1, nnodes:int=1, met
     raise bad_value("--batch", batch, f"a batch whose step fits in this machine's memory with --seq-len {seq_len}",
                     f"model={str(model)!r} ({m['parameters']:,} parameters) {need}: use a smaller --batch or --seq-len")
 
+# %% ../nbs/08_plan.ipynb #372f8a5a
 def _given_keys(model:str) -> dict:
     "The keys `model` sets itself: a preset's, or its config.json's."
     return PRESETS[model] if model in PRESETS else read_config_json(Path(model))

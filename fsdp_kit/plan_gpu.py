@@ -68,6 +68,7 @@ class GPUPlan:
 
 PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # field -> plan's option
 
+# %% ../nbs/08b_plan_gpu.ipynb #80851af3
 def _check_plan_args(spec:PlanSpec, gpu_mem_gb):
     "Refuse sizes that make no sense, naming the option of `fsdp-kit plan` that sets them."
     gpus, cp = spec.world_size, spec.mesh.cp
@@ -91,6 +92,7 @@ def _offloaded(moment:dict, staging:int) -> dict:
     gpu["offload_staging"] = staging
     return gpu | dict(total=sum(gpu.values()))
 
+# %% ../nbs/08b_plan_gpu.ipynb #1fecc1ff
 def _quant_state(config, spec:PlanSpec) -> int:
     "Bytes of bitsandbytes' quantization state of every 4-bit weight; each rank keeps it whole (it is no parameter)."
     from fsdp_kit.qlora import quant_state_bytes
@@ -98,6 +100,7 @@ def _quant_state(config, spec:PlanSpec) -> int:
     return sum(sum(quant_state_bytes(shape).values()) for name, shape in meta_shapes(config)[0]
                if layer_index(name) >= 0 and name.split(".")[-2] in LINEARS and name.endswith(".weight"))
 
+# %% ../nbs/08b_plan_gpu.ipynb #b67574c3
 def load_high_water(config, spec:PlanSpec, path:str) -> int:
     "Bytes one GPU holds at the top of loading a 4-bit model and sharding it with CPU offload, along `path`."
     n = max(math.prod(s) for name, s in meta_shapes(config)[0]
@@ -112,6 +115,7 @@ def load_high_water(config, spec:PlanSpec, path:str) -> int:
     # every rank's own quantized copy, then one unit's shard
     return _quant_state(config, spec) + sum(whole) + quantizing + shard
 
+# %% ../nbs/08b_plan_gpu.ipynb #7c93352b
 def _cp_comm(config, spec:PlanSpec) -> int:
     "Context parallel: each layer all-gathers K and V over the CP ranks, and reduce-scatters their gradients."
     if spec.mesh.cp == 1: return 0
@@ -136,12 +140,14 @@ def gpu_peak(config, spec:PlanSpec, ms:list) -> tuple:
     breakdown["cuda_context"] = CUDA_CONTEXT_BYTES
     return name, breakdown, allocated, high_water
 
+# %% ../nbs/08b_plan_gpu.ipynb #f5c5f85c
 def offloaded_activations(config, spec:PlanSpec) -> int:
     "Bytes sent to the host in forward and back in backward: what forward keeps unoffloaded, less the loss's logits."
     if not spec.step.offload_activations: return 0
     kept = moments(config, replace(spec, step=replace(spec.step, offload_activations=False)))[0][1]["activations"]
     return kept - activation_bytes(dims(config, spec))["loss_extra"]
 
+# %% ../nbs/08b_plan_gpu.ipynb #3f6e3780
 def gpu_communication(config, spec:PlanSpec) -> dict:
     "Per GPU per step: the collectives, per unit, context parallel's, the host-device copies, and all their bytes."
     comm = predict_comm(config, spec)
@@ -182,6 +188,7 @@ def gpu_notes(spec:PlanSpec, high_water:int=0) -> list:
                                 "the caching allocator keeps it reserved and the step reuses it")
     return notes
 
+# %% ../nbs/08b_plan_gpu.ipynb #c4fc5453
 def savers_off(spec:PlanSpec) -> dict:
     "Each memory saver that is on -> the same setting without it (`GPUPlan.terms` compares their allocated bytes)."
     cfg, step = spec.config, spec.step
@@ -210,6 +217,7 @@ def gpu_settings(spec:PlanSpec) -> dict:
                 reshard=cfg.reshard_after_forward, cp=spec.mesh.cp, base_dtype=base_dtype, ac=spec.policy_ac,
                 compile=spec.compile, layout=cfg.layout, cpu_ram_efficient_loading=spec.loading)
 
+# %% ../nbs/08b_plan_gpu.ipynb #f25faec1
 def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, mesh (cp), fsdp, step, lora, fp8, compile, loading
              gpu_mem_gb:float=80, # memory per GPU, GB
              _terms:bool=True # also plan each memory-saving setting that is on without it (GPUPlan.terms)
@@ -252,6 +260,7 @@ def _describe(p:GPUPlan) -> str:
             + ", activations offloaded" * s["offload_activations"] + ", fp8 all-gather" * s["fp8_all_gather"]
             + ", embeddings and head in the root" * (s["layout"] == "layers"))
 
+# %% ../nbs/08b_plan_gpu.ipynb #860819f2
 def plan_text(p:GPUPlan) -> str:
     "A few lines: the per-GPU peak and its breakdown, host memory, fit, communication."
     low, high = p.per_gpu_reserved_bytes
@@ -302,6 +311,7 @@ def _tie(best:GPUPlan, other:GPUPlan, method:str) -> str:
         return "nothing else tells them apart: on 1 GPU nothing is gathered, so this setting changes nothing"
     return "nothing else tells them apart; the first one searched is kept"
 
+# %% ../nbs/08b_plan_gpu.ipynb #ba3c2258
 def _why_not(best:GPUPlan, cost:float, other:GPUPlan, other_cost:float, method:str) -> str:
     "Why `recommend` ranked `other` below `best`: the first of its criteria, in its order, that tells the two apart."
     mib = lambda c: f"{c / 2**20:.2f} MiB/token"
@@ -423,6 +433,7 @@ def published_figures() -> list:
     "Each published figure: source, setting, published_gb, the statistic it `reports`, gpu_mem_gb, spec, miss."
     return json.loads(PUBLISHED.read_text())
 
+# %% ../nbs/08b_plan_gpu.ipynb #435d9db4
 def published_table() -> list:
     "Each published figure beside the planner's prediction of the statistic it reports (GB, 10^9 bytes), and the error."
     # peak allocated (per_gpu_allocated_bytes), peak reserved (allocated plus the allocator overhead, within
@@ -453,6 +464,7 @@ def grid_spec(setting:dict # one value per axis of PLANNER_GRID
     return PlanSpec(setting["model"], setting["gpus"], batch=setting["batch"], seq_len=setting["seq_len"],
                     fsdp=FSDPConfig(mixed_precision="bf16", ac=setting["ac"]), lora=METHODS[setting["method"]])
 
+# %% ../nbs/08b_plan_gpu.ipynb #e5df455e
 def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combination is planned
                  ) -> dict:
     "Every plan of a grid of settings, for a page that shows plans without Python (row-major over the grid's axes)."
@@ -468,6 +480,7 @@ def planner_table(grid:dict=None # axis -> values (PLANNER_GRID); every combinat
         plans.append([p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, moments_.index(p.peak_moment)])
     return dict(grid=grid, moments=moments_, plans=plans, gb=GB)
 
+# %% ../nbs/08b_plan_gpu.ipynb #406e2407
 def plan_line(peak:int, allocated:int, moment:str, gpu_mem_gb:float) -> str:
     "The planner page's one line for a plan: the peak, its moment, whether it fits, allocated memory (GB, 10^9 bytes)."
     fits = "fits" if peak <= gpu_mem_gb * GB else "does NOT fit"

@@ -26,6 +26,7 @@ def _lora_spec(spec:PlanSpec):
     return QLoRASpec(model=spec.model, lora=nf4(r=spec.lora.r, targets=spec.lora.targets), batch=spec.batch,
                      seq_len=spec.seq_len)
 
+# %% ../nbs/08a_plan_validate.ipynb #4f2d3c14
 def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     "A LoRA (bf16 base) or QLoRA (4-bit base) model from `checkpoint`, sharded per layer, one step measured."
     import torch, torch.distributed as dist
@@ -43,6 +44,7 @@ def _measure_lora(spec:PlanSpec, mesh, checkpoint:str):
     model = optim = None; gc.collect()  # drop this setting's model and optimizer before the next one
     return m
 
+# %% ../nbs/08a_plan_validate.ipynb #e5bc1c19
 def _measure_full(spec:PlanSpec, mesh):
     "A full fine-tune of `spec.model` sharded as `spec` says, one step measured (the wrap lab's run_config)."
     from fsdp_kit.wrap import CompareSpec, run_config
@@ -105,6 +107,7 @@ def validate_worker(specs:list, progress:tuple=None) -> list:
             for path in checkpoints.values(): shutil.rmtree(path, ignore_errors=True)
     return out
 
+# %% ../nbs/08a_plan_validate.ipynb #b08e7eb2
 def progress_line(progress:tuple, done_here:int, spec:PlanSpec):
     "Rank 0's line after a setting: `setting n/N label`, the time since the start and what is left at this pace."
     import time, torch.distributed as dist
@@ -141,18 +144,21 @@ def wrapping_settings() -> list:
     return specs + [replace(BASE, fsdp=FSDPConfig(auto_wrap_policy="PER_LINEAR")),
                     replace(BASE, fsdp=FSDPConfig(reshard_after_forward=2))]
 
+# %% ../nbs/08a_plan_validate.ipynb #4fc19417
 def precision_settings() -> list:
     "The matrix on 2 ranks: bf16 mixed precision and the checkpointing policies."
     both = [replace(BASE, model=m, fsdp=f) for f in (BF16, FSDPConfig(ac="full")) for m in ("tiny", "small")]
     selective = [replace(BASE, fsdp=FSDPConfig(ac=a)) for a in ("selective-layer:2", "selective-op")]
     return both + selective + [replace(BASE, fsdp=replace(BF16, ac="selective-op"))]
 
+# %% ../nbs/08a_plan_validate.ipynb #b312f147
 def adapter_settings() -> list:
     "The matrix on 2 ranks: LoRA and QLoRA, on every Linear and on subsets."
     specs = [replace(BASE, model=m, lora=lora) for m in ("tiny", "small") for lora in (LORA, QLORA)]
     return specs + [replace(BASE, lora=replace(LORA, targets="q_proj,v_proj")),
                     replace(BASE, lora=replace(QLORA, targets="gate_proj,up_proj,down_proj"))]
 
+# %% ../nbs/08a_plan_validate.ipynb #ad71242f
 def step_settings() -> list:
     "The matrix on 2 ranks: pure bf16, the optimizer in backward, and FSDP1's layout (the edges in the root)."
     in_backward = StepSpec(optimizer_in_backward=True)
@@ -161,6 +167,7 @@ def step_settings() -> list:
     return specs + [replace(BASE, fsdp=FSDPConfig(layout="layers")),
                     replace(BASE, fsdp=replace(BF16, ac="full", layout="layers"))]
 
+# %% ../nbs/08a_plan_validate.ipynb #96c58d22
 def long_settings() -> list:
     "The matrix's memory savers on 2 ranks, at 2 x 256 tokens per rank: the loss and the activations set the peak."
     long, offloaded = replace(BASE, seq_len=256), StepSpec(offload_activations=True)
@@ -230,9 +237,11 @@ class ValidationRun:
     measured_comm:dict # kind -> {count, bytes}
     gpu:dict=None # on CUDA (`gpu_comparison`): plan_gpu's bytes beside the allocator's peaks, NVML, step time, tokens/s
 
+# %% ../nbs/08a_plan_validate.ipynb #a5d968c3
 def _comm_bytes(collectives:dict) -> int:
     return sum(collectives.get(k, {}).get("bytes", 0) for k in ("all_gather", "reduce_scatter"))
 
+# %% ../nbs/08a_plan_validate.ipynb #6f83d366
 def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
     "`cuda_statistics` beside plan_gpu's prediction of the same setting: allocated (and its error), reserved, NVML."
     from fsdp_kit.plan_gpu import plan_gpu
@@ -245,6 +254,7 @@ def gpu_comparison(spec:PlanSpec, measured:dict) -> dict:
                            predicted_nvml=p.per_gpu_peak_bytes,
                            nvml_error=(p.per_gpu_peak_bytes - nvml) / nvml if nvml else None)
 
+# %% ../nbs/08a_plan_validate.ipynb #5542ed62
 def compare(spec:PlanSpec, peak:dict, collectives:dict, cuda:dict=None) -> ValidationRun:
     "The prediction for `spec` beside what was measured."
     config = plan_config(spec.model)
@@ -266,10 +276,12 @@ def as_tracked(moment:str, categories:dict) -> dict:
     out["optimizer_state"] = out.get("optimizer_state", 0) + out.pop("temporaries")
     return out
 
+# %% ../nbs/08a_plan_validate.ipynb #5c66eea1
 def _gaps(measured:dict, predicted:dict, peak:int, share:float) -> list:
     return [(c, measured.get(c, 0), predicted.get(c, 0)) for c in sorted({*measured, *predicted} - {"total"})
             if abs(measured.get(c, 0) - predicted.get(c, 0)) > share * peak]
 
+# %% ../nbs/08a_plan_validate.ipynb #0552e79c
 def closest_moment(run:dict) -> tuple:
     "(name, categories) of the planner's moment nearest the measured peak's categories (least absolute difference)."
     spec = recorded_spec(run)
@@ -277,6 +289,7 @@ def closest_moment(run:dict) -> tuple:
     candidates = [(name, as_tracked(name, c)) for name, c in moments(plan_config(spec.model), spec)]
     return min(candidates, key=lambda nc: sum(abs(m.get(k, 0) - nc[1].get(k, 0)) for k in {*m, *nc[1]} - {"total"}))
 
+# %% ../nbs/08a_plan_validate.ipynb #77cf1f6c
 def off_diagonal(result:dict, share:float=0.01) -> list:
     "Each (setting, category) whose predicted and measured bytes differ by over `share` of the measured peak, and why."
     out = []
@@ -317,6 +330,7 @@ def validate(specs:list=None, # the settings to run; None: validation_matrix(max
                 versions=env["versions"], max_abs_error=max(abs(r.error) for r in runs),
                 comm_exact=all(r.predicted_comm_bytes == r.measured_comm_bytes for r in runs))
 
+# %% ../nbs/08a_plan_validate.ipynb #2f200f84
 def validation_table(result:dict) -> str:
     "A plain-text table: each setting's measured and predicted peak (MiB), the error, and communication bytes."
     rows = [f"{'setting':<72}{'measured MiB':>13}{'predicted MiB':>14}{'error':>8}{'comm bytes measured':>21}"
@@ -331,6 +345,7 @@ def validation_table(result:dict) -> str:
         rows.append(fitted_and_held_out(result))
     return "\n".join(rows)
 
+# %% ../nbs/08a_plan_validate.ipynb #52524e7d
 def gpu_validation_table(result:dict) -> str:
     "On CUDA: each setting's predicted and measured allocated peak (GB), the error, reserved, NVML, tokens/s."
     GB = 1e9

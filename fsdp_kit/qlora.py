@@ -169,6 +169,7 @@ def nf4(quant_storage:str="bfloat16", # bnb_4bit_quant_storage: uint8, bfloat16,
     "The LoRA section of a QLoRA run: adapters on a 4-bit NF4 base whose codes are stored as `quant_storage`."
     return LoraSpec(base_dtype="nf4", quant_storage=quant_storage, **lora)
 
+# %% ../nbs/05_qlora.ipynb #5219435d
 @dataclass(frozen=True)
 class QLoRASpec(RunSpec):
     "A QLoRA run under FSDP2: `RunSpec`'s sections (lora None: `nf4()`), autocast and the adapter folder."
@@ -222,7 +223,6 @@ class QLoRASpec(RunSpec):
         self.refuse_unless("cp", 1, why)
         lora_targets(self.adapters.targets)
         return self
-
 
 # %% ../nbs/05_qlora.ipynb #64332af0
 def model_dtype(spec:QLoRASpec) -> str:
@@ -516,6 +516,7 @@ def weight_share(peak:dict) -> float:
     "The base's weights at the peak (sharded, gathered, all-gather buffer: `PARAMETER_CATEGORIES`) as a share of it."
     return sum(peak.get(c, 0) for c in PARAMETER_CATEGORIES) / peak["total"]
 
+# %% ../nbs/05_qlora.ipynb #3cb4c0eb
 def plot_memory(result:QLoRAResult):
     "Per rank, bf16 base vs 4-bit base: the step's peak by category, and the parameter categories alone."
     import matplotlib.pyplot as plt
