@@ -289,59 +289,70 @@ def _named(artist, ax) -> str:
     labels = [artist.get_label()] + [c.get_label() for c in ax.containers if artist in c]
     return next((repr(l) for l in labels if l and not str(l).startswith("_")), type(artist).__name__)
 
+# %% ../nbs/04a_measure.ipynb #538a0ddb
+def _near(points, radius:float, box) -> bool:
+    "Whether a finite point of `points` (display space) lies within `radius` pixels of `box`."
+    import numpy as np
+    p = np.asarray(points, float).reshape(-1, 2)
+    p = p[np.isfinite(p).all(1)]
+    x, y = p[:, 0], p[:, 1]
+    across = (x >= box.x0 - radius) & (x <= box.x1 + radius)
+    return bool((across & (y >= box.y0 - radius) & (y <= box.y1 + radius)).any())
+
+# %% ../nbs/04a_measure.ipynb #9bcbc3eb
+def _line_hit(line, ax, box, px:float) -> str:
+    "What of `line` lies inside `box`: 'line NAME', 'markers of NAME', or ''."
+    import numpy as np
+    from matplotlib.path import Path
+    xy = line.get_transform().transform(np.asarray(line.get_xydata(), float))
+    xy = xy[np.isfinite(xy).all(1)]
+    if not len(xy): return ""
+    if (line.get_linestyle() not in ("None", "", " ") and line.get_linewidth() > 0
+        and (_near(xy, 0, box) or Path(xy).intersects_bbox(box, filled=False))):
+        return f"line {_named(line, ax)}"
+    if line.get_marker() not in ("None", "none", "", " ", None) and _near(xy, line.get_markersize() / 2 * px, box):
+        return f"markers of {_named(line, ax)}"
+    return ""
+
+# %% ../nbs/04a_measure.ipynb #14c366d2
+def _patch_hit(patch, ax, box) -> str:
+    "'patch NAME' if `patch` lies inside `box`, else '' (a band shaded behind the data never counts)."
+    # axvspan / axhspan: a band shaded behind the data
+    if not all(patch.get_transform().contains_branch_seperately(ax.transData)): return ""
+    path = patch.get_transform().transform_path(patch.get_path())
+    ext = path.get_extents()
+    inside = ext.width > 0.5 and ext.height > 0.5 and path.intersects_bbox(box, filled=True)
+    return f"patch {_named(patch, ax)}" if inside else ""
+
+# %% ../nbs/04a_measure.ipynb #ad0af897
+def _collection_hit(coll, ax, box, px:float) -> str:
+    "What of collection `coll` lies inside `box`: 'points of NAME' (a scatter), 'TYPE NAME', or ''."
+    import numpy as np
+    from matplotlib.collections import PathCollection
+    if isinstance(coll, PathCollection):  # scatter: a marker of area s (points^2) at each offset
+        sizes = coll.get_sizes()
+        radius = (np.sqrt(sizes.max()) / 2 if len(sizes) else 3) * px
+        hit = _near(coll.get_offset_transform().transform(coll.get_offsets()), radius, box)
+        return f"points of {_named(coll, ax)}" if hit else ""
+    face = np.asarray(coll.get_facecolor()).reshape(-1, 4)
+    filled = bool(len(face)) and face[:, 3].max() > 0
+    hit = any(coll.get_transform().transform_path(p).intersects_bbox(box, filled=filled) for p in coll.get_paths())
+    return f"{type(coll).__name__} {_named(coll, ax)}" if hit else ""
+
 # %% ../nbs/04a_measure.ipynb #fbce280b
 def _covered_data(ax, box) -> list:
     "The data artists of `ax` (lines, markers, patches, points, images, collections) inside the display-space `box`."
-    import numpy as np
-    from matplotlib.collections import PathCollection
-    from matplotlib.path import Path
     from matplotlib.transforms import Bbox
     # data is clipped to its axes: outside them it is not drawn
     inside, px = Bbox.intersection(box, ax.bbox), ax.figure.dpi / 72
     def where(artist): return inside if artist.get_clip_on() else box
-    def near(points, radius, b):  # any finite point within `radius` pixels of box `b`
-        p = np.asarray(points, float).reshape(-1, 2)
-        p = p[np.isfinite(p).all(1)]
-        x, y = p[:, 0], p[:, 1]
-        return bool(((x >= b.x0 - radius) & (x <= b.x1 + radius) & (y >= b.y0 - radius) & (y <= b.y1 + radius)).any())
-    hits = []
-    for line in ax.lines:
-        b = where(line)
-        if not line.get_visible() or b is None: continue
-        xy = line.get_transform().transform(np.asarray(line.get_xydata(), float))
-        xy = xy[np.isfinite(xy).all(1)]
-        if not len(xy): continue
-        if (line.get_linestyle() not in ("None", "", " ") and line.get_linewidth() > 0
-            and (near(xy, 0, b) or Path(xy).intersects_bbox(b, filled=False))):
-            hits.append(f"line {_named(line, ax)}")
-        elif line.get_marker() not in ("None", "none", "", " ", None) and near(xy, line.get_markersize() / 2 * px, b):
-            hits.append(f"markers of {_named(line, ax)}")
-    for patch in ax.patches:
-        b = where(patch)
-        if not patch.get_visible() or b is None: continue
-        # axvspan / axhspan: a band shaded behind the data
-        if not all(patch.get_transform().contains_branch_seperately(ax.transData)): continue
-        path = patch.get_transform().transform_path(patch.get_path())
-        ext = path.get_extents()
-        if ext.width > 0.5 and ext.height > 0.5 and path.intersects_bbox(b, filled=True):
-            hits.append(f"patch {_named(patch, ax)}")
-    for image in ax.images:
-        if image.get_visible() and _overlaps(image.get_window_extent(), inside):
-            hits.append(f"image {_named(image, ax)}")
-    for coll in ax.collections:
-        b = where(coll)
-        if not coll.get_visible() or b is None: continue
-        if isinstance(coll, PathCollection):  # scatter: a marker of area s (points^2) at each offset
-            sizes = coll.get_sizes()
-            radius = (np.sqrt(sizes.max()) / 2 if len(sizes) else 3) * px
-            if near(coll.get_offset_transform().transform(coll.get_offsets()), radius, b):
-                hits.append(f"points of {_named(coll, ax)}")
-            continue
-        face = np.asarray(coll.get_facecolor()).reshape(-1, 4)
-        filled = bool(len(face)) and face[:, 3].max() > 0
-        if any(coll.get_transform().transform_path(p).intersects_bbox(b, filled=filled) for p in coll.get_paths()):
-            hits.append(f"{type(coll).__name__} {_named(coll, ax)}")
-    return sorted(set(hits))
+    shown = lambda artists: [a for a in artists if a.get_visible() and where(a) is not None]
+    hits = [_line_hit(a, ax, where(a), px) for a in shown(ax.lines)]
+    hits += [_patch_hit(a, ax, where(a)) for a in shown(ax.patches)]
+    hits += [f"image {_named(a, ax)}" for a in ax.images
+             if a.get_visible() and _overlaps(a.get_window_extent(), inside)]
+    hits += [_collection_hit(a, ax, where(a), px) for a in shown(ax.collections)]
+    return sorted(set(h for h in hits if h))
 
 # %% ../nbs/04a_measure.ipynb #aebd75f5
 def _drawn_labels(fig) -> list:
