@@ -14,13 +14,13 @@
     fsdp-kit plan --validate --nproc 2 --json validation.json
     fsdp-kit tour --out tour
 """
-import argparse, errno, functools, json, math, os, re, signal, sys, tempfile
+import argparse, errno, json, math, os, re, signal, sys, tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 from fsdp_kit.errors import KitError, bad_value
-from fsdp_kit.flags import add_flags, flag_of, given, spec_from_flags
+from fsdp_kit.flags import add_flags, field_docs, flag_of, given, spec_from_flags
 from fsdp_kit.spec import SECTIONS
 
 FAULTS = ("crash", "hang")  # fsdp_kit.scale.FAULTS, repeated so building the parser imports nothing heavy
@@ -250,31 +250,6 @@ def _override(flag: str, value, field: str, was, source: str):
     if value != was: print(f"note: {flag} {value} overrides {field}={was!r} from {source}", file=sys.stderr)
 
 
-def _train_precision(a) -> tuple:
-    "(mixed_precision, reduce_dtype, the step's precision) from train's --precision (plan's words), else --mixed-precision, --reduce-dtype."
-    from fsdp_kit.plan_gpu import PRECISIONS
-    if a.precision is None: return a.mixed_precision, a.reduce_dtype, "fp32"
-    if a.precision not in PRECISIONS: raise KitError(f"--precision={a.precision!r} is not allowed: one of {', '.join(PRECISIONS)}.")
-    word = PRECISIONS[a.precision]
-    if a.mixed_precision is not None and _precision(a.mixed_precision) != word["mixed_precision"]:
-        raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, "
-                       f"which means mixed_precision={word['mixed_precision']}: pass one of them")
-    return word["mixed_precision"], word.get("reduce_dtype", a.reduce_dtype), "pure-bf16" if a.precision == "pure-bf16" else "fp32"
-
-
-def fsdp_config(a, **flags):
-    "The FSDPConfig a command runs: --fsdp-config's file (or the defaults), with the flags that duplicate one of its fields laid over it."
-    from fsdp_kit.config import FSDPConfig, load_fsdp_config, override
-    read = load_fsdp_config(a.fsdp_config) if a.fsdp_config else FSDPConfig()
-    given = {k: v for k, v in flags.items() if v is not None}
-    cfg = override(read, **given)  # another --ac beside a file's activation_checkpointing true is refused here
-    for k, v in given.items():
-        if a.fsdp_config: _override(f"--{k.replace('_', '-')}", v, k, getattr(read, k), a.fsdp_config)
-    if a.fsdp_config:
-        for note in cfg.notes: print(f"  {note}", file=sys.stderr)
-    return cfg
-
-
 def _cmd_hf(a):
     import time
     start = time.time()  # progress lines count from here
@@ -487,16 +462,6 @@ def _cmd_qlora(a):
     emit(r, a.json, text)
 
 
-def _precision(value, option="--mixed-precision"):
-    "accelerate's name for a --mixed-precision value (None stays None); an old spelling is read, and the new one named."
-    from fsdp_kit.spec import accelerate_precision
-    if value is None: return None
-    name = accelerate_precision(value)
-    if name != value:
-        print(f"note: {option} {value} is the old spelling of {option} {name}; it is read as {name} in this release", file=sys.stderr)
-    return name
-
-
 def cp_eval_spec(a):
     "The CPSpec `fsdp-kit cp-eval` runs: one forward pass (steps=1); --mask none is full attention; --rows the old global batch."
     spec = command_spec("cp-eval", a, fsdp_file=a.fsdp_config)
@@ -566,56 +531,49 @@ def _cmd_plan(a):
         emit(result, a.json, table + ("\n" + plan_validate.gpu_validation_table(result) if result["device"] == "cuda" else ""))
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
-    _refuse_unused(a)
-    a.lora_r = 8 if a.lora_r is None else a.lora_r
-    given = fsdp_given(a, "plan")
-    a.lora_targets, offload = a.lora_targets or "all-linear", given.get("cpu_offload", False)
-    if a.grad_ckpt and a.ac not in (None, "full"):
-        raise KitError(f"--ac={a.ac!r} is not allowed with --grad-ckpt, which is the policy full: pass one of them")
-    # the setting, built once: each flag into the section of the spec it belongs to
-    from fsdp_kit.plan import PlanSpec, METHODS
-    from fsdp_kit.config import FSDPConfig
-    from fsdp_kit.spec import StepSpec, LoraSpec
-    from fsdp_kit.mesh import MeshSpec
-    if a.method not in METHODS: raise bad_value("method", a.method, "full, lora or qlora")
-    precision_fields, precision, base_dtype = _plan_precision(a)
-    fsdp = FSDPConfig(reshard_after_forward=given.get("reshard_after_forward", True), cpu_offload=offload,
-                      ac=a.ac or ("full" if a.grad_ckpt else "none"), layout=_layout(a), **precision_fields)
-    step = StepSpec(precision=precision, ce_chunks=a.chunked_ce, optimizer_in_backward=a.optimizer_in_backward,
-                    offload_activations=a.offload_activations)
-    base = "nf4" if a.method == "qlora" else base_dtype or "bf16"  # LoRA's base: bf16 unless --base-dtype fp32
-    lora = METHODS[a.method] and LoraSpec(a.lora_r, a.lora_targets, base)
-    spec = PlanSpec(a.model, a.gpus, batch=a.batch, seq_len=a.seq_len, mesh=MeshSpec(cp=a.cp), fsdp=fsdp, step=step,
-                    lora=lora, fp8_all_gather=a.fp8_all_gather, compile=a.compile)
+    spec = plan_spec(a)
     if a.recommend:
-        r = plan_gpu.recommend(spec, gpus=a.gpus, gpu_mem_gb=a.gpu_mem_gb)
+        r = plan_gpu.recommend(spec, gpus=spec.world_size, gpu_mem_gb=a.gpu_mem_gb)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
         return
     p = plan_gpu.plan_gpu(spec, gpu_mem_gb=a.gpu_mem_gb)
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))  # what the model assumes, in the text too
 
 
-PLAN_LORA_FLAGS = (("lora_r", "--lora-r"), ("lora_targets", "--lora-targets"))
-RECOMMEND_SEARCHES = (("grad_ckpt", "--grad-ckpt"), ("ac", "--ac"),
-                      ("cpu_offload", "--cpu-offload"), ("reshard_after_forward", "--reshard-after-forward"),
-                      ("chunked_ce", "--chunked-ce"),
-                      ("optimizer_in_backward", "--optimizer-in-backward"), ("offload_activations", "--offload-activations"))
-RECOMMEND_IGNORES = (("fp8_all_gather", "--fp8-all-gather"), ("compile", "--compile"), ("layout", "--layout"))
+RECOMMEND_SEARCHES = ("ac", "cpu_offload", "reshard_after_forward", "ce_chunks", "optimizer_in_backward", "offload_activations")
+RECOMMEND_IGNORES = ("fp8_all_gather", "compile", "layout")
 
 
-def _refuse_unused(a):
-    "Refuse a plan flag that would change nothing: a LoRA flag with --method full, a setting --recommend searches itself or does not plan."
-    if a.method == "full":
-        for dest, option in PLAN_LORA_FLAGS:
-            if getattr(a, dest) is not None:
-                raise bad_value(option, getattr(a, dest),
-                                "only with --method lora or qlora, whose adapters it sets; --method full trains every weight, so leave it "
-                                "out")
-    if not a.recommend: return
-    for flags, why in ((RECOMMEND_SEARCHES, "--recommend searches this setting itself"),
-                       (RECOMMEND_IGNORES, "--recommend does not plan with it")):
-        for dest, option in flags:
-            if getattr(a, dest) not in (None, False, 0): raise bad_value(option, getattr(a, dest), f"left out with --recommend: {why}")
+def plan_spec(a):
+    """The PlanSpec `fsdp-kit plan` predicts: its flags over `base_spec("plan")` (bf16 compute, one 2048-token sequence per GPU);
+    --method gives the lora section (full: none, lora: a bf16 base, qlora: NF4), and --precision fp32 or pure-bf16 computes without
+    mixed precision. A flag that would change nothing (a LoRA field with --method full, a setting --recommend searches) is refused."""
+    from fsdp_kit.plan import METHODS
+    if a.method not in METHODS: raise bad_value("method", a.method, "full, lora or qlora")
+    lora = given(a, SECTIONS["lora"], PLAN_READS["lora"])
+    if a.method == "full" and (extra := [k for k in ("r", "targets") if k in lora]):
+        raise bad_value(extra[0], lora[extra[0]], "only with --method lora or qlora, whose adapters it sets; --method full trains every "
+                        "weight, so leave it out")
+    for names, why in ((RECOMMEND_SEARCHES, "searches this setting itself"), (RECOMMEND_IGNORES, "does not plan with it")):
+        for name in names if a.recommend else ():
+            if getattr(a, name) not in (None, "false", "0"): raise bad_value(name, getattr(a, name), f"left out with --recommend: it {why}")
+    spec = command_spec("plan", a)
+    mixed, words = spec.config.mixed_precision, {"fp32": "no", "pure-bf16": "no"}  # --precision's compute dtype: none mixed
+    if a.precision in words:
+        if a.mixed_precision is not None and mixed != "no":
+            raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means "
+                           "mixed_precision=no: pass one of them")
+        if a.method != "full" and a.precision == "pure-bf16":
+            raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16; "
+                           "the frozen base's dtype is --base-dtype")
+        spec = replace(spec, fsdp=replace(spec.config, mixed_precision="no"))
+    base_dtype = lora.pop("base_dtype", None)
+    if base_dtype not in (None, "bf16", "fp32"):
+        raise bad_value("base_dtype", base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
+    if a.method == "full":  # a full fine-tune's weights in bf16 are pure bf16
+        return replace(spec, lora=None, step=replace(spec.step, precision="pure-bf16") if base_dtype == "bf16" else spec.step)
+    adapters = METHODS[a.method]
+    return replace(spec, lora=replace(adapters, **lora, **({"base_dtype": base_dtype} if base_dtype and a.method == "lora" else {})))
 
 
 def _settings(text: str, count: int) -> list:
@@ -627,29 +585,6 @@ def _settings(text: str, count: int) -> list:
             raise bad_value("settings", text, f"settings numbered 1 to {count} on this machine, as 1-3,7")
         out += range(int(lo) - 1, int(hi or lo))
     return sorted(set(out))
-
-
-def _plan_precision(a) -> tuple:
-    "(FSDP precision fields, the step's precision, the base's dtype): from --precision, else --mixed-precision, --base-dtype."
-    from fsdp_kit.plan_gpu import PRECISIONS
-    mixed = _precision(a.mixed_precision)
-    if a.base_dtype not in (None, "bf16", "fp32"):
-        raise bad_value("base_dtype", a.base_dtype, "bf16 or fp32 (None: fp32 for full, bf16 for a LoRA/QLoRA base)")
-    if a.precision is None:  # a full fine-tune with --base-dtype bf16 is pure bf16
-        pure = a.method == "full" and a.base_dtype == "bf16"
-        return dict(mixed_precision=mixed or "bf16"), "pure-bf16" if pure else "fp32", a.base_dtype
-    if a.precision not in PRECISIONS: raise KitError(f"--precision={a.precision!r} is not allowed: one of {', '.join(PRECISIONS)}.")
-    new = PRECISIONS[a.precision]
-    if mixed is not None and mixed != new["mixed_precision"]:
-        raise KitError(f"--mixed-precision={a.mixed_precision!r} is not allowed with --precision={a.precision!r}, which means "
-                       f"mixed_precision={new['mixed_precision']}: pass one of them")
-    if a.method != "full" and a.precision not in ("accelerate-bf16", "bf16-fp32-reduce"):
-        raise KitError(f"--precision={a.precision!r} is not allowed with --method {a.method}: LoRA and QLoRA compute in bf16 "
-                       "(accelerate-bf16 or bf16-fp32-reduce); the frozen base's dtype is --base-dtype")
-    if a.method == "full" and a.base_dtype is not None:
-        raise KitError(f"--base-dtype={a.base_dtype!r} is not allowed with --method full and --precision: --precision={a.precision!r} "
-                       "already says the weights' dtype")
-    return dict(new), "pure-bf16" if a.precision == "pure-bf16" else "fp32", a.base_dtype
 
 
 def _cmd_tour(a):
@@ -683,13 +618,6 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: none)" if action.default is None else f"{text} (default: %(default)s)"
 
 
-def _mesh_flags(s):
-    "The data-parallel mesh sizes, spelled as `MeshSpec` / `RunSpec` name them."
-    s.add_argument("--dp-replicate", type=int, default=1,
-                   help="replicas of the sharded model (HSDP: each replica shards over --dp-shard ranks)")
-    s.add_argument("--dp-shard", type=int, default=-1, help="ranks a parameter is sharded over; -1 fills the rest")
-
-
 EXIT_CODES = """exit status:
   0    all clear
   1    a check failed: a doctor FAIL (a WARN too with doctor --strict), or a rank that failed
@@ -701,104 +629,18 @@ EXIT_CODES = """exit status:
 progress (one line per finished unit of work) goes to stderr, results to stdout; --quiet silences progress."""
 
 
-def _step_flags(s, precision:bool=True):
-    "The flags of a step's memory savers (spec.StepSpec), spelled alike on train and plan."
-    if precision: s.add_argument("--precision", default=None, help="fp32, accelerate-bf16, bf16-fp32-reduce or pure-bf16 "
-                                 "(weights, gradients and optimizer state in bf16), as plan reads them (default: --mixed-precision's)")
-    s.add_argument("--chunked-ce", type=int, nargs="?", const=8, default=0, metavar="N", help="chunked cross-entropy: lm_head and the "
-                   "loss in N chunks of tokens (8 if N is left out, as torchtune's CEWithChunkedOutputLoss), logits never whole")
-    s.add_argument("--optimizer-in-backward", action="store_true", help="AdamW stepped per parameter inside backward: each sharded "
-                   "gradient is freed once used (no optimizer-step peak)")
-    s.add_argument("--offload-activations", action="store_true", help="what autograd saves for backward kept in host memory and copied "
-                   "back when backward needs it")
-
-
-# old spellings, kept for this release: one name per setting, the other an alias (-> dest, and the value a switch stands for)
-ALIASES = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", None),
-           "--edges-in-root": ("layout", "layers")}
-LAYOUTS = ("accelerate", "layers")  # --layout: the units train builds, and plan models (edge_units)
-
-
-def _layout_flag(s):
-    "--layout, spelled alike on train and plan; plan's old --edges-in-root (ALIASES) is --layout layers."
-    s.add_argument("--layout", default=None, help="FSDP units: accelerate (the embeddings and a [norm, lm_head] tail of their own, "
-                   "as the Trainer) or layers (per decoder layer, then the root, as pytorch/examples) (default: accelerate)")
-    for old, (dest, const) in ALIASES.items():
-        if dest == "layout":
-            s.add_argument(old, dest=dest, action="store_const", const=const, help=f"old spelling of --layout {const} (default: off)")
-FSDP_NOT_FLAGS = ("parallelism_config", "notes", "source", "layout")  # FSDPConfig fields that are not settings: the mesh has its own flags
-FSDP_COMMANDS = ("train", "compare", "qlora", "cp-eval", "plan")  # the commands that run or plan the kit's recipe: one FSDP group each
-FSDP_REFUSED = {  # command -> field -> why that command cannot run it (the flag is shown, and refused when given)
-    "train": dict(state_dict_type="train writes checkpoints as --state-dict says"),
-    "compare": dict(auto_wrap_policy="compare measures the policies of --policies", **{k: "compare measures wrapping and resharding only; "
-                    "put it in --fsdp-config" for k in ("cpu_offload", "mixed_precision", "reduce_dtype", "ac", "state_dict_type",
-                                                        "cpu_ram_efficient_loading", "transformer_layer_cls_to_wrap")}),
-    "qlora": {k: "the QLoRA lab sets it from the 4-bit storage; put it in --fsdp-config" for k in (
-        "reshard_after_forward", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "cpu_offload", "reduce_dtype", "ac",
-        "state_dict_type", "cpu_ram_efficient_loading")},
-    "cp-eval": dict(state_dict_type="cp-eval saves no checkpoint"),
-    "plan": {k: "the GPU planner models a unit per decoder layer, without it" for k in (
-        "auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params", "state_dict_type", "cpu_ram_efficient_loading")}
-            | dict(reduce_dtype="plan says the reduce dtype with --precision bf16-fp32-reduce")}
-
-
-def _layout(a) -> str:
-    "--layout as given (accelerate unless given), refused unless one of LAYOUTS."
-    if a.layout is not None and a.layout not in LAYOUTS: raise bad_value("--layout", a.layout, f"one of {', '.join(LAYOUTS)}")
-    return a.layout or "accelerate"
-
-
-@functools.cache  # docments reads and tokenizes config.py: once per process, not once per flag (57 calls took 1.1 s of every command)
-def _fsdp_fields() -> dict:
-    "FSDPConfig's settings -> (default, docments comment), in declaration order."
-    from dataclasses import fields, MISSING
-    from fastcore.docments import docments
-    from fsdp_kit.config import FSDPConfig
-    docs = docments(FSDPConfig)
-    return {f.name: (f.default if f.default is not MISSING else f.default_factory(), docs[f.name])
-            for f in fields(FSDPConfig) if f.name not in FSDP_NOT_FLAGS}
-
-
-def fsdp_flags(s):
-    "One argument group 'FSDP' made from FSDPConfig's fields: --field-name (old spellings from ALIASES), help its comment."
-    g = s.add_argument_group("FSDP", "FSDPConfig's fields; unset: --fsdp-config's value, else the command's own default")
-    for name, (default, doc) in _fsdp_fields().items():
-        shown = (",".join(default) or "empty") if isinstance(default, list) else default
-        flags = [f"--{name.replace('_', '-')}", *(old for old, (dest, _) in ALIASES.items() if dest == name)]
-        kw = dict(nargs="?", const="true") if isinstance(default, bool) and name != "reshard_after_forward" else {}
-        g.add_argument(*flags, dest=name, default=None, metavar=name.upper(), help=f"{doc} (FSDPConfig's default: {shown})", **kw)
-
-
 LIST_OPTIONS = ("policies", "lora_targets", "targets", "settings", "reshard")  # comma lists, as are the FSDP group's list fields and compare's --reshard
 
 
 def refuse_blank_lists(a, command:str):
     "Refuse an empty or blank comma list, or one with an empty item, as typed: '' is a bad value, not an option left out."
-    lists = [*LIST_OPTIONS, *(name for name, (default, _) in _fsdp_fields().items() if isinstance(default, list))]
+    from fsdp_kit.config import FSDPConfig
+    lists = [*LIST_OPTIONS, *(name for name, (kind, _, _) in field_docs(FSDPConfig).items() if kind is list)]
     for dest in lists:
         value = getattr(a, dest, None)
+        value = (getattr(a, f"old_{dest}", None) or (None, None))[1] if value is None else value  # an old spelling's value too
         if isinstance(value, str) and any(not part.strip() for part in value.split(",")):
             raise bad_value(dest, value, "one or more values joined by commas, none of them empty")
-
-
-def fsdp_given(a, command:str) -> dict:
-    "The FSDP group's values given, as FSDPConfig's types; a field `command` cannot run is refused, naming the flag and command."
-    from fsdp_kit.config import to_bool, to_reshard
-    out = {}
-    for name, (default, _) in _fsdp_fields().items():
-        value = getattr(a, name, None)
-        if value is None: continue
-        flag = f"--{name.replace('_', '-')}"
-        if name in FSDP_REFUSED.get(command, {}):
-            raise KitError(f"{flag}={value!r} is not allowed with fsdp-kit {command}: {FSDP_REFUSED[command][name]}")
-        if name == "reshard_after_forward": value = value if command == "compare" else to_reshard(name, value)
-        elif isinstance(default, bool): value = to_bool(name, value)
-        elif isinstance(default, int):
-            if not str(value).lstrip("-").isdigit(): raise bad_value(flag, value, "a whole number")
-            value = int(value)
-        elif isinstance(default, list): value = [v.strip() for v in value.split(",") if v.strip()]
-        out[name] = value
-    return out
 
 
 # what each command reads of its spec (section -> fields; "" the spec's own), the spec it starts from, and its other options
@@ -837,6 +679,10 @@ DOCTOR_READS = {"": ("model", "method", "quant_storage", "mixed_precision", "dty
                      "gpus", "gpu_mem_gb", "seed", "out")}  # the user's file: --fsdp-config; nproc and timeout: the launch's options
 READS = {"train": TRAIN_READS, "mesh": MESH_READS, "compare": COMPARE_READS, "qlora": QLORA_READS, "cp-eval": CP_READS,
          "hf": HF_READS, "doctor": DOCTOR_READS}
+PLAN_READS = {"": ("model", "world_size", "batch", "seq_len", "fp8_all_gather", "compile", "loading"), "mesh": ("cp",),
+              "fsdp": ("reshard_after_forward", "cpu_offload", "mixed_precision", "reduce_dtype", "ac", "layout"),
+              "step": ("precision", "ce_chunks", "optimizer_in_backward", "offload_activations"), "lora": ("r", "targets", "base_dtype")}
+READS["plan"] = PLAN_READS  # the GPU planner models a unit per decoder layer: no wrap policy, no checkpoint format, no loading path
 REQUIRED = {"doctor": ("model",)}  # fields a command cannot start without
 
 
@@ -850,8 +696,11 @@ def base_spec(command: str):
     from fsdp_kit.mesh import MeshSpec
     from fsdp_kit.hf_run import HFRunSpec
     from fsdp_kit.doctor import DoctorSpec
+    from fsdp_kit.plan import PlanSpec
+    from fsdp_kit.config import FSDPConfig
     bases = {"train": TrainSpec, "mesh": RunSpec, "hf": lambda: HFRunSpec(workflow=None, batch=2, seq_len=32),
-             "doctor": lambda: DoctorSpec(None, fsdp_config=None, steps=2), "compare": lambda: CompareSpec("small", batch=2, steps=3),  # 3 timed steps each
+             "doctor": lambda: DoctorSpec(None, fsdp_config=None, steps=2),
+             "plan": lambda: PlanSpec(None, 8, batch=1, seq_len=2048, fsdp=FSDPConfig(mixed_precision="bf16")), "compare": lambda: CompareSpec("small", batch=2, steps=3),  # 3 timed steps each
              "qlora": lambda: QLoRASpec(lora=nf4(), step=StepSpec(lr=1e-2)),
              "cp-eval": lambda: CPSpec(seq_len=128, steps=1, mesh=MeshSpec(cp=2))}  # an evaluation is one forward pass
     return bases[command]()
@@ -880,6 +729,18 @@ CP_OPTIONS = (("--fsdp-config", dict(metavar="FILE", help=f"shard the model with
                               "--batch ROWS / dp_shard")))
 
 
+PLAN_OPTIONS = (
+    ("--gpu-mem-gb", dict(type=float, default=80, help="memory per GPU in GB")),
+    ("--method", dict(default="full", help="full (every weight trains), lora (adapters on a bf16 base) or qlora (on an NF4 base)")),
+    ("--recommend", dict(action="store_true", help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")),
+    ("--list-models", dict(action="store_true", help="list the model presets with exact parameter counts")),
+    ("--validate", dict(action="store_true", help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")),
+    ("--settings", dict(metavar="LIST", help="with --validate: run only these settings of the matrix, numbered from 1 (1-3,7; default: all)")),
+    ("--plot", dict(metavar="PNG", help="with --validate: write predicted vs measured per category here")),
+    ("--export-table", dict(metavar="PATH", help="write every plan of the docs planner page's grid (plan_gpu.PLANNER_GRID) as JSON to PATH; "
+                            "the page shows them without Python")))
+
+
 def spec_flags(s, command: str):
     "The flag groups of what `command` reads of its spec (READS), each made from the fields' declarations (fsdp_kit.flags)."
     base = base_spec(command)
@@ -897,116 +758,68 @@ def options(s, table):
     for flag, kw in table: s.add_argument(flag, **kw)
 
 
+COMMON = (("--json", dict(nargs="?", const="-", metavar="PATH", help="write the result as JSON to PATH (stdout without PATH or with -)")),
+          ("--quiet", dict(action="store_true", help="no progress lines on stderr (results and errors still print)")))
+LAUNCHES = (("--nproc", dict(type=_nproc, default=2, help="processes to launch")),
+            ("--timeout", dict(type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")),
+            ("--debug", dict(action="store_true", help="a failed or hung rank: print its whole traceback (default: its frames in the "
+                                                       "kit's code and yours)")))
+SLURM_OPTIONS = (("--nodes", dict(type=int, required=True, help="nodes to allocate")),
+                 ("--gpus-per-node", dict(type=int, required=True, help="GPUs per node (one rank each)")),
+                 ("--partition", dict(help="SLURM partition")), ("--time", dict(help="time limit, e.g. 01:00:00")),
+                 ("--job-name", dict(default="fsdp-kit", help="#SBATCH --job-name")),
+                 ("args", dict(nargs=argparse.REMAINDER, help="-- then the fsdp-kit command each node runs, e.g. -- train --steps 100")))
+CKPT_OPTIONS = (("dir", dict(metavar="DIR", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")),
+                ("--to-full", dict(dest="out", metavar="OUT", help="convert the newest complete sharded checkpoint (or the step folder "
+                                   "given) into OUT, a transformers folder from_pretrained reads")))
+DOCS_OPTIONS = (("--out", dict(default="site", help="folder for the site")),
+                ("--nbs", dict(help="the notebooks folder (default: nbs/ of this checkout)")),
+                ("--quarto", dict(action=argparse.BooleanOptionalAction, default=None,
+                                  help="force (or refuse) Quarto; default: use it where installed")))
+COMMANDS = (  # name, what it runs, its help, whether it launches processes, its options that are no fields of its spec (READS)
+    ("env", _cmd_env, "versions, device type, backend and GPU count", False, ()),
+    ("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where", True, ()),
+    ("train", _cmd_train, "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and "
+     "the root)", True, TRAIN_OPTIONS),
+    ("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node", False,
+     SLURM_OPTIONS),
+    ("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded",
+     True, HF_OPTIONS),
+    ("doctor", _cmd_doctor, "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
+     "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, each with its reason and fix",
+     True, DOCTOR_OPTIONS),
+    ("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", False, CKPT_OPTIONS),
+    ("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes", True,
+     COMPARE_OPTIONS),
+    ("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory", True,
+     QLORA_OPTIONS),
+    ("cp-eval", _cmd_cp_eval, "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one "
+     "process", True, CP_OPTIONS),
+    ("plan", _cmd_plan, "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here",
+     True, PLAN_OPTIONS),
+    ("tour", _cmd_tour, "run what the kit can show on this machine and write a report", True,
+     (("--out", dict(default="tour", help="folder for the report")),)),
+    ("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", False, DOCS_OPTIONS))
+
+
 def parser() -> argparse.ArgumentParser:
-    "The `fsdp-kit` argument parser."
+    "The `fsdp-kit` argument parser: a subcommand per row of COMMANDS, its spec's flags made from the fields it reads (READS)."
+    from fsdp_kit import __version__
     p = argparse.ArgumentParser(prog="fsdp-kit", description="Learn and measure PyTorch FSDP2 on real process groups.", epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    from fsdp_kit import __version__
     p.add_argument("--version", action="version", version=f"fsdp-kit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-
-    def add(name, fn, help, launches=True):
+    for name, fn, help, launches, table in COMMANDS:
         s = sub.add_parser(name, help=help, description=help, formatter_class=_Help, epilog=EXIT_CODES)
-        s.set_defaults(fn=fn)
-        s.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                       help="write the result as JSON to PATH (stdout without PATH or with -)")
-        s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (results and errors still print)")
-        if launches:
-            s.add_argument("--nproc", type=_nproc, default=2, help="processes to launch")
-            s.add_argument("--timeout", type=_seconds, default=120, help="seconds a collective or a step may wait before the run fails")
-            s.add_argument("--debug", action="store_true",
-                           help="a failed or hung rank: print its whole traceback (default: its frames in the kit's code and yours)")
-        return s
-
-    add("env", _cmd_env, "versions, device type, backend and GPU count", launches=False)
-    s = add("mesh", _cmd_mesh, "build a device mesh on real processes and show which rank sits where")
-    spec_flags(s, "mesh")
-    s = add("train", _cmd_train,
-            "a real FSDP2 training run (fully_shard per decoder layer, then the embeddings, the [norm, lm_head] tail and the root)")
-    spec_flags(s, "train")
-    options(s, TRAIN_OPTIONS)
-    s = add("slurm", _cmd_slurm, "print an sbatch script: one srun task per node, torchrun with the rendezvous on the first node",
-            launches=False)
-    s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
-    s.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (one rank each)")
-    s.add_argument("--partition", help="SLURM partition")
-    s.add_argument("--time", help="time limit, e.g. 01:00:00")
-    s.add_argument("--job-name", default="fsdp-kit", help="#SBATCH --job-name")
-    s.add_argument("args", nargs=argparse.REMAINDER, help="-- then the fsdp-kit command each node runs, e.g. -- train --steps 100")
-    s = add("hf", _cmd_hf, "an FSDP config as TrainingArguments and as an accelerate YAML; --check runs both and says whether they sharded")
-    spec_flags(s, "hf")
-    options(s, HF_OPTIONS)
-    s = add("doctor", _cmd_doctor,
-            "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
-            "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, each with its reason "
-            "and fix")
-    s.set_defaults(timeout=300)
-    spec_flags(s, "doctor")
-    options(s, DOCTOR_OPTIONS)
-    s = add("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", launches=False)
-    s.add_argument("dir", metavar="DIR", help="the checkpoint folder (--ckpt of fsdp-kit train), or one step-NNNNNN folder in it")
-    s.add_argument("--to-full", dest="out", metavar="OUT",
-                   help="convert the newest complete sharded checkpoint (or the step folder given) into OUT, a transformers folder "
-                        "from_pretrained reads")
-    s = add("compare", _cmd_compare, "measure memory and communication of wrap policies x reshard_after_forward on real processes")
-    spec_flags(s, "compare")
-    options(s, COMPARE_OPTIONS)
-    s = add("qlora", _cmd_qlora, "LoRA on a 4-bit (bitsandbytes) base under FSDP2: packing, parity with one process, adapter, memory")
-    spec_flags(s, "qlora")
-    options(s, QLORA_OPTIONS)
-    s = add("cp-eval", _cmd_cp_eval,
-            "evaluate under context parallelism (dp_shard x cp mesh, FSDP2 over dp_shard_cp) and compare with one process")
-    spec_flags(s, "cp-eval")
-    options(s, CP_OPTIONS)
-    s = add("plan", _cmd_plan,
-            "predict per-GPU memory and communication of FSDP2 training; --validate checks the model against real runs here")
-    s.add_argument("--list-models", action="store_true", help="list the model presets with exact parameter counts")
-    s.add_argument("--validate", action="store_true",
-                   help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")
-    s.add_argument("--export-table", metavar="PATH",
-                   help="write every plan of the docs planner page's grid (plan_gpu.PLANNER_GRID) as JSON to PATH; the page shows them "
-                        "without Python")
-    s.add_argument("--plot", metavar="PNG", help="with --validate: write predicted vs measured per category here")
-    s.add_argument("--settings", metavar="LIST",
-                   help="with --validate: run only these settings of the matrix, numbered from 1 (1-3,7; default: all)")
-    s.add_argument("--model", help="a preset (see --list-models; tiny, small) or a config.json path")
-    s.add_argument("--gpus", type=int, default=8, help="GPUs sharing the parameters")
-    s.add_argument("--gpu-mem-gb", type=float, default=80, help="memory per GPU in GB")
-    s.add_argument("--method", default="full", help="full, lora or qlora")
-    s.add_argument("--lora-r", type=int, default=None, help="LoRA rank, with --method lora or qlora (default: 8)")
-    s.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
-    s.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (--seq: the old spelling, kept for this release)")
-    s.add_argument("--seq", dest="seq_len", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    s.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing per decoder layer (the policy full)")
-    s.add_argument("--precision", help="fp32; accelerate-bf16 (fp32 weights, bf16 compute and reduce-scatter: accelerate's bf16, "
-                   "the default); "
-                   "bf16-fp32-reduce (the same, gradients reduced in fp32); pure-bf16 (weights, gradients and optimizer state in bf16)")
-    s.add_argument("--cp", type=int, default=1, help="context-parallel ranks within --gpus")
-    s.add_argument("--base-dtype", help="LoRA/QLoRA: dtype of the frozen base weights, bf16 (the default) or fp32")
-    s.add_argument("--lora-targets", default=None,
-                   help="LoRA/QLoRA: the Linears adapted, all-linear or names joined by commas (q_proj,v_proj); default: all-linear")
-    _step_flags(s, precision=False)  # plan's --precision also names the compute dtype (above)
-    fsdp_flags(s)
-    s.add_argument("--fp8-all-gather", action="store_true",
-                   help="decoder Linear weights all-gathered in float8 (torchao Float8 training, enable_fsdp_float8_all_gather); needs a "
-                        "bf16 full fine-tune")
-    s.add_argument("--compile", action="store_true",
-                   help="the run uses torch.compile: accepted, not modelled (the plan is the eager step's and says so)")
-    _layout_flag(s)
-    s.add_argument("--recommend", action="store_true",
-                   help="search reshard, checkpointing, offload, QLoRA, batch and GPU count; explain the choice")
-    s = add("tour", _cmd_tour, "run what the kit can show on this machine and write a report")
-    s.add_argument("--out", default="tour", help="folder for the report")
-    s = add("docs", _cmd_docs, "build the docs site from the notebooks (Quarto where installed, else offline)", launches=False)
-    s.add_argument("--out", default="site", help="folder for the site")
-    s.add_argument("--nbs", help="the notebooks folder (default: nbs/ of this checkout)")
-    s.add_argument("--quarto", action=argparse.BooleanOptionalAction, default=None,
-                   help="force (or refuse) Quarto; default: use it where installed")
+        s.set_defaults(fn=fn, **({"timeout": 300} if name == "doctor" else {}))  # the doctor's twin runs the Trainer's whole stack
+        options(s, COMMON + LAUNCHES * launches)
+        if name in READS: spec_flags(s, name)
+        options(s, table)
     return p
 
 
 # a user's mistake names the spec's field; the command line shows the option the user typed instead
-OPTION_NAMES = {"lora_r": "r", "rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
+OPTION_NAMES = {"lora_r": "r", "lora_targets": "targets", "rotate_method": "rotate", "cp_size": "cp", "sp_size": "sp", "nprocs": "nproc", "dir": "ckpt", "lora": "lora-r",
                 "seq_len": "seq-len", "reshard_after_forward": "reshard", "rdzv_timeout": "rdzv-timeout", "workflow": "run",
                 "ce_chunks": "chunked-ce", "fsdp_config_file": "fsdp-config", "overwrite": "overwrite-ckpt"}
 
@@ -1026,7 +839,8 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
     options |= {a.dest: a.metavar for a in sub._actions if not a.option_strings and a.metavar}  # a positional, as its usage shows it (DIR)
     if "dir" in options and "ckpt" not in options: options["ckpt"] = options["dir"]  # fsdp-kit ckpt DIR: the library calls it ckpt
     options.pop("fsdp_config", None)  # also the name of a key inside the user's YAML file: keep it as the file spells it
-    options = {k: v for k, v in options.items() if k not in _fsdp_fields() or k in typed}  # an FSDP field not typed: the file's key
+    from fsdp_kit.config import FSDPConfig
+    options = {k: v for k, v in options.items() if k not in field_docs(FSDPConfig) or k in typed}  # an FSDP field not typed: the file's key
     text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0), str(error))
     for a in shown:  # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it
         for opt in a.option_strings:

@@ -16,7 +16,7 @@ from .errors import KitError, bad_value
 # %% ../nbs/01c_flags.ipynb #ec9bec88
 # the one flag whose name is not its field's (--field-name); sections are flattened: a field's name is its flag
 FLAG_NAMES = {"ce_chunks": "--chunked-ce", "r": "--lora-r", "targets": "--lora-targets", "dir": "--ckpt", "overwrite": "--overwrite-ckpt",
-              "state_dict": "--state-dict", "workflow": "--run"}
+              "state_dict": "--state-dict", "workflow": "--run", "world_size": "--gpus"}
 BARE = {"ce_chunks": "8"}  # a flag given without a value: --chunked-ce alone is 8 chunks (torchtune's CEWithChunkedOutputLoss)
 # old spellings, kept for one release: old flag -> (field, the value a switch stands for, or None: the flag takes the value)
 OLD_FLAGS = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", "true"),
@@ -90,20 +90,23 @@ def add_flags(parser, title:str, cls, names, base, required=()):
             g.add_argument(old, dest=name, default=None, help=argparse.SUPPRESS, **extra)
 
 class _Old(argparse.Action):
-    "An old spelling: store the value, and say once on stderr what it is spelled now."
+    "An old spelling: keep the value beside the new flag's (`given` reads both), and say once on stderr what it is spelled now."
     def __call__(self, parser, ns, values, option_string=None):
         value = self.const if self.const is not None else values
         new = flag_of(self.dest) + ("" if self.const is not None and self.const == "true" else f" {value}")
         print(f"note: {option_string}{'' if self.const is not None else ' ' + str(values)} is the old spelling of {new}; "
               "it is read as such in this release", file=sys.stderr)
-        setattr(ns, self.dest, value)
+        setattr(ns, f"old_{self.dest}", (option_string, value))
 
 # %% ../nbs/01c_flags.ipynb #5988bbd3
 def given(ns, cls, names) -> dict:
     "The fields of `cls` among `names` set on the command line, as their types (an old value read as the fields it sets, said once)."
     out = {}
     for name in names:
-        text = getattr(ns, name, None)
+        text, old = getattr(ns, name, None), getattr(ns, f"old_{name}", None)
+        if old is not None and text is not None and text != old[1]:
+            raise KitError(f"{flag_of(name)}={text!r} is not allowed with {old[0]}, which is {flag_of(name)} {old[1]}: pass one of them")
+        text = old[1] if old is not None else text
         if text is None: continue
         if (name, text) in OLD_VALUES:
             new = OLD_VALUES[name, text]

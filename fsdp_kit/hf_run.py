@@ -193,13 +193,14 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
     from fsdp_kit.train import TrainSpec, train_loop
+    from fsdp_kit.spec import StepSpec
     from fsdp_kit.ranks import mean_over_ranks, decide_on_rank0
     # read on rank 0 and sent to the others: reading a transformers JSON starts a process that imports TrainingArguments (seconds)
     cfg = replace(decide_on_rank0(lambda: load_fsdp_config(spec.config_path())), mixed_precision=mixed_precision).check()
     model, units = apply_fsdp(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), cfg, fsdp_mesh(build_mesh()))
     optim = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)  # the Trainer's optim="adamw_torch", weight_decay=0
     run = TrainSpec(model=spec.model, steps=steps or spec.steps, batch=spec.batch, seq_len=spec.seq_len,
-                    step=spec.step, seed=spec.seed)
+                    step=StepSpec(lr=spec.lr), seed=spec.seed)
     losses = mean_over_ranks(train_loop(model, run, dist.get_rank(), dist.get_world_size(),
                                         optimizer=(optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0))))
     facts = fsdp_facts(model)

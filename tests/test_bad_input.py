@@ -33,7 +33,7 @@ def rows():
                "--fp8-all-gather=True is not allowed: False on an fp32"),
           Case("plan-fp8-lora", [*P8, "--fp8-all-gather", "--method", "lora"], 2, "--fp8-all-gather=True is not allowed"),
           Case("plan-precision-unknown", [*P8, "--precision", "fp16"], 2,
-               "--precision='fp16' is not allowed: one of fp32, accelerate-bf16, bf16-fp32-reduce, pure-bf16"),
+               "--precision='fp16' is not allowed: one of fp32, pure-bf16"),
           Case("plan-precision-contradicts", [*P8, "--precision", "pure-bf16", "--mixed-precision", "bf16"], 2,
                "is not allowed with --precision='pure-bf16'"),
           Case("plan-precision-lora", [*P8, "--precision", "pure-bf16", "--method", "qlora"], 2, "LoRA and QLoRA compute in bf16"),

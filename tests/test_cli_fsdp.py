@@ -1,14 +1,10 @@
 """plan's old spellings of FSDP settings read as the new ones (the other commands: tests/test_flags.py)."""
 import json
-from fsdp_kit.cli import parser
 from tests.badinput import Case, run_case
 
 
 def test_an_old_spelling_gives_the_same_spec(tmp_path):
     "--reshard, --offload and --policy read as --reshard-after-forward, --cpu-offload and --auto-wrap-policy."
-    p = parser()
-    for command in ("train", "plan"):  # one name for the unit layout on both; plan's old switch kept
-        assert p.parse_args([command, "--edges-in-root"]).layout == p.parse_args([command, "--layout", "layers"]).layout == "layers"
     plans = []
     for flags in (["--reshard", "false", "--offload"], ["--reshard-after-forward", "false", "--cpu-offload", "true"]):
         out = tmp_path / f"plan{len(plans)}.json"
