@@ -423,6 +423,28 @@ def _forward_cuda(model, mesh, full_rows:list, expected:list, spec:CPSpec):
     assert placed, "torch's load balancer placed tokens differently from shard_sequence"
     return logits.float().cpu(), {"total": torch.cuda.max_memory_allocated()}, seconds, expected
 
+# %% ../nbs/06_cp.ipynb #7c3c0c6e
+def _cp_batch(mesh, cp:int, input_ids, labels, device:str) -> tuple:
+    "This rank's rows split for CP: (its whole rows, their CP shards, the valid tokens of all ranks, the CP group)."
+    import torch, torch.distributed as dist
+    dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    cp_rank, cp_group = (mesh["cp"].get_local_rank(), mesh["cp"].get_group()) if cp > 1 else (0, None)
+    shifted = shift_labels(rank_rows(labels, dp_rank, dp_size))  # shift on the whole sequence, then split
+    tokens = torch.tensor(int((shifted != -100).sum()), device=device)  # counted before the split
+    dist.all_reduce(tokens, group=mesh["dp_shard"].get_group())
+    positions = torch.arange(input_ids.shape[1])[None].expand(len(shifted), -1)
+    full_rows = [rank_rows(input_ids, dp_rank, dp_size), positions, shifted]
+    return full_rows, [shard_sequence(t, cp, cp_rank) for t in full_rows], tokens, cp_group
+
+# %% ../nbs/06_cp.ipynb #d0010040
+def _eval_loss(logits, labels, tokens) -> tuple:
+    "(the loss over the valid tokens of all ranks, the mean of the ranks' own means, this rank's valid tokens)."
+    import torch, torch.distributed as dist
+    loss_sum, mine = token_loss_sum(logits.cpu(), labels)
+    totals = torch.stack([loss_sum, loss_sum / max(mine, 1)]).to(tokens.device)
+    dist.all_reduce(totals)
+    return (totals[0] / tokens).item(), (totals[1] / dist.get_world_size()).item(), mine
+
 # %% ../nbs/06_cp.ipynb #4c8708d9
 def cp_eval_worker(spec:CPSpec,
                    progress:bool=False # rank 0 prints `part n/3` after each part (`ranks.progress`)
@@ -447,22 +469,12 @@ def cp_eval_worker(spec:CPSpec,
     model = use_cp_attention(build_model(config, spec.seed, device).eval())
     if spec.mask is None: _full_attention(model)
     model, units = _shard(model, mesh, spec.config)
-    dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh_spec.dp_shard
-    cp_rank, cp_group = (mesh["cp"].get_local_rank(), mesh["cp"].get_group()) if spec.mesh.cp > 1 else (0, None)
-    shifted = shift_labels(rank_rows(labels, dp_rank, dp_size))  # shift on the whole sequence, then split
-    tokens = torch.tensor(int((shifted != -100).sum()), device=device)  # counted before the split
-    dist.all_reduce(tokens, group=mesh["dp_shard"].get_group())
-    positions = torch.arange(spec.seq_len)[None].expand(len(shifted), -1)
-    full_rows = [rank_rows(input_ids, dp_rank, dp_size), positions, shifted]
-    local = [shard_sequence(t, spec.mesh.cp, cp_rank) for t in full_rows]
+    full_rows, local, tokens, cp_group = _cp_batch(mesh, spec.mesh.cp, input_ids, labels, device)
     if device == "cuda" and spec.mesh.cp > 1:
         logits, peak, seconds, local = _forward_cuda(model, mesh, full_rows, local, spec)
     else: logits, peak, seconds = _forward(model, local[0], local[1], cp_group, spec.rotate)
     done(f"forward under CP ({spec.rotate})")
-    loss_sum, my_tokens = token_loss_sum(logits.cpu(), local[2])
-    totals = torch.stack([loss_sum, loss_sum / max(my_tokens, 1)]).to(device)
-    dist.all_reduce(totals)
-    eval_loss, mean_of_means = (totals[0] / tokens).item(), (totals[1] / world).item()
+    eval_loss, mean_of_means, my_tokens = _eval_loss(logits, local[2], tokens)
     full = _gather_logits(logits.to(device), mesh, spec.mesh.cp).cpu() if spec.gather else None
     done("loss over all valid tokens" + ", full-length logits gathered" * spec.gather)
     per_rank = [None] * world
