@@ -556,7 +556,8 @@ def plan_spec(a):
                         "weight, so leave it out")
     for names, why in ((RECOMMEND_SEARCHES, "searches this setting itself"), (RECOMMEND_IGNORES, "does not plan with it")):
         for name in names if a.recommend else ():
-            if getattr(a, name) not in (None, "false", "0"): raise bad_value(name, getattr(a, name), f"left out with --recommend: it {why}")
+            value = getattr(a, name) if getattr(a, name) is not None else (getattr(a, f"old_{name}", None) or (None, None))[1]
+            if value is not None: raise bad_value(name, value, f"left out with --recommend: --recommend {why}")
     spec = command_spec("plan", a)
     mixed, words = spec.config.mixed_precision, {"fp32": "no", "pure-bf16": "no"}  # --precision's compute dtype: none mixed
     if a.precision in words:

@@ -159,12 +159,16 @@ def _steps(nproc: int, progress: bool = True):
         return r, None, f"the seeds' QLoRA YAML on a Qwen2 twin (accelerate launch, 2 ranks): {counts}; FAIL: {', '.join(fails)}"
 
     def plan():
-        from fsdp_kit.plan import PlanSpec
+        from dataclasses import replace
+        from fsdp_kit.config import FSDPConfig
+        from fsdp_kit.plan import PlanSpec, BASE, QLORA
         from fsdp_kit.plan_validate import validate, plot_validation
-        from fsdp_kit.plan_gpu import plan_gpu, gpu_spec
-        r = validate([PlanSpec.of("small", nproc), PlanSpec.of("small", nproc, mixed_precision="bf16"),
-                      PlanSpec.of("tiny", nproc, method="qlora")])
-        big = plan_gpu(gpu_spec("llama-2-70b", gpus=2, method="qlora", batch=1, seq_len=2048, grad_ckpt=True, offload=True), gpu_mem_gb=24)
+        from fsdp_kit.plan_gpu import plan_gpu
+        base = replace(BASE, world_size=nproc)  # small on nproc ranks, 2 x 64 tokens per rank, one step
+        r = validate([base, replace(base, fsdp=FSDPConfig(mixed_precision="bf16")), replace(base, model="tiny", lora=QLORA)])
+        big = PlanSpec("llama-2-70b", 2, batch=1, seq_len=2048, lora=QLORA,
+                       fsdp=FSDPConfig(mixed_precision="bf16", ac="full", cpu_offload=True))  # QLoRA, checkpointing, offload
+        big = plan_gpu(big, gpu_mem_gb=24)
         line = (f"planner vs measured, {len(r['runs'])} settings on {nproc} ranks: largest |error| {r['max_abs_error'] * 100:.1f}%, "
                 f"communication exact: {r['comm_exact']}; llama-2-70b QLoRA on 2 x 24 GB with offload: "
                 f"{big.per_gpu_peak_bytes / 1e9:.1f} GB per GPU predicted, fits: {big.fits}")

@@ -59,10 +59,10 @@ BAD_PLAN = [  # (id, options, phrase)
      "--lora-targets='q_proj,v_proj' is not allowed: only with --method lora or qlora"),
     ("full-lora-r", ["--lora-r", "16"], "--lora-r=16 is not allowed: only with --method lora or qlora"),
     ("recommend-grad-ckpt", ["--recommend", "--grad-ckpt"],
-     "--grad-ckpt=True is not allowed: left out with --recommend: --recommend searches"),
+     "--grad-ckpt='full' is not allowed: left out with --recommend: --recommend searches"),
     ("recommend-reshard", ["--recommend", "--reshard", "false"], "--reshard='false' is not allowed: left out with --recommend"),
     ("recommend-compile", ["--recommend", "--compile"],
-     "--compile=True is not allowed: left out with --recommend: --recommend does not plan with it"),
+     "--compile='true' is not allowed: left out with --recommend: --recommend does not plan with it"),
 ]
 
 CASES = [Case(f"{cmd}-{name}", [cmd, "--model", "{tmp}/bad/config.json", *extra], 2, phrase, files={"bad/config.json": content})

@@ -230,7 +230,7 @@ document.body.appendChild(frame);
 
 
 def test_planner_page_changes_its_plan_as_the_python_planner_does(site, tmp_path):
-    from fsdp_kit.plan_gpu import plan_gpu, gpu_spec, plan_line
+    from fsdp_kit.plan_gpu import plan_gpu, grid_spec, plan_line
     exe = _browser()
     out, manifest = site
     assert "planner.html" in {p["page"] for p in manifest["pages"]}
@@ -252,7 +252,7 @@ def test_planner_page_changes_its_plan_as_the_python_planner_does(site, tmp_path
     expect = []
     # the page's default first
     for s in [dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full", gpu_mem_gb=80)] + settings:
-        spec = gpu_spec(s["model"], s["gpus"], s["method"], batch=s["batch"], seq_len=s["seq_len"], ac=s["ac"])
+        spec = grid_spec(s)
         p = plan_gpu(spec, gpu_mem_gb=s["gpu_mem_gb"])
         expect.append(plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, s["gpu_mem_gb"]))
     assert shown == expect
