@@ -13,6 +13,7 @@ __all__ = ['POLICIES', 'ADDED_POLICIES', 'PRECISION', 'MIXED_PRECISION', 'STATE_
 
 # %% ../nbs/03_config.ipynb #878b95bd
 import copy, difflib, functools
+from fastcore.basics import patch
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from .errors import KitError, bad_value
@@ -22,10 +23,12 @@ from .upstream import DTYPES
 # %% ../nbs/03_config.ipynb #c0da56d2
 POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP", "PER_LINEAR")
 ADDED_POLICIES = {}  # policy name -> its rule, beside POLICIES: what `wrap.register_policy` adds
-PRECISION = {"no": None} | {name: torch_name for name, torch_name, _ in DTYPES}  # accelerate's spelling -> torch dtype (no: keep fp32)
+# accelerate's spelling -> torch dtype (no: keep fp32)
+PRECISION = {"no": None} | {name: torch_name for name, torch_name, _ in DTYPES}
 MIXED_PRECISION = ("no", "bf16", "fp16")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-LAYOUTS = ("accelerate", "layers")  # the kit's unit layouts (not an upstream key): apply_fsdp's edge units, or the root's
+# the kit's unit layouts (not an upstream key): apply_fsdp's edge units, or the root's
+LAYOUTS = ("accelerate", "layers")
 
 # %% ../nbs/03_config.ipynb #1cddf998
 AC_POLICIES = ("none", "full", "selective-layer:K", "selective-op")  # what `ac` accepts; K is a whole number >= 1
@@ -43,17 +46,23 @@ def parse_ac(policy:str) -> tuple:
 @dataclass
 class FSDPConfig:
     "How FSDP2 wraps, shards and saves a model: the knobs of transformers' `fsdp_config` and accelerate's FSDP plugin."
-    reshard_after_forward:bool|int=True # free gathered parameters after forward (True), keep them (False), or groups of this size (int)
+    # free gathered parameters after forward (True), keep them (False), or groups of this size (int)
+    reshard_after_forward:bool|int=True
     auto_wrap_policy:str="TRANSFORMER_BASED_WRAP" # which modules become FSDP units: one of POLICIES
-    transformer_layer_cls_to_wrap:list=field(default_factory=list) # layer class names; empty reads the model's `_no_split_modules`
+    # layer class names; empty reads the model's `_no_split_modules`
+    transformer_layer_cls_to_wrap:list=field(default_factory=list)
     min_num_params:int=0 # SIZE_BASED_WRAP: a module becomes a unit when it holds more parameters than this
     cpu_offload:bool=False # keep sharded parameters, gradients and optimizer state in host memory
     mixed_precision:str="no" # "no", "bf16" or "fp16": the dtype gathered parameters are computed in
-    reduce_dtype:str=None # dtype of the gradient reduce-scatter: None is accelerate's (the compute dtype); "fp32" keeps full precision
-    ac:str="none" # activation checkpointing policy (fsdp_kit.config.AC_POLICIES); a file's activation_checkpointing true reads as "full"
+    # dtype of the gradient reduce-scatter: None is accelerate's (the compute dtype); "fp32" keeps full precision
+    reduce_dtype:str=None
+    # activation checkpointing policy (fsdp_kit.config.AC_POLICIES); a file's activation_checkpointing true reads as
+    # "full"
+    ac:str="none"
     state_dict_type:str="FULL_STATE_DICT" # checkpoint format: one gathered file or one shard per rank
     cpu_ram_efficient_loading:bool=False # only rank 0 reads weights; the others receive them by broadcast
-    layout:str="accelerate" # units (LAYOUTS): accelerate (embeddings, a [norm, lm_head] tail apart) or layers (those in the root)
+    # units (LAYOUTS): accelerate (embeddings, a [norm, lm_head] tail apart) or layers (those in the root)
+    layout:str="accelerate"
     parallelism_config:dict=None # accelerate's parallelism sizes, shown only: meshes come from the kit's own options
     notes:list=field(default_factory=list) # what each upstream key was mapped to
     source:str="" # where this config came from
@@ -71,35 +80,43 @@ class FSDPConfig:
         for name in CHECKED_FIELDS: self.check_field(name)
         return self
 
-    def check_field(self, name:str):
-        "Refuse one field's value unless it is allowed, naming the field (the edge readers check each field they set)."
-        value = getattr(self, name)
-        match name:
-            case "auto_wrap_policy": _check_choice(name, value, (*POLICIES, *ADDED_POLICIES))
-            case "mixed_precision": _check_choice(name, value, MIXED_PRECISION)
-            case "state_dict_type": _check_choice(name, value, STATE_DICT_TYPES)
-            case "layout": _check_choice(name, value, LAYOUTS)
-            case "reduce_dtype" if value is not None: _check_choice(name, value, tuple(p for p in PRECISION if p != "no"))
-            case "ac": parse_ac(value)
-            case "cpu_offload" | "cpu_ram_efficient_loading" if not isinstance(value, bool): raise bad_value(name, value, "true or false")
-            case "reshard_after_forward" if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 2):
-                raise bad_value(name, value, "true, false, or a whole number >= 2 (the size of the groups to reshard to)")
-            case "min_num_params" if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise bad_value(name, value, "a whole number >= 0")
-            case "parallelism_config" if value is not None and not isinstance(value, dict):
-                raise bad_value(name, value, "a mapping of sizes, e.g. {'dp_shard_size': 2, 'cp_size': 2}")
-            case "transformer_layer_cls_to_wrap" if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-                raise bad_value(name, value, "a list of class names, e.g. ['LlamaDecoderLayer']")
-
-CHECKED_FIELDS = ("auto_wrap_policy", "mixed_precision", "state_dict_type", "reduce_dtype", "ac", "cpu_offload",  # in check()'s order
-                  "cpu_ram_efficient_loading", "reshard_after_forward", "min_num_params", "parallelism_config", "layout",
+# in check()'s order
+CHECKED_FIELDS = ("auto_wrap_policy", "mixed_precision", "state_dict_type", "reduce_dtype", "ac", "cpu_offload",
+                  "cpu_ram_efficient_loading", "reshard_after_forward", "min_num_params", "parallelism_config",
+                  "layout",
                   "transformer_layer_cls_to_wrap")
+
+# %% ../nbs/03_config.ipynb #6ba491e8
+@patch
+def check_field(self:FSDPConfig, name:str):
+    "Refuse one field's value unless it is allowed, naming the field (the edge readers check each field they set)."
+    value = getattr(self, name)
+    match name:
+        case "auto_wrap_policy": _check_choice(name, value, (*POLICIES, *ADDED_POLICIES))
+        case "mixed_precision": _check_choice(name, value, MIXED_PRECISION)
+        case "state_dict_type": _check_choice(name, value, STATE_DICT_TYPES)
+        case "layout": _check_choice(name, value, LAYOUTS)
+        case "reduce_dtype" if value is not None: _check_choice(name, value, tuple(p for p in PRECISION if p != "no"))
+        case "ac": parse_ac(value)
+        case "cpu_offload" | "cpu_ram_efficient_loading" if not isinstance(value,
+                                                                           bool): raise bad_value(name, value, "true or false")
+        case "reshard_after_forward" if not isinstance(value,
+                                                       (bool, int)) or (not isinstance(value, bool) and value < 2):
+            raise bad_value(name, value, "true, false, or a whole number >= 2 (the size of the groups to reshard to)")
+        case "min_num_params" if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad_value(name, value, "a whole number >= 0")
+        case "parallelism_config" if value is not None and not isinstance(value, dict):
+            raise bad_value(name, value, "a mapping of sizes, e.g. {'dp_shard_size': 2, 'cp_size': 2}")
+        case "transformer_layer_cls_to_wrap" if not isinstance(value,
+                                                               list) or not all(isinstance(c, str) for c in value):
+            raise bad_value(name, value, "a list of class names, e.g. ['LlamaDecoderLayer']")
 
 # %% ../nbs/03_config.ipynb #a92d1855
 def _check_choice(name:str, value, allowed:tuple):
     "Refuse `value` unless it is one of `allowed`, suggesting the nearest."
     if value in allowed: return
-    near = difflib.get_close_matches(str(value).upper() if name not in ("mixed_precision", "reduce_dtype") else str(value), allowed, n=1)
+    near = difflib.get_close_matches(str(value).upper() if name not in ("mixed_precision",
+                                                                        "reduce_dtype") else str(value), allowed, n=1)
     raise bad_value(name, value, f"one of {', '.join(allowed)}", f"Did you mean {near[0]!r}?" if near else "")
 
 # %% ../nbs/03_config.ipynb #81fd8500
@@ -131,19 +148,22 @@ def to_class_list(name:str, value) -> list:
 
 # %% ../nbs/03_config.ipynb #b4d0f57d
 SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forward, and what else it means
-    "FULL_SHARD": (True, "FULL_SHARD -> reshard_after_forward=True: parameters are freed after forward and gathered again in backward"),
+    "FULL_SHARD": (True,
+                   "FULL_SHARD -> reshard_after_forward=True: parameters are freed after forward and gathered again in backward"),
     "SHARD_GRAD_OP": (False,
                       "SHARD_GRAD_OP -> reshard_after_forward=False: gathered parameters stay from forward to backward (ZeRO-2 style)"),
     "HYBRID_SHARD": (True,
                      "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard (fsdp-kit mesh --dp-replicate "
                      "N)"),
-    "HYBRID_SHARD_ZERO2": (False, "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: use dp_replicate x dp_shard"),
+    "HYBRID_SHARD_ZERO2": (False,
+                           "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: use dp_replicate x dp_shard"),
     "NO_SHARD": (False,
                  "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's NO_SHARD replicated whole "
                  "parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use a mesh with dp_shard=1 and "
                  "dp_replicate=N"),
 }
-SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2"}
+SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                      "5": "HYBRID_SHARD_ZERO2"}
 NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
     "use_orig_params": "FSDP2 always keeps the original parameters (each one a DTensor sharded on dim 0); there are no flat parameters",
     "backward_prefetch": "FSDP2 always prefetches the next unit's all-gather in backward (explicit control: "
@@ -171,7 +191,8 @@ def _sharding_strategy(value, cfg:FSDPConfig) -> bool:
     "Explain an FSDP1 sharding strategy (name or accelerate's number) as reshard_after_forward, refusing unknown ones."
     name = SHARDING_BY_NUMBER.get(str(value).strip(), str(value).strip().upper().lstrip("_"))
     if name not in SHARDING_STRATEGIES:
-        raise bad_value("sharding_strategy", value, f"one of {', '.join(SHARDING_STRATEGIES)} (or accelerate's numbers 1 to 5)")
+        raise bad_value("sharding_strategy", value,
+                        f"one of {', '.join(SHARDING_STRATEGIES)} (or accelerate's numbers 1 to 5)")
     reshard, note = SHARDING_STRATEGIES[name]
     cfg.notes.append(f"sharding_strategy: {note}")
     return reshard
@@ -181,7 +202,8 @@ FIELD_KEYS = {  # upstream key (without fsdp_) -> FSDPConfig field and converter
     "reshard_after_forward": ("reshard_after_forward", to_reshard),
     "auto_wrap_policy": ("auto_wrap_policy", lambda n, v: str(v)),
     "transformer_layer_cls_to_wrap": ("transformer_layer_cls_to_wrap", to_class_list),
-    "min_num_params": ("min_num_params", lambda n, v: int(v) if isinstance(v, (int, str)) and str(v).strip().isdigit() else v),
+    "min_num_params": ("min_num_params", lambda n,
+                       v: int(v) if isinstance(v, (int, str)) and str(v).strip().isdigit() else v),
     "cpu_offload": ("cpu_offload", to_bool),
     "offload_params": ("cpu_offload", to_bool),
     "mixed_precision": ("mixed_precision", lambda n, v: str(v)),
@@ -199,21 +221,27 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
         if key in FIELD_KEYS:
             name, convert = FIELD_KEYS[key]
             setattr(cfg, name, convert(key, value))
-            cfg.check_field("ac" if name == "activation_checkpointing" else name)  # each field as set; the run's spec checks the whole
+            # each field as set; the run's spec checks the whole
+            cfg.check_field("ac" if name == "activation_checkpointing" else name)
             given[name] = (key, value)
             if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
         elif key == "sharding_strategy":
             cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as {'accelerate' if accelerate else 'transformers'} "
                              "ignores it: "
                              "reshard_after_forward alone decides (true frees gathered parameters after forward, false keeps them)")
-        elif key in NO_OP and value in NO_OP[key]: cfg.notes.append(f"{key}={value!r} changes nothing (accelerate's no-op)")
+        elif key in NO_OP and value in NO_OP[key]:
+            cfg.notes.append(f"{key}={value!r} changes nothing (accelerate's no-op)")
         elif key in NO_OP: cfg.notes.append(f"{key}={value!r} is not applied by the kit: {NOT_APPLYING[key]}")
         elif key in NOT_APPLYING: cfg.notes.append(f"{key}={value!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
-        elif key.startswith("xla"): raise bad_value(key, value, "no XLA keys: the kit runs FSDP2 on torch.distributed, not torch_xla")
-        elif key != "version": unknown.append(key)  # upstream never reads it: the kit runs the file too, and says so loudly
-    cfg.notes += _unknown_notes(unknown, cfg.source or "the FSDP config", "accelerate" if accelerate else "transformers")
+        elif key.startswith("xla"):
+            raise bad_value(key, value, "no XLA keys: the kit runs FSDP2 on torch.distributed, not torch_xla")
+        # upstream never reads it: the kit runs the file too, and says so loudly
+        elif key != "version": unknown.append(key)
+    cfg.notes += _unknown_notes(unknown, cfg.source or "the FSDP config",
+                                "accelerate" if accelerate else "transformers")
     return given
 
+# %% ../nbs/03_config.ipynb #d7ddf279
 def _unknown_notes(keys:list, source:str, upstream:str, each:int=5) -> list:
     "An IGNORED note per unknown key, with the nearest known one; past `each` keys, one note that counts them all."
     if len(keys) > each:
@@ -227,7 +255,8 @@ def _unknown_notes(keys:list, source:str, upstream:str, each:int=5) -> list:
 def _check_version(value, source:str) -> int:
     "FSDP version 1 or 2 (version 1 files are read as `accelerate to-fsdp2` converts them)."
     if str(value).strip() in ("1", "2"): return int(str(value).strip())
-    raise bad_value("version", value, "1 or 2 (FSDP1 files are read as accelerate to-fsdp2 converts them)", f"in {source}")
+    raise bad_value("version", value, "1 or 2 (FSDP1 files are read as accelerate to-fsdp2 converts them)",
+                    f"in {source}")
 
 def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
     "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one, with a note for what each FSDP1 key became."
@@ -242,7 +271,8 @@ def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
                          "ignored")
         data = {k: v for k, v in data.items() if k not in ("sharding_strategy", "fsdp_sharding_strategy")}
     for key in keys:
-        if key in NOT_APPLYING and key not in NO_OP: cfg.notes.append(f"{key}={keys[key]!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
+        if key in NOT_APPLYING and key not in NO_OP:
+            cfg.notes.append(f"{key}={keys[key]!r} does not apply to FSDP2: {NOT_APPLYING[key]}")
     return to_fsdp2(data, accelerate)
 
 # %% ../nbs/03_config.ipynb #b102ebfe
@@ -250,6 +280,7 @@ def _strip_prefix(keys:dict) -> dict:
     "Keys without accelerate's / transformers' `fsdp_` prefix."
     return {(str(k)[5:] if str(k).startswith("fsdp_") else str(k)): v for k, v in keys.items()}
 
+# %% ../nbs/03_config.ipynb #2fff4e2c
 def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
     "Every field as upstream reads the (FSDP2) file: an absent key takes upstream's value; a key upstream reads otherwise is noted."
     from fsdp_kit.upstream import FIELDS
@@ -267,6 +298,7 @@ def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
                          + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit mesh / cp-eval --dp-replicate "
                            "--dp-shard --cp)")
 
+# %% ../nbs/03_config.ipynb #9c67d7d0
 def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
     "A note for every field where the kit's reading differs from what upstream runs (FSDP1 files, translated)."
     from fsdp_kit.upstream import FIELDS
@@ -276,6 +308,7 @@ def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
             cfg.notes.append(f"{name}={getattr(cfg, name)!r} here, {upstream[name]!r} under {entry}, which runs FSDP1: "
                              "the kit runs the FSDP2 file accelerate to-fsdp2 writes")
 
+# %% ../nbs/03_config.ipynb #adef8c18
 def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precision:str=None) -> FSDPConfig:
     "The kit's reading of an FSDP config, every key checked and each field read as upstream reads it."
     from fsdp_kit.upstream import reading_of
@@ -292,11 +325,13 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
     if not accelerate: keys2.pop("mixed_precision", None)
     # TrainingArguments' bf16=True / fp16=True
     if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision
-    given = _apply_keys(cfg, {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
+    given = _apply_keys(cfg,
+                        {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
     _follow_upstream(cfg, given, reading_of(fsdp2, accelerate, mixed_precision or "no"), entry)
     if version == 1: _note_differences(cfg, reading_of(data, accelerate, mixed_precision or "no"), entry)
     cfg.notes = list(dict.fromkeys(cfg.notes))
-    return cfg  # every field it set was checked as it was set (check_field); the run's spec checks the whole config once
+    # every field it set was checked as it was set (check_field); the run's spec checks the whole config once
+    return cfg
 
 # %% ../nbs/03_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
@@ -304,7 +339,8 @@ def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with o
                       mixed_precision:str=None # TrainingArguments' precision ("bf16": bf16=True, "fp16": fp16=True); the dict cannot say it
                      ) -> FSDPConfig:
     "An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True, fsdp_config=...)` reads it."
-    if not isinstance(fsdp_config, dict): raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
+    if not isinstance(fsdp_config, dict):
+        raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
     if mixed_precision is not None: _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION)
     return _read(fsdp_config, fsdp_config, False, FSDPConfig(source=source), mixed_precision)
 
@@ -314,7 +350,8 @@ LAUNCH_NOTES = {  # top-level keys of an accelerate config that say something ab
                "there is no GPU",
     "downcast_bf16": "accelerate applies it on TPUs only",
 }
-ACCELERATE_OWN = ("distributed_type", "fsdp_config", "mixed_precision", "num_processes", "parallelism_config", *LAUNCH_NOTES)
+ACCELERATE_OWN = ("distributed_type", "fsdp_config", "mixed_precision", "num_processes", "parallelism_config",
+                  *LAUNCH_NOTES)
 
 def accelerate_top_level() -> set:
     "The top-level keys accelerate accepts in its config file (its `ClusterConfig` fields)."
@@ -332,6 +369,7 @@ def _launch_notes(config:dict, cfg:FSDPConfig):
     rest = [f"{k}={v!r}" for k, v in config.items() if k not in ACCELERATE_OWN or (k in LAUNCH_NOTES and k not in said)]
     if rest: cfg.notes.append("launch settings the kit does not use (it starts its own processes): " + ", ".join(rest))
 
+# %% ../nbs/03_config.ipynb #5faee96c
 def _top_level_type(hint) -> tuple:
     "(a test, what it allows) for a type of accelerate's `ClusterConfig` field; None where the kit reads the key itself."
     import enum, typing
@@ -340,24 +378,29 @@ def _top_level_type(hint) -> tuple:
     if typing.get_origin(base) is list: return lambda v: isinstance(v, list), "a list"
     if base is dict: return lambda v: isinstance(v, dict), "a mapping"
     if base is bool: return lambda v: isinstance(v, bool) or str(v).strip().lower() in BOOL_WORDS, "true or false"
-    if base is int: return lambda v: not isinstance(v, (bool, float)) and str(v).strip().lstrip("-").isdigit(), "a whole number"
+    if base is int:
+        return lambda v: not isinstance(v, (bool, float)) and str(v).strip().lstrip("-").isdigit(), "a whole number"
     if base is str: return lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool), "a text value"
     if isinstance(base, type) and issubclass(base, enum.Enum):
         return lambda v: str(v) in {e.value for e in base}, f"one of {', '.join(e.value for e in base)}"
 
+# %% ../nbs/03_config.ipynb #9df5e6d1
 def _check_top_level_types(config:dict, source:str):
     "Refuse a top-level key whose value is not of the type accelerate's `ClusterConfig` declares for it (null is read as unset)."
     import typing
     from accelerate.commands.config.config_args import ClusterConfig
     for key, hint in typing.get_type_hints(ClusterConfig).items():
         kind = _top_level_type(hint) if key in config and config[key] is not None else None
-        if kind and not kind[0](config[key]): raise bad_value(key, config[key], f"{kind[1]} in {source} (accelerate's ClusterConfig.{key})")
+        if kind and not kind[0](config[key]):
+            raise bad_value(key, config[key], f"{kind[1]} in {source} (accelerate's ClusterConfig.{key})")
 
+# %% ../nbs/03_config.ipynb #a2fe5e35
 def from_accelerate(config:dict, # the parsed accelerate config YAML
                     source:str="accelerate config" # where it came from, for messages
                    ) -> FSDPConfig:
     "An `FSDPConfig` from an accelerate config (the YAML `accelerate config` writes), read as `accelerate launch --config_file` reads it."
-    if not isinstance(config, dict): raise bad_value("accelerate config", type(config).__name__, f"a YAML mapping in {source}")
+    if not isinstance(config, dict):
+        raise bad_value("accelerate config", type(config).__name__, f"a YAML mapping in {source}")
     section = config.get("fsdp_config") or {}
     if not isinstance(section, dict):
         raise bad_value("fsdp_config", section, f"a mapping of fsdp_ keys under fsdp_config: in {source}",

@@ -32,7 +32,8 @@ class CPTrainerSpec(EntrySpec):
         from fsdp_kit.cp import check_seq_len, check_sizes
         super().check(world_size)
         for name in ("rows", "prompt", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
-        if self.prompt >= self.seq_len - 1: raise bad_value("prompt", self.prompt, f"fewer than seq_len - 1 = {self.seq_len - 1} tokens")
+        if self.prompt >= self.seq_len - 1:
+            raise bad_value("prompt", self.prompt, f"fewer than seq_len - 1 = {self.seq_len - 1} tokens")
         for cp in self.cp_sizes:
             check_seq_len(self.seq_len, cp)
             if world_size is not None: check_sizes(world_size, cp)
@@ -76,7 +77,8 @@ def one_process_loss(base:str, spec:CPTrainerSpec, world:int) -> float:
     from transformers import AutoModelForCausalLM
     from fsdp_kit.cp import shift_labels, token_loss_sum
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    rows = PromptRows(model.config.vocab_size, spec.rows, spec.seq_len, world, spec.batch, spec.seed, prompt=spec.prompt)
+    rows = PromptRows(model.config.vocab_size, spec.rows, spec.seq_len, world, spec.batch, spec.seed,
+                      prompt=spec.prompt)
     batch = [rows[k] for k in range(len(rows))]
     ids, labels = torch.stack([b["input_ids"] for b in batch]), torch.stack([b["labels"] for b in batch])
     with torch.no_grad(): total, count = token_loss_sum(model(input_ids=ids).logits, shift_labels(labels))
@@ -91,12 +93,14 @@ def trainer_eval(spec:CPTrainerSpec, base:str, folder:Path, cp:int) -> dict:
     from fsdp_kit.hf_run import HFRunSpec, trainer_arguments, quiet_trainer
     from fsdp_kit.ranks import gather_objects
     world = dist.get_world_size()
-    args = trainer_arguments(HFRunSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, seed=spec.seed), str(folder / f"cp{cp}"),
+    args = trainer_arguments(HFRunSpec(model=spec.model, batch=spec.batch, seq_len=spec.seq_len, seed=spec.seed),
+                             str(folder / f"cp{cp}"),
                              str(EXAMPLES / "fsdp_configs" / "transformers_fsdp_config.json"),
                              parallelism_config=ParallelismConfig(dp_shard_size=world // cp, cp_size=cp),
                              log_level="error", log_level_replica="error")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
-    rows = PromptRows(model.config.vocab_size, spec.rows, spec.seq_len, world // cp, spec.batch, spec.seed, prompt=spec.prompt)
+    rows = PromptRows(model.config.vocab_size, spec.rows, spec.seq_len, world // cp, spec.batch, spec.seed,
+                      prompt=spec.prompt)
     trainer = quiet_trainer(counting_trainer()(model=model, args=args, eval_dataset=rows))
     out = dict(cp_size=cp, world_size=world, device=str(args.device))
     try: out["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -104,6 +108,7 @@ def trainer_eval(spec:CPTrainerSpec, base:str, folder:Path, cp:int) -> dict:
     before, inside = trainer.counts[0]
     return out | dict(counted_before=before, counted_inside=gather_objects(inside))
 
+# %% ../nbs/06a_cp_trainer.ipynb #146498f3
 def cp_trainer_worker(spec:CPTrainerSpec) -> dict:
     "Evaluate one saved model with an unmodified Trainer at each cp size, beside one process's loss."
     import torch.distributed as dist

@@ -14,6 +14,7 @@ __all__ = ['METHODS', 'STORAGE_DTYPES', 'STATUSES', 'SHRINK', 'REQUIRED', 'DROP'
 
 # %% ../nbs/12_doctor.ipynb #d0c70001
 import json, os, sys, tempfile, time
+from fastcore.basics import patch
 from dataclasses import dataclass, asdict, replace, KW_ONLY
 from pathlib import Path
 from .errors import KitError, bad_value, require_whole, require_positive
@@ -23,7 +24,9 @@ from .spec import EntrySpec
 # %% ../nbs/12_doctor.ipynb #d0c70002
 METHODS = ("full", "lora", "qlora")
 STORAGE_DTYPES = ("uint8", "bfloat16", "float16", "float32")  # bnb_4bit_quant_storage: bitsandbytes' default is uint8
-STATUSES = ("PASS", "WARN", "FAIL", "SKIP")  # SKIP: not reached, the twin's run stopped before it (listed under the FAIL that stopped it)
+# SKIP: not reached, the twin's run stopped before it (listed under the FAIL that stopped it)
+STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
+
 @dataclass(frozen=True)
 class DoctorSpec(EntrySpec):
     "What the doctor runs: the user's config.json as `model`, the user's FSDP file and script settings, the twin's steps, the scale."
@@ -31,10 +34,14 @@ class DoctorSpec(EntrySpec):
     fsdp_config:str # the user's accelerate YAML or transformers fsdp_config JSON
     steps:int=10 # optimizer steps of the twin
     method:str="full" # full, lora or qlora
-    quant_storage:str=None # qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); None: bitsandbytes' own, uint8
-    mixed_precision:str=None # a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)
+    # qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); None: bitsandbytes' own, uint8
+    quant_storage:str=None
+    # a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)
+    mixed_precision:str=None
     gradient_checkpointing:bool=False # the user's script turns on the Trainer's checkpointing (TrainingArguments)
-    dtype:str=None # the dtype from_pretrained loads in (float32, bfloat16, float16); None: bfloat16 for lora/qlora under bf16, else float32
+    # the dtype from_pretrained loads in (float32, bfloat16, float16); None: bfloat16 for lora/qlora under bf16, else
+    # float32
+    dtype:str=None
     kbit_prepare:bool=False # the user's script calls peft's prepare_model_for_kbit_training on the 4-bit model
     nproc:int=2 # ranks the twin runs on
     gpus:int=None # the user's GPUs (all ranks), for the planner
@@ -46,77 +53,90 @@ class DoctorSpec(EntrySpec):
     def storage(self):
         "qlora's bnb_4bit_quant_storage; None is bitsandbytes' default, uint8."
         return self.quant_storage
-    def check(self, world_size:int=None): # processes that will run it (None: checked when it starts)
-        "Refuse settings the doctor cannot run, naming the option; the model and the FSDP file must be readable."
-        from fsdp_kit.config import load_fsdp_config
-        from fsdp_kit.upstream import parse_fsdp_file
-        from fsdp_kit.models import model_config, read_config_json
-        if self.method not in METHODS: raise bad_value("method", self.method, f"one of {', '.join(METHODS)}")
-        if self.storage() is not None and self.storage() not in STORAGE_DTYPES:
-            raise bad_value("quant_storage", self.storage(), f"one of {', '.join(STORAGE_DTYPES)}")
-        if self.quant_storage is not None and self.method != "qlora":
-            raise bad_value("quant_storage", self.storage(), "given only with method qlora")
-        mixed = self.mixed_precision
-        if mixed is not None and mixed not in MIXED_PRECISION:
-            raise bad_value("mixed_precision", mixed, f"one of {', '.join(MIXED_PRECISION)}")
-        if self.dtype is not None and self.dtype not in STORAGE_DTYPES[1:]:
-            raise bad_value("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES[1:])}")
-        require_whole("nproc", self.nproc, 2), super().check(world_size), require_positive("timeout", self.timeout)
-        require_whole("steps", self.steps, 1)
-        if self.gpus is not None: require_whole("gpus", self.gpus, 1)
-        if self.gpu_mem_gb is not None: require_positive("gpu_mem_gb", self.gpu_mem_gb)
-        if (self.gpus is None) != (self.gpu_mem_gb is None):
-            raise bad_value("gpus", self.gpus, "given together with gpu_mem_gb (the planner needs both)")
-        path = Path(self.fsdp_config)
-        if path.suffix not in (".json", ".yaml", ".yml"):
-            raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate .yaml or a transformers fsdp_config .json file")
-        data = parse_fsdp_file(path)
-        if not self.is_yaml() or str(data.get("distributed_type", "FSDP")).upper() == "FSDP":  # a DDP file is a finding (ddp_fallback)
-            load_fsdp_config(path)  # refuses, before any run, a value upstream could not use (named with the file and its key)
-        if self.is_yaml() and self.mixed_precision is not None:
-            raise bad_value("mixed_precision", self.mixed_precision,
-                            "not given with an accelerate YAML: its mixed_precision key says it")
-        if self.is_yaml() and "fsdp_config" not in data and "distributed_type" not in data:
-            raise bad_value("fsdp_config_file", self.fsdp_config, "an accelerate config (distributed_type, fsdp_config) in a .yaml file")
-        user = read_config_json(Path(self.model))
-        from transformers import CONFIG_MAPPING, __version__
-        if user["model_type"] not in CONFIG_MAPPING:
-            raise bad_value("model", self.model, "a config.json whose model_type transformers knows",
-                            f"transformers {__version__} has no architecture {user['model_type']!r}")
-        missing = [k for k in REQUIRED if k not in user]
-        if missing:
-            raise bad_value("model", self.model, f"a config.json with {', '.join(REQUIRED)}",
-                            f"it lacks {', '.join(missing)}: the twin keeps the architecture and needs its sizes")
-        model_config(self.model)  # transformers must accept the keys and build the model
-        return self
 
-    def precision(self) -> str:
-        "The mixed precision the run asks for: the YAML's mixed_precision key, or the JSON's TrainingArguments flag."
-        if not self.is_yaml(): return self.mixed_precision or "no"
-        from fsdp_kit.upstream import parse_fsdp_file
-        return str(parse_fsdp_file(Path(self.fsdp_config)).get("mixed_precision") or "no")
+# %% ../nbs/12_doctor.ipynb #800f674d
+@patch
+def check(self:DoctorSpec, world_size:int=None): # processes that will run it (None: checked when it starts)
+    "Refuse settings the doctor cannot run, naming the option; the model and the FSDP file must be readable."
+    from fsdp_kit.config import load_fsdp_config
+    from fsdp_kit.upstream import parse_fsdp_file
+    from fsdp_kit.models import model_config, read_config_json
+    if self.method not in METHODS: raise bad_value("method", self.method, f"one of {', '.join(METHODS)}")
+    if self.storage() is not None and self.storage() not in STORAGE_DTYPES:
+        raise bad_value("quant_storage", self.storage(), f"one of {', '.join(STORAGE_DTYPES)}")
+    if self.quant_storage is not None and self.method != "qlora":
+        raise bad_value("quant_storage", self.storage(), "given only with method qlora")
+    mixed = self.mixed_precision
+    if mixed is not None and mixed not in MIXED_PRECISION:
+        raise bad_value("mixed_precision", mixed, f"one of {', '.join(MIXED_PRECISION)}")
+    if self.dtype is not None and self.dtype not in STORAGE_DTYPES[1:]:
+        raise bad_value("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES[1:])}")
+    require_whole("nproc", self.nproc, 2), EntrySpec.check(self, world_size), require_positive("timeout", self.timeout)
+    require_whole("steps", self.steps, 1)
+    if self.gpus is not None: require_whole("gpus", self.gpus, 1)
+    if self.gpu_mem_gb is not None: require_positive("gpu_mem_gb", self.gpu_mem_gb)
+    if (self.gpus is None) != (self.gpu_mem_gb is None):
+        raise bad_value("gpus", self.gpus, "given together with gpu_mem_gb (the planner needs both)")
+    path = Path(self.fsdp_config)
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        raise bad_value("fsdp_config_file", self.fsdp_config,
+                        "an accelerate .yaml or a transformers fsdp_config .json file")
+    data = parse_fsdp_file(path)
+    # a DDP file is a finding (ddp_fallback)
+    if not self.is_yaml() or str(data.get("distributed_type", "FSDP")).upper() == "FSDP":
+        # refuses, before any run, a value upstream could not use (named with the file and its key)
+        load_fsdp_config(path)
+    if self.is_yaml() and self.mixed_precision is not None:
+        raise bad_value("mixed_precision", self.mixed_precision,
+                        "not given with an accelerate YAML: its mixed_precision key says it")
+    if self.is_yaml() and "fsdp_config" not in data and "distributed_type" not in data:
+        raise bad_value("fsdp_config_file", self.fsdp_config,
+                        "an accelerate config (distributed_type, fsdp_config) in a .yaml file")
+    user = read_config_json(Path(self.model))
+    from transformers import CONFIG_MAPPING, __version__
+    if user["model_type"] not in CONFIG_MAPPING:
+        raise bad_value("model", self.model, "a config.json whose model_type transformers knows",
+                        f"transformers {__version__} has no architecture {user['model_type']!r}")
+    missing = [k for k in REQUIRED if k not in user]
+    if missing:
+        raise bad_value("model", self.model, f"a config.json with {', '.join(REQUIRED)}",
+                        f"it lacks {', '.join(missing)}: the twin keeps the architecture and needs its sizes")
+    model_config(self.model)  # transformers must accept the keys and build the model
+    return self
 
-    def load_dtype(self) -> str:
-        "The dtype from_pretrained loads the twin in."
-        if self.dtype: return self.dtype
-        low = PRECISION[self.precision()]
-        return low if low and self.method != "full" else "float32"
+@patch
+def precision(self:DoctorSpec) -> str:
+    "The mixed precision the run asks for: the YAML's mixed_precision key, or the JSON's TrainingArguments flag."
+    if not self.is_yaml(): return self.mixed_precision or "no"
+    from fsdp_kit.upstream import parse_fsdp_file
+    return str(parse_fsdp_file(Path(self.fsdp_config)).get("mixed_precision") or "no")
+
+@patch
+def load_dtype(self:DoctorSpec) -> str:
+    "The dtype from_pretrained loads the twin in."
+    if self.dtype: return self.dtype
+    low = PRECISION[self.precision()]
+    return low if low and self.method != "full" else "float32"
 
 # %% ../nbs/12_doctor.ipynb #d0c70003
 # key -> the twin's value (never grown)
 SHRINK = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
               max_position_embeddings=512,
-              head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
+              head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+              num_local_experts=4,
               n_routed_experts=4,
               num_experts_per_tok=2, max_window_layers=1, sliding_window=64, first_k_dense_replace=1)
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")  # the sizes a checkpoint's config.json always states
-DROP = ("quantization_config",)  # keys of a published checkpoint the twin leaves out: its weights are made here, not downloaded
+# the sizes a checkpoint's config.json always states
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# keys of a published checkpoint the twin leaves out: its weights are made here, not downloaded
+DROP = ("quantization_config",)
 
 def _kv_heads(user:dict) -> int:
     "The twin's key/value heads: 4 for multi-head, 1 for multi-query, 2 for grouped-query attention (the variant is kept)."
     heads, kv = user.get("num_attention_heads"), user.get("num_key_value_heads")
     return 4 if kv in (None, heads) else 1 if kv == 1 else 2
 
+# %% ../nbs/12_doctor.ipynb #2aaf53b4
 def twin_config(user:dict # the user's config.json, as parsed
                ) -> tuple:
     "(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same architecture, a few seconds to run."
@@ -147,6 +167,7 @@ class Stage:
         "rank -> the last stage it reached."
         return {p.name.removeprefix("stage-"): p.read_text() for p in sorted(Path(folder).glob("stage-*"))}
 
+# %% ../nbs/12_doctor.ipynb #d72873c2
 def _float_params(model, trainable:bool=None) -> dict:
     "dtype name -> [tensors, bytes on this rank] of the model's floating-point parameters that are (not) trained."
     out = {}
@@ -158,12 +179,14 @@ def _float_params(model, trainable:bool=None) -> dict:
         row[0] += 1; row[1] += local.numel() * local.element_size()
     return out
 
+# %% ../nbs/12_doctor.ipynb #c2121a38
 def _codes(model) -> dict:
     "Each 4-bit weight's packed bytes: name -> (dtype, sharded, bytes held by this rank, sha256)."
     import hashlib, torch
     out = {}
     for name, p in model.named_parameters():
-        if type(p).__name__ != "Params4bit" and not (hasattr(p, "_local_tensor") and type(p._local_tensor).__name__ == "Params4bit"):
+        if type(p).__name__ != "Params4bit" and not (hasattr(p,
+                                                             "_local_tensor") and type(p._local_tensor).__name__ == "Params4bit"):
             continue
         sharded = hasattr(p, "full_tensor")
         whole = (p.full_tensor() if sharded else p.data).detach().contiguous()
@@ -173,6 +196,7 @@ def _codes(model) -> dict:
                                                           hashlib.sha256(whole.view(torch.uint8).numpy().tobytes()).hexdigest())
     return out
 
+# %% ../nbs/12_doctor.ipynb #34e15f4f
 def _held_bytes(model, folder:str) -> tuple:
     "(bytes of weights this rank holds in memory of its own, bytes that are views of the checkpoint files in `folder`)."
     ranges = []
@@ -188,6 +212,7 @@ def _held_bytes(model, folder:str) -> tuple:
         else: private += n
     return private, mapped
 
+# %% ../nbs/12_doctor.ipynb #30075c5d
 def _digest(model) -> str:
     "A hash of the weights' values on this rank (None on the meta device), equal to rank 0's where it read them too."
     import hashlib, torch
@@ -208,26 +233,32 @@ def _load(spec:DoctorSpec, twin:str):
         compute = getattr(torch, PRECISION[spec.precision()] or "float32")  # "no": fp32
         # none given: bitsandbytes' uint8
         storage = dict(bnb_4bit_quant_storage=getattr(torch, spec.storage())) if spec.storage() else {}
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute, **storage)
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute,
+                                   **storage)
     return AutoModelForCausalLM.from_pretrained(twin, dtype=dtype, quantization_config=quant)
 
+# %% ../nbs/12_doctor.ipynb #5f4f393a
 def _adapt(spec:DoctorSpec, model):
     "LoRA on every linear layer (r 8), as PEFT's and TRL's examples set it."
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     if spec.kbit_prepare: model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
 
+# %% ../nbs/12_doctor.ipynb #a8a34e96
 def _arguments(spec:DoctorSpec, folder:str):
     "The TrainingArguments of the twin's script: the user's precision and gradient checkpointing, the JSON as fsdp_config."
     import torch
     from transformers import TrainingArguments
     mp = spec.precision()
-    if spec.gradient_checkpointing: kw_ac = dict(activation_checkpointing=True)  # transformers 5's name for gradient_checkpointing
+    # transformers 5's name for gradient_checkpointing
+    if spec.gradient_checkpointing: kw_ac = dict(activation_checkpointing=True)
     else: kw_ac = {}
     kw = dict(fsdp=True, fsdp_config=str(Path(spec.fsdp_config).resolve())) if not spec.is_yaml() else {}
-    return TrainingArguments(output_dir=str(Path(folder) / "trainer"), max_steps=spec.steps, per_device_train_batch_size=1,
+    return TrainingArguments(output_dir=str(Path(folder) / "trainer"), max_steps=spec.steps,
+                             per_device_train_batch_size=1,
                              learning_rate=1e-3,
-                             logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+                             logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+                             use_cpu=not torch.cuda.is_available(),
                              bf16=mp == "bf16", fp16=mp == "fp16", seed=spec.seed, **kw_ac, **kw)
 
 # %% ../nbs/12_doctor.ipynb #d0c70006
@@ -240,8 +271,10 @@ def _after_prepare(model, trainer) -> dict:
     report = fsdp_report(trainer.model_wrapped, "Trainer")
     facts = fsdp_facts(model) if report["sharded"] else {}
     units = unit_table(model) if report["sharded"] else []
-    names = {id(m): n.replace("._checkpoint_wrapped_module", "").replace("_fsdp_wrapped_module.", "") for n, m in model.named_modules()}
-    layers = [names[id(m)] for m in decoder_layers(model.get_base_model() if hasattr(model, "get_base_model") else model)]
+    names = {id(m): n.replace("._checkpoint_wrapped_module", "").replace("_fsdp_wrapped_module.",
+                                                                         "") for n, m in model.named_modules()}
+    layers = [names[id(m)] for m in decoder_layers(model.get_base_model() if hasattr(model,
+                                                                                     "get_base_model") else model)]
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     return dict(report=report, units=units, groups=param_groups(units), layers=layers,
@@ -250,9 +283,11 @@ def _after_prepare(model, trainer) -> dict:
                 checkpoint_wrapped=sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
                 gradient_checkpointing=model_checkpointing(model),
                 trained=_float_params(model, True), frozen=_float_params(model, False), codes=_codes(model),
-                distributed_type=str(trainer.accelerator.distributed_type), fsdp_version=getattr(plugin, "fsdp_version", None),
+                distributed_type=str(trainer.accelerator.distributed_type),
+                fsdp_version=getattr(plugin, "fsdp_version", None),
                 state_dict_type=getattr(getattr(plugin, "state_dict_type", None), "name", None))
 
+# %% ../nbs/12_doctor.ipynb #f09b825c
 def _save_and_load(spec:DoctorSpec, trainer, twin:str, folder:str, stage) -> dict:
     "trainer.save_model as the user's script ends, then rank 0 loads it where the user will."
     import torch
@@ -262,7 +297,8 @@ def _save_and_load(spec:DoctorSpec, trainer, twin:str, folder:str, stage) -> dic
     trainer.save_model(saved)
     barrier(); seconds = round(time.time() - start, 2)
     stage("loading the saved model")
-    out = dict(saved=saved, seconds=seconds, files=sorted(p.name for p in Path(saved).iterdir()) if Path(saved).is_dir() else [])
+    out = dict(saved=saved, seconds=seconds,
+               files=sorted(p.name for p in Path(saved).iterdir()) if Path(saved).is_dir() else [])
     if int(os.environ.get("RANK", "0")) == 0:
         from transformers import AutoModelForCausalLM
         try:
@@ -285,9 +321,11 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     from fsdp_kit.hf_run import quiet_trainer
     from fsdp_kit.ranks import quiet_libraries, gather_objects
     quiet_libraries(); enable_cpu_fsdp(say=False)
-    stage, seen = Stage(folder), {} if seen is None else seen  # filled as the run goes: what it saw before a failure stays
+    # filled as the run goes: what it saw before a failure stays
+    stage, seen = Stage(folder), {} if seen is None else seen
     stage("TrainingArguments")
-    args = _arguments(spec, folder)  # before from_pretrained, as in a script: it sets FSDP_CPU_RAM_EFFICIENT_LOADING for the Trainer
+    # before from_pretrained, as in a script: it sets FSDP_CPU_RAM_EFFICIENT_LOADING for the Trainer
+    args = _arguments(spec, folder)
     stage("from_pretrained")
     model = _load(spec, twin)  # transformers loads on the meta device on ranks > 0 where its is_fsdp_enabled() holds
     seen["load"] = dict(env={k: os.environ.get(k) for k in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")},
@@ -316,6 +354,7 @@ def twin_worker(spec:DoctorSpec, twin:str, folder:str, seen:dict=None) -> dict:
     stage("done")
     return seen
 
+# %% ../nbs/12_doctor.ipynb #e66e717b
 def main():
     "The twin's script, as `accelerate launch` or `torchrun` start it; rank 0 writes seen.json."
     import torch.distributed as dist
@@ -323,10 +362,12 @@ def main():
     spec = DoctorSpec.from_dict(json.loads((Path(folder) / "spec.json").read_text()))
     seen = {}
     try: twin_worker(spec, str(Path(folder) / "twin"), folder, seen)
-    except Exception as e:  # upstream refused what it was given: every rank raises the same, so the finding is the message
+    # upstream refused what it was given: every rank raises the same, so the finding is the message
+    except Exception as e:
         seen |= dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
                      stage=Stage.read(folder).get(os.environ.get("RANK", "0")))
-    if int(os.environ.get("RANK", "0")) == 0: (Path(folder) / "seen.json").write_text(json.dumps(seen, indent=1, default=str))
+    if int(os.environ.get("RANK", "0")) == 0:
+        (Path(folder) / "seen.json").write_text(json.dumps(seen, indent=1, default=str))
     if dist.is_initialized(): dist.destroy_process_group()
 
 # %% ../nbs/12_doctor.ipynb #d0c70008
@@ -335,11 +376,14 @@ def twin_command(spec:DoctorSpec, folder:str, port:int) -> tuple:
     from fsdp_kit.hf_run import accelerate_file
     module = ["-m", "fsdp_kit.examples.doctor_twin", folder]
     if not spec.is_yaml():
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(spec.nproc), *module], []
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(spec.nproc),
+                *module], []
     config_file, overrides, notes = accelerate_file(spec.fsdp_config, Path(folder), spec.nproc)
-    return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file, *overrides,
+    return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file,
+            *overrides,
             "--main_process_port", str(port), *module], notes
 
+# %% ../nbs/12_doctor.ipynb #c0798554
 def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
     "A copy of the FSDP file `path` in `folder` with `changes` set and `drop` removed, in the file's spelling."
     import yaml
@@ -347,7 +391,8 @@ def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
     source, data = Path(path), parse_fsdp_file(Path(path))
     is_yaml = source.suffix in (".yaml", ".yml")
     section = data.setdefault("fsdp_config", {}) if is_yaml else data
-    spelled = lambda key: next((k for k in section if str(k).removeprefix("fsdp_") == key), f"fsdp_{key}" if is_yaml else key)
+    spelled = lambda key: next((k for k in section if str(k).removeprefix("fsdp_") == key),
+                               f"fsdp_{key}" if is_yaml else key)
     for key in drop: section.pop(spelled(key), None)
     for key, value in changes.items(): section[spelled(key)] = value
     out = Path(folder) / source.name
@@ -355,6 +400,7 @@ def file_variant(path:str, folder, changes:dict, drop:tuple=()) -> str:
     out.write_text(yaml.safe_dump(data, sort_keys=False) if is_yaml else json.dumps(data, indent=1))
     return str(out)
 
+# %% ../nbs/12_doctor.ipynb #2b405df9
 def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
     "Build the twin from the user's config.json, save it, run its script on `spec.nproc` ranks; what it saw."
     from fsdp_kit.models import read_config_json, build_model, model_config
@@ -365,13 +411,15 @@ def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
     quiet_libraries()
     from transformers import AutoConfig
     user = read_config_json(Path(spec.model))
-    defaults = AutoConfig.for_model(user["model_type"]).to_dict()  # a size the file leaves out is the class default, shrunk like the others
+    # a size the file leaves out is the class default, shrunk like the others
+    defaults = AutoConfig.for_model(user["model_type"]).to_dict()
     keys, shrunk = twin_config({**{k: defaults[k] for k in SHRINK if defaults.get(k) is not None}, **user})
     (Path(folder) / "twin").mkdir(parents=True, exist_ok=True)
     (Path(folder) / "twin" / "config.json").write_text(json.dumps(keys, indent=1))
     config = model_config(str(Path(folder) / "twin" / "config.json"))
     import torch
-    stored = str(user.get("dtype") or user.get("torch_dtype") or "float32")  # the dtype the user's checkpoint files hold
+    # the dtype the user's checkpoint files hold
+    stored = str(user.get("dtype") or user.get("torch_dtype") or "float32")
     stored = stored if stored in STORAGE_DTYPES[1:] else "float32"
     # in that dtype: a load converts or maps as the user's does
     build_model(config, spec.seed).to(getattr(torch, stored)).save_pretrained(str(Path(folder) / "twin"))
@@ -397,7 +445,8 @@ def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
                 checkpoint_dtype=stored,
                 tied=bool(getattr(config, "tie_word_embeddings", False)),
                 parameters=sum(p.numel() for p in build_model(config, device="meta").parameters()),
-                folder=str(Path(folder) / "twin"), command=" ".join(cmd), seconds=round(time.time() - start, 1), notes=notes)
+                folder=str(Path(folder) / "twin"), command=" ".join(cmd), seconds=round(time.time() - start, 1),
+                notes=notes)
     return dict(twin=twin, seen=seen)
 
 # %% ../nbs/12_doctor.ipynb #d0c70009
@@ -409,29 +458,37 @@ class Check:
     reason:str
     fix:str=""
 
+# %% ../nbs/12_doctor.ipynb #996b70f3
 def _mib(b) -> str: return f"{b / 2**20:.2f} MiB"
 
+# %% ../nbs/12_doctor.ipynb #8a96d2c5
 def _stopped(seen:dict) -> str:
     "Why a check has nothing to read: where the run stopped, and the start of the error."
     return f"not reached: the run stopped at '{seen.get('stage')}' ({(seen.get('error') or '')[:90]}...)"
 
+# %% ../nbs/12_doctor.ipynb #ff4b5f42
 def _failed_at(seen:dict, *stages) -> bool:
     "Whether the run stopped with an error at one of `stages`."
     return "error" in seen and (not stages or seen.get("stage") in stages)
 
+# %% ../nbs/12_doctor.ipynb #a1646958
 def check_fsdp_version(ctx) -> Check:
     "1. The file runs FSDP1 under its entry point."
     up = ctx["upstream"]
     if "refused" in up:
-        return Check("fsdp_version", "FAIL", f"{up['entry_point']} refuses the file: {up['refused']}", "fix the key the message names")
+        return Check("fsdp_version", "FAIL", f"{up['entry_point']} refuses the file: {up['refused']}",
+                     "fix the key the message names")
     if up.get("fsdp") is False:
-        return Check("fsdp_version", "FAIL", f"{up['entry_point']} does not run FSDP with this file", "distributed_type: FSDP")
+        return Check("fsdp_version", "FAIL", f"{up['entry_point']} does not run FSDP with this file",
+                     "distributed_type: FSDP")
     if up["fsdp_version"] == 1:
         key = "fsdp_version: 2 under fsdp_config" if ctx["spec"].is_yaml() else '"version": 2'
-        return Check("fsdp_version", "FAIL", f"{up['entry_point']} builds an FSDP1 plugin (fsdp_version 1): FSDP1, not FSDP2, would train",
+        return Check("fsdp_version", "FAIL",
+                     f"{up['entry_point']} builds an FSDP1 plugin (fsdp_version 1): FSDP1, not FSDP2, would train",
                      f"add {key}, or convert the file with `accelerate to-fsdp2` (the doctor ran it converted)")
     return Check("fsdp_version", "PASS", f"{up['entry_point']} builds an FSDP2 plugin (fsdp_version 2)")
 
+# %% ../nbs/12_doctor.ipynb #402f33cc
 def check_wrap(ctx) -> Check:
     "2. The wrap policy wraps nothing below the root."
     seen, policy = ctx["seen"], ctx["upstream"].get("auto_wrap_policy")
@@ -442,8 +499,10 @@ def check_wrap(ctx) -> Check:
                      "or leave it empty to read _no_split_modules")
     p = seen.get("prepared")
     if not p: return Check("wrap", "SKIP", _stopped(seen))
-    if not p["report"]["sharded"]: return Check("wrap", "WARN", "nothing was sharded, so no policy was applied (see ddp_fallback)", "")
-    if policy == "SIZE_BASED_WRAP":  # a threshold in parameters: judged against the user's model, whose layers the twin's are not
+    if not p["report"]["sharded"]:
+        return Check("wrap", "WARN", "nothing was sharded, so no policy was applied (see ddp_fallback)", "")
+    # a threshold in parameters: judged against the user's model, whose layers the twin's are not
+    if policy == "SIZE_BASED_WRAP":
         n, layer, sizes = ctx["upstream"].get("min_num_params"), ctx["layer_params"], ctx["sizes"]
         if n >= layer:
             return Check("wrap", "FAIL",
@@ -458,7 +517,8 @@ def check_wrap(ctx) -> Check:
                      "(the twin's smaller layers cannot show it; judged on your model's sizes)")
     root = {u["module"] for u in p["units"] if u["module"] == ""}
     wrapped = [l for l in p["layers"]
-               if any(u["module"].replace("._checkpoint_wrapped_module", "") in (l,) for u in p["units"] if u["module"] not in root)]
+               if any(u["module"].replace("._checkpoint_wrapped_module", "") in (l,
+                                                                                 ) for u in p["units"] if u["module"] not in root)]
     if not wrapped:
         why = "NO_WRAP" if policy == "NO_WRAP" else f"{policy} wraps none of the {len(p['layers'])} decoder layers"
         return Check("wrap", "WARN" if policy == "NO_WRAP" else "FAIL",
@@ -468,11 +528,14 @@ def check_wrap(ctx) -> Check:
     return Check("wrap", "PASS",
                  f"{len(wrapped)} of {len(p['layers'])} decoder layers are FSDP units of their own ({len(p['groups'])} units hold weights)")
 
+# %% ../nbs/12_doctor.ipynb #7db379fd
 def check_tied(ctx) -> Check:
     "3. Tied input/output embeddings in different units, or a wrap that fails on them."
     seen, tied = ctx["seen"], ctx["twin"]["tied"]
-    if "error" in seen and tied and any(w in seen["error"].lower() for w in ("shared", "tied", "same parameter", "already")):
-        return Check("tied_embeddings", "FAIL", f"the model ties embed_tokens and lm_head and the wrap fails on it: {seen['error']}",
+    if "error" in seen and tied and any(w in seen["error"].lower() for w in ("shared", "tied", "same parameter",
+                                                                             "already")):
+        return Check("tied_embeddings", "FAIL",
+                     f"the model ties embed_tokens and lm_head and the wrap fails on it: {seen['error']}",
                      "keep the embedding out of transformer_layer_cls_to_wrap: accelerate puts tied embeddings in one unit with lm_head")
     p = seen.get("prepared")
     if not p and tied: return Check("tied_embeddings", "SKIP", _stopped(seen))
@@ -498,7 +561,8 @@ def check_quant_storage(ctx) -> Check:
     spec, seen = ctx["spec"], ctx["seen"]
     if spec.method != "qlora": return Check("quant_storage", "PASS", f"method {spec.method}: no 4-bit weights")
     storage = spec.storage() or "uint8"
-    before, p, after = seen.get("load", {}).get("codes", {}), seen.get("prepared"), seen.get("stepped", {}).get("codes", {})
+    before, p, after = seen.get("load", {}).get("codes",
+                                                {}), seen.get("prepared"), seen.get("stepped", {}).get("codes", {})
     if not p: return Check("quant_storage", "SKIP", _stopped(seen))
     kept = [n for n, c in p["codes"].items() if not c[1]]
     # the frozen parameters FSDP shards beside the 4-bit weights (the adapters are trained, in their own dtype)
@@ -520,9 +584,11 @@ def check_quant_storage(ctx) -> Check:
                      f"bnb_4bit_quant_storage={storage}, the other frozen parameters are {', '.join(others)}: "
                      "FSDP gathers them in one unit",
                      f"bnb_4bit_quant_storage={ctx['others_dtype']}")
-    return Check("quant_storage", "PASS", f"bnb_4bit_quant_storage={storage} as the other parameters; {len(before)} 4-bit weights sharded, "
+    return Check("quant_storage", "PASS",
+                 f"bnb_4bit_quant_storage={storage} as the other parameters; {len(before)} 4-bit weights sharded, "
                  "their packed bytes identical before and after fully_shard and after a step")
 
+# %% ../nbs/12_doctor.ipynb #0bd0e253
 def check_base_upcast(ctx) -> Check:
     "5. LoRA / QLoRA: the frozen base upcast to fp32 by a prepare step."
     spec, seen = ctx["spec"], ctx["seen"]
@@ -545,8 +611,10 @@ def check_base_upcast(ctx) -> Check:
                      f"the frozen base is kept in float32 ({_mib(p['frozen']['float32'][1])} on this rank) while computing in "
                      f"{spec.precision()}",
                      "from_pretrained(..., dtype=torch.bfloat16): a frozen weight needs no fp32 master copy")
-    return Check("frozen_base", "PASS", f"the frozen base stays as loaded ({', '.join(p['frozen'])}, {_mib(total)} on this rank)")
+    return Check("frozen_base", "PASS",
+                 f"the frozen base stays as loaded ({', '.join(p['frozen'])}, {_mib(total)} on this rank)")
 
+# %% ../nbs/12_doctor.ipynb #3a202214
 def check_precision(ctx) -> Check:
     "6. Mixed precision: fp32 master weights, and the reduce dtype at the user's world size."
     spec, seen = ctx["spec"], ctx["seen"]
@@ -577,7 +645,8 @@ def check_loading(ctx) -> Check:
     if not load: return Check("loading", "SKIP", _stopped(seen))
     read, on, gb, spec = load["read_checkpoint"], up.get("cpu_ram_efficient_loading"), ctx["user_bytes"] / 1e9, ctx["spec"]
     private, mapped = load["private_bytes"], load["mapped_bytes"]
-    copies = sum(p > 0.1 * (private[0] + mapped[0]) for p in private)  # ranks that hold (some of) the weights in memory of their own
+    # ranks that hold (some of) the weights in memory of their own
+    copies = sum(p > 0.1 * (private[0] + mapped[0]) for p in private)
     held = ", ".join(f"rank {r}: {_mib(p)} own, {_mib(m)} mapped" for r, (p, m) in enumerate(zip(private, mapped)))
     said = f"cpu_ram_efficient_loading {'on' if on else 'off'}, {sum(read)} of {len(read)} ranks read the checkpoint ({held})"
     if copies <= 1:
@@ -589,7 +658,8 @@ def check_loading(ctx) -> Check:
                                                                         "broadcast"))
     s, stored, dtype = ctx.get("scale") or {}, ctx["twin"]["checkpoint_dtype"], spec.load_dtype()
     if spec.method == "qlora":
-        gb = ctx["scale"]["parameters"] * 0.5 / 1e9  # 4 bits per parameter, nearly all of them in the quantized Linear layers
+        # 4 bits per parameter, nearly all of them in the quantized Linear layers
+        gb = ctx["scale"]["parameters"] * 0.5 / 1e9
         why = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)"
         fix = "budget host memory for one 4-bit copy per rank"
     elif stored != dtype:
@@ -601,6 +671,7 @@ def check_loading(ctx) -> Check:
             if s.get("host_load_gb") else f"; for your model that is {gb:.1f} GB of host memory per rank")
     return Check("loading", "WARN", f"{said}: {copies} ranks hold a copy of their own: {why}{user}", fix)
 
+# %% ../nbs/12_doctor.ipynb #1b57a68a
 def check_checkpointing(ctx) -> Check:
     "8. Activation checkpointing set twice, or not on the layers the user expects."
     seen, up = ctx["seen"], ctx["upstream"]
@@ -622,6 +693,7 @@ def check_checkpointing(ctx) -> Check:
            if p["gradient_checkpointing"] else "off")
     return Check("activation_checkpointing", "PASS", f"activation checkpointing: {how}")
 
+# %% ../nbs/12_doctor.ipynb #b5cebf9f
 def check_context_parallel(ctx) -> Check:
     "9. Context-parallel settings upstream ignores, or that drop the model's sliding window or padding mask."
     data, up, twin = ctx["file"], ctx["upstream"], ctx["twin_keys"]
@@ -636,7 +708,8 @@ def check_context_parallel(ctx) -> Check:
                                             "accelerate: a parallelism_config section (parallelism_config_cp_size) in the YAML; "
                                             "transformers: TrainingArguments(parallelism_config=...)")
     sliding = (twin.get("use_sliding_window")
-               or (twin.get("sliding_window") and twin.get("use_sliding_window", True) and twin.get("model_type") not in ("qwen2",))
+               or (twin.get("sliding_window") and twin.get("use_sliding_window",
+                                                           True) and twin.get("model_type") not in ("qwen2",))
                or "sliding_attention" in (twin.get("layer_types") or []))
     if ran > 1 and sliding:
         return Check("context_parallel", "FAIL",
@@ -671,18 +744,24 @@ def check_saving(ctx) -> Check:
                      f"{where} cannot load what save_model wrote with {sdt} ({', '.join(save['files'][:4])}): {save['load_error'][:160]}",
                      "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints, then `accelerate "
                      "merge-weights`)")
-    return Check("saving", "PASS", f"save_model took {save['seconds']:.1f} s; {save.get('loaded_with', where)} loads it")
+    return Check("saving", "PASS",
+                 f"save_model took {save['seconds']:.1f} s; {save.get('loaded_with', where)} loads it")
 
+# %% ../nbs/12_doctor.ipynb #96549127
 def check_keys(ctx) -> Check:
     "11. Keys the entry point ignores, or that the kit and upstream read differently."
     notes = [n for n in ctx["notes"]
-             if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply", "refuses", "not applied", "runs FSDP1"))]
-    if ctx.get("read_error"): return Check("keys", "FAIL", f"the kit cannot read the file as upstream does: {ctx['read_error']}", "")
+             if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply", "refuses", "not applied",
+                                     "runs FSDP1"))]
+    if ctx.get("read_error"):
+        return Check("keys", "FAIL", f"the kit cannot read the file as upstream does: {ctx['read_error']}", "")
     if notes:
         return Check("keys", "WARN", f"{len(notes)} key(s) do not do what they say: " + " | ".join(notes),
                      "remove them, or spell them as the entry point reads them")
-    return Check("keys", "PASS", f"every key is read by {ctx['upstream'].get('entry_point', 'the entry point')} as written")
+    return Check("keys", "PASS",
+                 f"every key is read by {ctx['upstream'].get('entry_point', 'the entry point')} as written")
 
+# %% ../nbs/12_doctor.ipynb #651d006c
 def check_ddp_fallback(ctx) -> Check:
     "12. The Trainer or accelerate running DDP or a single process instead of FSDP."
     seen = ctx["seen"]
@@ -690,20 +769,25 @@ def check_ddp_fallback(ctx) -> Check:
     if not p: return Check("ddp_fallback", "SKIP", _stopped(seen))
     r = p["report"]
     if not r["sharded"]:
-        return Check("ddp_fallback", "FAIL", f"{r['kind']} ({p['distributed_type']}): every rank holds all {r['parameters']:,} parameters",
+        return Check("ddp_fallback", "FAIL",
+                     f"{r['kind']} ({p['distributed_type']}): every rank holds all {r['parameters']:,} parameters",
                                       "distributed_type: FSDP in the accelerate config, or fsdp + fsdp_config in TrainingArguments")
     return Check("ddp_fallback", "PASS",
                  f"FSDP2 ({p['distributed_type']}): {r['fsdp_units']} units, rank 0 holds {r['local_parameters']:,} of {r['parameters']:,} "
                  "parameters")
 
-CHECKS = [check_fsdp_version, check_wrap, check_tied, check_quant_storage, check_base_upcast, check_precision, check_loading,
+CHECKS = [check_fsdp_version, check_wrap, check_tied, check_quant_storage, check_base_upcast, check_precision,
+          check_loading,
           check_checkpointing,
           check_context_parallel, check_saving, check_keys, check_ddp_fallback]
 
 # stage -> check
-STAGE_CHECK = {"TrainingArguments": "fsdp_version", "from_pretrained": "loading", "peft": "frozen_base", "Trainer": "wrap", "train": "wrap",
-               "after prepare": "wrap", "after step 1": "mixed_precision", "saving": "saving", "loading the saved model": "saving"}
+STAGE_CHECK = {"TrainingArguments": "fsdp_version", "from_pretrained": "loading", "peft": "frozen_base",
+               "Trainer": "wrap", "train": "wrap",
+               "after prepare": "wrap", "after step 1": "mixed_precision", "saving": "saving",
+               "loading the saved model": "saving"}
 
+# %% ../nbs/12_doctor.ipynb #30afddf2
 def stopped_by(seen:dict, checks:list) -> str:
     "The check a run that stopped with an error belongs to: the one whose FAIL quotes the error, else the stage's."
     if "error" not in seen: return None
@@ -712,6 +796,7 @@ def stopped_by(seen:dict, checks:list) -> str:
     stage = seen.get("stage")
     return "mixed_precision" if stage == "train" and "prepared" in seen else STAGE_CHECK.get(stage, "ddp_fallback")
 
+# %% ../nbs/12_doctor.ipynb #958c21b6
 def run_checks(ctx:dict) -> list:
     "Every check of CHECKS on what the run saw, in order; an unnamed error is a FAIL of its stage's check."
     checks, seen = [c(ctx) for c in CHECKS], ctx["seen"]
@@ -719,10 +804,12 @@ def run_checks(ctx:dict) -> list:
     if name is None: return checks
     i = next(i for i, c in enumerate(checks) if c.name == name)
     if checks[i].status != "FAIL":
-        checks[i] = Check(name, "FAIL", f"the run stopped at '{seen.get('stage')}' with an exception: {seen['error'][:300]}",
+        checks[i] = Check(name, "FAIL",
+                          f"the run stopped at '{seen.get('stage')}' with an exception: {seen['error'][:300]}",
                           "the error names what upstream refused")
     return checks
 
+# %% ../nbs/12_doctor.ipynb #b370c8df
 def exit_status(result:dict, strict:bool=False) -> int:
     "The command's exit status for a report: 1 on a FAIL (on a WARN too if `strict`, the versions verdict included), else 0."
     found = [c["status"] for c in result["checks"]] + [(result.get("versions_verdict") or {}).get("status")]
@@ -736,36 +823,44 @@ def scale(spec:DoctorSpec, method:str=None) -> dict:
     out = dict(parameters=count_parameters(spec.model))
     if spec.gpus is None: return out
     mp = spec.precision()
-    setting = PlanSpec(spec.model, spec.gpus, batch=1, seq_len=2048,  # the GPU planner's setting: one 2048-token sequence per GPU
+    # the GPU planner's setting: one 2048-token sequence per GPU
+    setting = PlanSpec(spec.model, spec.gpus, batch=1, seq_len=2048,
                        fsdp=FSDPConfig(mixed_precision=mp if mp != "fp16" else "bf16"), lora=METHODS[spec.method])
     p = plan_gpu(setting, gpu_mem_gb=spec.gpu_mem_gb)
-    return out | dict(gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, per_gpu_peak_gb=round(p.per_gpu_peak_bytes / GB, 2), fits=p.fits,
+    return out | dict(gpus=spec.gpus, gpu_mem_gb=spec.gpu_mem_gb, per_gpu_peak_gb=round(p.per_gpu_peak_bytes / GB, 2),
+                      fits=p.fits,
                       peak_moment=p.peak_moment,
                       line=plan_line(p.per_gpu_peak_bytes, p.per_gpu_allocated_bytes, p.peak_moment, spec.gpu_mem_gb),
                       host_load_gb={k: round(v / GB, 1) for k, v in p.host_load_bytes.items()})
 
+# %% ../nbs/12_doctor.ipynb #0addf680
 def wrap_sizes(model:str, min_num_params:int=None) -> dict:
     "One decoder layer's parameters, the container holding the layers, and whether the size policy selects it."
     from fsdp_kit.models import model_config, build_model, decoder_layers
     from fsdp_kit.wrap import size_policy  # accelerate's own FSDP2 size rule
     meta = build_model(model_config(model), device="meta")
     layers = decoder_layers(meta)
-    if not layers: return dict(layer=0, container=None, container_class=None, container_params=0, container_selected=False)
+    if not layers:
+        return dict(layer=0, container=None, container_class=None, container_params=0, container_selected=False)
     parent = next(n for n, m in meta.named_modules() if m is layers[0]).rpartition(".")[0]
     box = meta.get_submodule(parent)
-    return dict(layer=sum(p.numel() for p in layers[0].parameters()), container=parent, container_class=type(box).__name__,
+    return dict(layer=sum(p.numel() for p in layers[0].parameters()), container=parent,
+                container_class=type(box).__name__,
                 container_params=sum(p.numel() for p in box.parameters()),
                 container_selected=min_num_params is not None and size_policy(min_num_params)(box))
 
+# %% ../nbs/12_doctor.ipynb #5cb48574
 def twin_threshold(min_num_params:int, user:dict, twin:dict) -> int:
     "The twin's min_num_params: yours scaled by its layer size over yours, on the same side of the container."
     scaled = max(1, round(min_num_params * twin["layer"] / user["layer"])) if user["layer"] else min_num_params
-    return min(scaled, twin["container_params"] - 1) if user["container_selected"] else max(scaled, twin["container_params"])
+    return min(scaled,
+               twin["container_params"] - 1) if user["container_selected"] else max(scaled, twin["container_params"])
 
 # %% ../nbs/12_doctor.ipynb #9c98a6a0
 CONTAINER_ERROR = "does not support containers that do not implement forward"  # torch's fully_shard on a ModuleList
 # error -> (set, drop)
-FIXES = {CONTAINER_ERROR: (dict(auto_wrap_policy="TRANSFORMER_BASED_WRAP"), ("min_num_params", "transformer_layer_cls_to_wrap"))}
+FIXES = {CONTAINER_ERROR: (dict(auto_wrap_policy="TRANSFORMER_BASED_WRAP"),
+                           ("min_num_params", "transformer_layer_cls_to_wrap"))}
 
 def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> tuple:
     "(the FSDP file the twin runs, notes): SIZE_BASED_WRAP's threshold scaled to the twin (`twin_threshold`)."
@@ -777,6 +872,7 @@ def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> t
             f"{sizes['container']} {'is' if sizes['container_selected'] else 'is not'} above the threshold in both)")
     return file_variant(spec.fsdp_config, Path(folder) / "file", dict(min_num_params=m)), [note]
 
+# %% ../nbs/12_doctor.ipynb #f2d929bb
 def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
     "Where the twin's run stopped with an error FIXES knows, run it again with the fix; what that run did (None: none)."
     known = next((k for k in FIXES if k in (seen.get("error") or "")), None)
@@ -790,6 +886,7 @@ def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
                 error=s.get("error"),
                 losses=s.get("losses"), units=len(p.get("groups", [])), layers=len(p.get("layers", [])))
 
+# %% ../nbs/12_doctor.ipynb #0b4d833e
 def _container_crash(ctx) -> Check:
     "The wrap FAIL of a run fully_shard stopped on a container: the cause, and the fix the doctor ran."
     seen, sizes, fix, n = ctx["seen"], ctx["sizes"], ctx.get("fix_run"), ctx["upstream"].get("min_num_params")
@@ -830,22 +927,30 @@ def doctor(spec:DoctorSpec, say=print,
     size_based = up.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and up.get("min_num_params")
     ctx["sizes"] = wrap_sizes(spec.model, up.get("min_num_params") if size_based else None)
     ctx["layer_params"] = ctx["sizes"]["layer"]
-    ran = run_twin(spec, folder, say, variant=lambda twin: scaled_file(spec, up, ctx["sizes"], twin, folder) if size_based else (None, []))
-    fixing = any(k in (ran["seen"].get("error") or "") for k in FIXES)  # a run that stopped on a known error runs again with the fix
+    ran = run_twin(spec, folder, say,
+                   variant=lambda twin: scaled_file(spec, up, ctx["sizes"], twin, folder) if size_based else (None, []))
+    # a run that stopped on a known error runs again with the fix
+    fixing = any(k in (ran["seen"].get("error") or "") for k in FIXES)
     progress(2, 3 + fixing, "the twin's run")
     ctx["fix_run"] = try_fix(spec, folder, ran["seen"], say)
     if fixing: progress(3, 4, "the twin's run with the fix")
-    ctx |= dict(twin=ran["twin"], seen=ran["seen"], twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
-                others_dtype=spec.load_dtype(), user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
+    ctx |= dict(twin=ran["twin"], seen=ran["seen"],
+                twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
+                others_dtype=spec.load_dtype(),
+                user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
     checks = run_checks(ctx)
     progress(3 + fixing, 3 + fixing, "the checks")
     from fsdp_kit.versions import installed, versions_verdict
     versions = installed()
-    return dict(checks=[asdict(c) for c in checks], stopped_by=stopped_by(ctx["seen"], checks), fix_run=ctx["fix_run"], twin=ran["twin"],
-                versions=versions, versions_verdict=versions_verdict(versions), scale=ctx["scale"], upstream=ctx["upstream"],
-                seen={k: v for k, v in ran["seen"].items() if k in ("error", "stage", "losses", "world_size", "timed_out")}, folder=folder,
+    return dict(checks=[asdict(c) for c in checks], stopped_by=stopped_by(ctx["seen"], checks),
+                fix_run=ctx["fix_run"], twin=ran["twin"],
+                versions=versions, versions_verdict=versions_verdict(versions), scale=ctx["scale"],
+                upstream=ctx["upstream"],
+                seen={k: v for k, v in ran["seen"].items() if k in ("error", "stage", "losses", "world_size",
+                                                                    "timed_out")}, folder=folder,
                 seconds=round(time.time() - start, 1))
 
+# %% ../nbs/12_doctor.ipynb #2a74d714
 def report_text(result:dict) -> str:
     "The doctor's findings as lines: one per check (status, name, reason, fix), then the user's scale."
     stopped, skipped = result.get("stopped_by"), [c["name"] for c in result["checks"] if c["status"] == "SKIP"]
@@ -854,7 +959,8 @@ def report_text(result:dict) -> str:
              for c in result["checks"] if c["status"] != "SKIP" or not stopped]
     counts = {s: sum(c["status"] == s for c in result["checks"]) for s in STATUSES}
     s = result.get("scale") or {}
-    if s.get("line"): lines.append(f"your scale: {s['parameters'] / 1e9:.2f} B parameters on {s['gpus']} GPUs: {s['line']}")
+    if s.get("line"):
+        lines.append(f"your scale: {s['parameters'] / 1e9:.2f} B parameters on {s['gpus']} GPUs: {s['line']}")
     v = result.get("versions_verdict")
     if v:
         lines.append(f"{v['status']:4}  {'versions':24} {v['reason']}" + (f"\n      fix: {v['fix']}" if v["fix"] and v["status"] != "PASS"

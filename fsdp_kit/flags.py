@@ -15,18 +15,27 @@ from .errors import KitError, bad_value
 
 # %% ../nbs/01c_flags.ipynb #ec9bec88
 # the one flag whose name is not its field's (--field-name); sections are flattened: a field's name is its flag
-FLAG_NAMES = {"ce_chunks": "--chunked-ce", "r": "--lora-r", "targets": "--lora-targets", "dir": "--ckpt", "overwrite": "--overwrite-ckpt",
+FLAG_NAMES = {"ce_chunks": "--chunked-ce", "r": "--lora-r", "targets": "--lora-targets", "dir": "--ckpt",
+              "overwrite": "--overwrite-ckpt",
               "state_dict": "--state-dict", "workflow": "--run", "world_size": "--gpus"}
-BARE = {"ce_chunks": "8"}  # a flag given without a value: --chunked-ce alone is 8 chunks (torchtune's CEWithChunkedOutputLoss)
-# old spellings, kept for one release: old flag -> (field, the value a switch stands for, or None: the flag takes the value)
-OLD_FLAGS = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None), "--offload": ("cpu_offload", "true"),
-             "--edges-in-root": ("layout", "layers"), "--lora": ("r", None), "--seq": ("seq_len", None), "--grad-ckpt": ("ac", "full"),
-             "--no-gather": ("gather", "false"), "--reshard-after-forward": ("reshard", None)}  # compare's list of values to compare
+# a flag given without a value: --chunked-ce alone is 8 chunks (torchtune's CEWithChunkedOutputLoss)
+BARE = {"ce_chunks": "8"}
+# old spellings, kept for one release: old flag -> (field, the value a switch stands for, or None: the flag takes the
+# value)
+OLD_FLAGS = {"--reshard": ("reshard_after_forward", None), "--policy": ("auto_wrap_policy", None),
+             "--offload": ("cpu_offload", "true"),
+             "--edges-in-root": ("layout", "layers"), "--lora": ("r", None), "--seq": ("seq_len", None),
+             "--grad-ckpt": ("ac", "full"),
+             # compare's list of values to compare
+             "--no-gather": ("gather", "false"), "--reshard-after-forward": ("reshard", None)}
 # old values, kept for one release: (field, old value) -> the fields it sets
-OLD_VALUES = {("precision", "mixed-bf16"): dict(mixed_precision="bf16"), ("precision", "accelerate-bf16"): dict(mixed_precision="bf16"),
+OLD_VALUES = {("precision", "mixed-bf16"): dict(mixed_precision="bf16"),
+              ("precision", "accelerate-bf16"): dict(mixed_precision="bf16"),
               ("precision", "bf16-fp32-reduce"): dict(mixed_precision="bf16", reduce_dtype="fp32"),
-              **{("mixed_precision", old): dict(mixed_precision=new) for old, new in (  # torch's dtype names, before accelerate's
-                  ("fp32", "no"), ("float32", "no"), ("bfloat16", "bf16"), ("float16", "fp16"), ("torch.bfloat16", "bf16"))}}
+              # torch's dtype names, before accelerate's
+              **{("mixed_precision", old): dict(mixed_precision=new) for old, new in (
+                  ("fp32", "no"), ("float32", "no"), ("bfloat16", "bf16"), ("float16", "fp16"),
+                                                                                      ("torch.bfloat16", "bf16"))}}
 
 def flag_of(name:str) -> str:
     "The flag a field is set by: `--seq-len` for seq_len, or its entry in FLAG_NAMES."
@@ -41,7 +50,8 @@ def _comments(cls) -> dict:
         tokens = list(tokenize.generate_tokens(io.StringIO(inspect.getsource(kind)).readline))
         for t, nxt in zip(tokens, tokens[1:]):  # `name:type=default # comment`, the name first on its line
             if t.type == tokenize.NAME and t.start[1] == 4 and nxt.string == ":":
-                comment = next((c.string for c in tokens if c.type == tokenize.COMMENT and c.start[0] == t.start[0]), None)
+                comment = next((c.string for c in tokens if c.type == tokenize.COMMENT and c.start[0] == t.start[0]),
+                               None)
                 if comment: out[t.string] = comment.lstrip("# ").strip()
     return out
 
@@ -49,7 +59,8 @@ def _comments(cls) -> dict:
 def field_docs(cls) -> dict:
     "Each field of the dataclass `cls` -> (its type, its default, its comment), inherited fields included."
     docs = _comments(cls)
-    return {f.name: (f.type, f.default if f.default is not MISSING else f.default_factory() if f.default_factory is not MISSING else None,
+    return {f.name: (f.type,
+                     f.default if f.default is not MISSING else f.default_factory() if f.default_factory is not MISSING else None,
                      docs.get(f.name) or "") for f in fields(cls)}
 
 # %% ../nbs/01c_flags.ipynb #84523539
@@ -72,6 +83,7 @@ def _word(value) -> str:
     "A value as the command line spells it: true, false, names as they are."
     return str(value).lower() if isinstance(value, bool) else str(value)
 
+# %% ../nbs/01c_flags.ipynb #ed98eaa7
 def add_flags(parser, title:str, cls, names, base, required=()):
     "An argument group `title`: a flag for each field of `cls` in `names`, its help the field's comment, its default `base`'s value."
     g = parser.add_argument_group(title)
@@ -80,15 +92,18 @@ def add_flags(parser, title:str, cls, names, base, required=()):
         default = getattr(base, name) if base is not None else field_docs(cls)[name][1]
         shown = (",".join(_word(v) for v in default) or "empty") if isinstance(default, list) else default
         olds = [old for old, (field, _) in OLD_FLAGS.items() if field == name]
-        kw = dict(nargs="?", const="true") if kind is bool else dict(nargs="?", const=BARE[name]) if name in BARE else {}
+        kw = dict(nargs="?", const="true") if kind is bool else dict(nargs="?",
+                                                                     const=BARE[name]) if name in BARE else {}
         if name in required: kw, doc = kw | dict(required=True), f"{doc} (required: no default)"
-        g.add_argument(flag_of(name), dest=name, default=None, metavar=name.upper(), help=doc + f" (default: {shown})" * (name not in required),
+        g.add_argument(flag_of(name), dest=name, default=None, metavar=name.upper(),
+                       help=doc + f" (default: {shown})" * (name not in required),
                        **kw)
         for old in olds:
             const = OLD_FLAGS[old][1]
             extra = dict(nargs=0, action=_Old, const=const) if const is not None else dict(action=_Old)
             g.add_argument(old, dest=name, default=None, help=argparse.SUPPRESS, **extra)
 
+# %% ../nbs/01c_flags.ipynb #fcbb2a77
 class _Old(argparse.Action):
     "An old spelling: keep the value beside the new flag's (`given` reads both), and say once on stderr what it is spelled now."
     def __call__(self, parser, ns, values, option_string=None):
@@ -126,16 +141,21 @@ def spec_from_flags(ns, base, reads:dict, sections:dict, fsdp_file:str=None, say
     flat = {}
     for section, names in reads.items(): flat |= given(ns, type(base) if section == "" else sections[section], names)
     own = field_docs(type(base))
-    changes = {k: flat.pop(k) for k in list(flat) if k in own and k not in sections}  # `base`'s own fields first (HFRunSpec.lr)
+    # `base`'s own fields first (HFRunSpec.lr)
+    changes = {k: flat.pop(k) for k in list(flat) if k in own and k not in sections}
     for section, kind in sections.items():
         if section not in own: continue  # a spec without this section (EntrySpec's labs)
         mine = {k: flat.pop(k) for k in list(flat) if k in field_docs(kind)}
-        if section == "fsdp" and (mine or fsdp_file and "fsdp" in reads):  # a lab with no FSDP section never reads the file here
+        # a lab with no FSDP section never reads the file here
+        if section == "fsdp" and (mine or fsdp_file and "fsdp" in reads):
             read = load_fsdp_config(fsdp_file) if fsdp_file else base.config
-            changes["fsdp"] = override(read, **mine)  # each given field checked; a file's activation_checkpointing true kept
+            # each given field checked; a file's activation_checkpointing true kept
+            changes["fsdp"] = override(read, **mine)
             for k, v in mine.items():
-                if fsdp_file and v != getattr(read, k): say(f"note: {flag_of(k)} {v} overrides {k}={getattr(read, k)!r} from {fsdp_file}")
+                if fsdp_file and v != getattr(read, k):
+                    say(f"note: {flag_of(k)} {v} overrides {k}={getattr(read, k)!r} from {fsdp_file}")
             for note in changes["fsdp"].notes if fsdp_file else (): say(f"  {note}")
         elif mine: changes[section] = replace(getattr(base, section) or kind(), **mine)
-    if flat: raise KitError(f"{flag_of(next(iter(flat)))} is no setting of {type(base).__name__}")  # a READS table naming a stray field
+    # a READS table naming a stray field
+    if flat: raise KitError(f"{flag_of(next(iter(flat)))} is no setting of {type(base).__name__}")
     return replace(base, **changes)

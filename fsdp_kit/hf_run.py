@@ -50,16 +50,18 @@ class HFRunSpec(EntrySpec):
         super().check(world_size)
         for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
         require_positive("lr", self.lr)
-        if self.workflow == "trainer" and self.steps < 2: raise bad_value("steps", self.steps, "2 or more for trainer: it resumes half-way")
+        if self.workflow == "trainer" and self.steps < 2:
+            raise bad_value("steps", self.steps, "2 or more for trainer: it resumes half-way")
         path = Path(self.config_path())
         if not path.is_file():
-            raise bad_value("fsdp_config_file", self.fsdp_config, "an existing transformers .json or accelerate .yaml file")
+            raise bad_value("fsdp_config_file", self.fsdp_config,
+                            "an existing transformers .json or accelerate .yaml file")
         want = (".json",) if self.workflow in ("trainer", "native") else (".yaml", ".yml")
-        if path.suffix not in want: raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
+        if path.suffix not in want:
+            raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
                                                     "trainer and native read a transformers fsdp_config JSON; sft and qlora an accelerate "
                                                     "YAML")
         return self
-
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c003
 @dataclass
@@ -98,22 +100,29 @@ def unit_table(model) -> list:
         free = [p for p in module.parameters() if id(p) not in claimed]
         claimed |= {id(p) for p in free}
         rows.append(dict(module=name, cls=type(module).__mro__[1].__name__, parameters=sum(p.numel() for p in free),
-                         reshard_after_forward=None if group is None else group.post_forward_mesh_info is not None,  # None: holds nothing
-                         group=None if group is None else groups.setdefault(id(group), len(groups))))  # modules sharded together share one
+                         # None: holds nothing
+                         reshard_after_forward=None if group is None else group.post_forward_mesh_info is not None,
+                         # modules sharded together share one
+                         group=None if group is None else groups.setdefault(id(group), len(groups))))
     return rows
 
+# %% ../nbs/09a_hf_run.ipynb #37a7e64f
 def param_groups(units:list) -> list:
     "The partition `unit_table` rows describe: per FSDP unit holding parameters, its modules, parameters, resharding."
     merged = {}
     for u in units:
         if u["group"] is None: continue
-        g = merged.setdefault(u["group"], dict(modules=[], parameters=0, reshard_after_forward=u["reshard_after_forward"]))
+        g = merged.setdefault(u["group"],
+                              dict(modules=[], parameters=0, reshard_after_forward=u["reshard_after_forward"]))
         g["modules"].append(u["module"].replace("._checkpoint_wrapped_module", ""))
         g["parameters"] += u["parameters"]
-    return sorted((dict(g, modules=sorted(g["modules"])) for g in merged.values() if g["parameters"]), key=lambda g: g["modules"])
+    return sorted((dict(g, modules=sorted(g["modules"])) for g in merged.values() if g["parameters"]),
+                  key=lambda g: g["modules"])
 
+# %% ../nbs/09a_hf_run.ipynb #995e3044
 def _dtype(d) -> str: return None if d is None else str(d).replace("torch.", "")
 
+# %% ../nbs/09a_hf_run.ipynb #fe6b98f5
 def fsdp_facts(model) -> dict:
     "This rank's view: units, parameter classes, mixed precision, activation checkpointing, local and total parameters."
     from torch.distributed.fsdp import FSDPModule
@@ -128,11 +137,13 @@ def fsdp_facts(model) -> dict:
                 activation_checkpointing=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
                 local_parameters=local, parameters=sum(p.numel() for p in model.parameters()))
 
+# %% ../nbs/09a_hf_run.ipynb #2962ff67
 def confirm_fsdp2(model, where:str) -> dict:
     "`fsdp_facts` of rank 0, with every rank's verdict; raise a KitError naming `where` if any rank is not sharded."
     from fsdp_kit.ranks import gather_objects
     facts = fsdp_facts(model)
-    ranks = gather_objects(dict(units=len(facts["units"]), param_types=facts["param_types"], local_parameters=facts["local_parameters"],
+    ranks = gather_objects(dict(units=len(facts["units"]), param_types=facts["param_types"],
+                                local_parameters=facts["local_parameters"],
                                 parameters=facts["parameters"]))
     for r in ranks: r["sharded"] = r["units"] > 0 and r["param_types"] == ["DTensor"]
     bad = [i for i, r in enumerate(ranks) if not r["sharded"]]
@@ -146,7 +157,8 @@ def base_checkpoint(spec:HFRunSpec, folder:str) -> str:
     from fsdp_kit.ranks import barrier
     import torch.distributed as dist
     base = str(Path(folder) / "base")
-    if not dist.is_initialized() or dist.get_rank() == 0: build_model(model_config(spec.model), spec.seed).save_pretrained(base)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        build_model(model_config(spec.model), spec.seed).save_pretrained(base)
     barrier()
     return base
 
@@ -155,28 +167,35 @@ def trainer_arguments(spec:HFRunSpec, output_dir:str, fsdp_config, **more):
     "`TrainingArguments` for a plain loop the kit can match: constant AdamW, no clipping, sequential data."
     import torch
     from transformers import TrainingArguments
-    kw = dict(output_dir=output_dir, max_steps=spec.steps, per_device_train_batch_size=spec.batch, per_device_eval_batch_size=spec.batch,
-              learning_rate=spec.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch",
-              train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+    kw = dict(output_dir=output_dir, max_steps=spec.steps, per_device_train_batch_size=spec.batch,
+              per_device_eval_batch_size=spec.batch,
+              learning_rate=spec.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+              optim="adamw_torch",
+              train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to=[],
+              disable_tqdm=True,
               use_cpu=not torch.cuda.is_available(), seed=spec.seed)
     if fsdp_config is not None: kw |= dict(fsdp=True, fsdp_config=fsdp_config)
     return TrainingArguments(**(kw | more))
 
+# %% ../nbs/09a_hf_run.ipynb #fbb42137
 def trainer_losses(trainer) -> list:
     "The training loss of each step, from the Trainer's own log."
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
+# %% ../nbs/09a_hf_run.ipynb #f756563d
 def quiet_trainer(trainer):
     "Drop the callback that prints every log line on every rank."
     from transformers.trainer_callback import PrinterCallback
     trainer.remove_callback(PrinterCallback)
     return trainer
 
+# %% ../nbs/09a_hf_run.ipynb #4cd7d658
 def full_state_dict(model) -> dict:
     "The whole model's state dict on rank 0's CPU, empty on the other ranks (a collective)."
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+# %% ../nbs/09a_hf_run.ipynb #07c6ac54
 def _max_diff(a:dict, b:dict) -> float:
     "Largest absolute difference over the keys of `b`."
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
@@ -195,18 +214,24 @@ def kit_parity(spec:HFRunSpec, base:str, trainer_losses_:list,
     from fsdp_kit.train import TrainSpec, train_loop
     from fsdp_kit.spec import StepSpec
     from fsdp_kit.ranks import mean_over_ranks, decide_on_rank0
-    # read on rank 0 and sent to the others: reading a transformers JSON starts a process that imports TrainingArguments (seconds)
-    cfg = replace(decide_on_rank0(lambda: load_fsdp_config(spec.config_path())), mixed_precision=mixed_precision).check()
-    model, units = apply_fsdp(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), cfg, fsdp_mesh(build_mesh()))
-    optim = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)  # the Trainer's optim="adamw_torch", weight_decay=0
+    # read on rank 0 and sent to the others: reading a transformers JSON starts a process that imports TrainingArguments
+    # (seconds)
+    cfg = replace(decide_on_rank0(lambda: load_fsdp_config(spec.config_path())),
+                  mixed_precision=mixed_precision).check()
+    model, units = apply_fsdp(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), cfg,
+                              fsdp_mesh(build_mesh()))
+    # the Trainer's optim="adamw_torch", weight_decay=0
+    optim = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     run = TrainSpec(model=spec.model, steps=steps or spec.steps, batch=spec.batch, seq_len=spec.seq_len,
                     step=StepSpec(lr=spec.lr), seed=spec.seed)
     losses = mean_over_ranks(train_loop(model, run, dist.get_rank(), dist.get_world_size(),
                                         optimizer=(optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0))))
     facts = fsdp_facts(model)
-    return dict(losses=losses, max_loss_diff=max(abs(a - b) for a, b in zip(losses, trainer_losses_)), units=facts["units"],
+    return dict(losses=losses, max_loss_diff=max(abs(a - b) for a, b in zip(losses, trainer_losses_)),
+                units=facts["units"],
                 mixed_precision_policy=facts["mixed_precision_policy"], config=asdict(cfg), full=full_state_dict(model))
 
+# %% ../nbs/09a_hf_run.ipynb #a82216c8
 def _bf16_pair(spec:HFRunSpec, base:str, folder:Path, steps:int=3) -> dict:
     "A few steps of the Trainer with `bf16=True` and of the kit in bf16, same file and rows: policies and losses."
     import torch
@@ -214,13 +239,16 @@ def _bf16_pair(spec:HFRunSpec, base:str, folder:Path, steps:int=3) -> dict:
     from transformers import AutoModelForCausalLM, Trainer
     AcceleratorState._reset_state(True)
     args = trainer_arguments(spec, str(folder / "bf16"), spec.config_path(), max_steps=steps, bf16=True)
-    data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, steps * spec.batch * args.world_size, spec.seq_len,
+    data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size,
+                     steps * spec.batch * args.world_size, spec.seq_len,
                      args.world_size, spec.batch, spec.seed)
-    trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args, train_dataset=data))
+    trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args,
+                                    train_dataset=data))
     trainer.train()
     losses, policy = trainer_losses(trainer), fsdp_facts(trainer.model_wrapped)["mixed_precision_policy"]
     kit = kit_parity(spec, base, losses, mixed_precision="bf16", steps=steps)
-    return dict(trainer_losses=losses, kit_losses=kit["losses"], max_loss_diff=kit["max_loss_diff"], trainer_policy=policy,
+    return dict(trainer_losses=losses, kit_losses=kit["losses"], max_loss_diff=kit["max_loss_diff"],
+                trainer_policy=policy,
                 kit_policy=kit["mixed_precision_policy"], autocast=str(trainer.accelerator.native_amp))
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c008
@@ -228,6 +256,7 @@ def _sharded_copy(path:str) -> dict:
     "The transformers fsdp_config JSON at `path` with state_dict_type SHARDED_STATE_DICT, for the resumable checkpoint."
     return json.loads(Path(path).read_text()) | dict(state_dict_type="SHARDED_STATE_DICT")
 
+# %% ../nbs/09a_hf_run.ipynb #361c5cbd
 def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
     "Stop half-way with a SHARDED_STATE_DICT checkpoint, resume from it, compare with the straight run."
     import torch
@@ -238,15 +267,21 @@ def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
     for steps, resume in ((half, None), (spec.steps, f"{out}/checkpoint-{half}")):
         AcceleratorState._reset_state(True)  # a fresh Accelerator per Trainer, as in a new script
         args = trainer_arguments(spec, out, fsdp_config, max_steps=steps, save_strategy="steps", save_steps=half)
-        data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size, spec.steps * spec.batch * args.world_size,
+        data = TokenRows(AutoModelForCausalLM.from_pretrained(base).config.vocab_size,
+                         spec.steps * spec.batch * args.world_size,
                          spec.seq_len, args.world_size, spec.batch, spec.seed)
-        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args,
+        trainer = quiet_trainer(Trainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                        args=args,
                                         train_dataset=data))
         trainer.train(resume_from_checkpoint=resume)
-        runs.append(trainer_losses(trainer)[-(steps - (resume is not None) * half):])  # the log carries the checkpoint's history too
-    files = sorted(str(p.relative_to(Path(out, f"checkpoint-{half}"))) for p in Path(out, f"checkpoint-{half}").rglob("*") if p.is_file())
-    return dict(checkpoint=f"{out}/checkpoint-{half}", state_dict_type="SHARDED_STATE_DICT", files=files[:12], first=runs[0],
-                resumed=runs[1], straight_tail=straight[half:], max_diff=max(abs(a - b) for a, b in zip(runs[1], straight[half:])))
+        # the log carries the checkpoint's history too
+        runs.append(trainer_losses(trainer)[-(steps - (resume is not None) * half):])
+    files = sorted(str(p.relative_to(Path(out, f"checkpoint-{half}"))) for p in Path(out,
+                                                                                     f"checkpoint-{half}").rglob("*") if p.is_file())
+    return dict(checkpoint=f"{out}/checkpoint-{half}", state_dict_type="SHARDED_STATE_DICT", files=files[:12],
+                first=runs[0],
+                resumed=runs[1], straight_tail=straight[half:],
+                max_diff=max(abs(a - b) for a, b in zip(runs[1], straight[half:])))
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c009
 def _reload_full(saved:str, trained:dict) -> dict:
@@ -254,33 +289,40 @@ def _reload_full(saved:str, trained:dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     loaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
-    return dict(max_weight_diff=_max_diff(loaded, trained), tensors=len(trained), files=sorted(p.name for p in Path(saved).iterdir()))
+    return dict(max_weight_diff=_max_diff(loaded, trained), tensors=len(trained),
+                files=sorted(p.name for p in Path(saved).iterdir()))
 
+# %% ../nbs/09a_hf_run.ipynb #f8865ba6
 def trainer_worker(spec:HFRunSpec,
                    progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
                   ) -> HFRunResult:
     "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save, reload, resume; the kit beside it."
     import torch, torch.distributed as dist
     from fsdp_kit.ranks import quiet_libraries, shared_tempdir, barrier, gather_objects, progress
-    phases = ["trained", "evaluated, saved and loaded back"] + ["the kit's recipe", "bf16 beside the kit"] * spec.check_parity + ["resumed"]
+    phases = ["trained", "evaluated, saved and loaded back"] + ["the kit's recipe",
+                                                                "bf16 beside the kit"] * spec.check_parity + ["resumed"]
     finished = []
     def done(phase:str):
         finished.append(phase)
         if progress_from is not None: progress("hf --run trainer", len(finished), len(phases), progress_from, phase)
     from fsdp_kit.hf import enable_cpu_fsdp
-    quiet_libraries(); enable_cpu_fsdp()  # quiet first: importing the Trainer imports peft and bitsandbytes, which log as they load
+    # quiet first: importing the Trainer imports peft and bitsandbytes, which log as they load
+    quiet_libraries(); enable_cpu_fsdp()
     from transformers import AutoModelForCausalLM, Trainer
-    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")  # accelerate's note that it sets 1 thread per process on CPU
+    # accelerate's note that it sets 1 thread per process on CPU
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
     folder = Path(spec.out or shared_tempdir("fsdp_kit_hf_trainer_"))
     base = base_checkpoint(spec, folder)
     args = trainer_arguments(spec, str(folder / "trainer"), spec.config_path())
     vocab, world = AutoModelForCausalLM.from_pretrained(base).config.vocab_size, args.world_size
     data = TokenRows(vocab, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # after TrainingArguments, as in a script: it reads their env
+    # after TrainingArguments, as in a script: it reads their env
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     loading = dict(FSDP_CPU_RAM_EFFICIENT_LOADING=os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING"),
                    weights_on=gather_objects(next(model.parameters()).device.type))
     trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data,
-                                     eval_dataset=TokenRows(vocab, 2 * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed + 1)))
+                                     eval_dataset=TokenRows(vocab, 2 * spec.batch * world, spec.seq_len, world,
+                                                            spec.batch, spec.seed + 1)))
     trainer.train()
     facts, losses = confirm_fsdp2(trainer.model_wrapped, "Trainer"), trainer_losses(trainer)
     done('trained')
@@ -290,7 +332,8 @@ def trainer_worker(spec:HFRunSpec,
     barrier()
     result = HFRunResult("trainer", dist.get_world_size(), True, len(facts["units"]), facts["param_types"][0],
                          facts["mixed_precision_policy"],
-                         losses, saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"], per_rank=facts["per_rank"],
+                         losses, saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"],
+                         per_rank=facts["per_rank"],
                          activation_checkpointing=facts["activation_checkpointing"], eval_loss=eval_loss,
                          distributed_type=str(trainer.accelerator.distributed_type), loading=loading)
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
@@ -329,6 +372,7 @@ def _model_order(units:list) -> list:
     order = [u["module"].replace("._checkpoint_wrapped_module", "") for u in reversed(units)]
     return sorted(param_groups(units), key=lambda g: min(order.index(m) for m in g["modules"]))
 
+# %% ../nbs/09a_hf_run.ipynb #71b4b21a
 def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per FSDP unit: module, parameters, reshard_after_forward, group)
                      ):
     "One column per run: a block per unit with weights, as tall as its parameters, hatched if kept after forward."
@@ -340,8 +384,10 @@ def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per 
     for col, units in enumerate(layouts.values()):
         bottom = 0
         for g in _model_order(units):
-            ax.bar(col, g["parameters"], bottom=bottom, width=0.6, edgecolor="black", **styles[g["reshard_after_forward"]])
-            ax.text(col, bottom + g["parameters"] / 2, f"{' + '.join(g['modules'])}: {g['parameters']:,}", ha="center", va="center",
+            ax.bar(col, g["parameters"], bottom=bottom, width=0.6, edgecolor="black",
+                   **styles[g["reshard_after_forward"]])
+            ax.text(col, bottom + g["parameters"] / 2, f"{' + '.join(g['modules'])}: {g['parameters']:,}",
+                    ha="center", va="center",
                     fontsize=9, bbox=dict(facecolor="white", edgecolor="none", pad=1))
             bottom += g["parameters"]
     ax.set_xticks(range(len(layouts)), [f"{label}\n{len(units)} FSDP modules, {len(param_groups(units))} with weights"
@@ -351,7 +397,8 @@ def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per 
     ax.set(ylabel="parameters", title=f"the units each entry point made of one {sum(sizes):,}-parameter model:\n"
                                       + " + ".join(f"{n:,}" for n in sizes) + (f", the same in all {len(layouts)}" if same else ""))
     ax.legend([Patch(edgecolor="black", **styles[True]), Patch(edgecolor="black", **styles[False])],
-              ["freed after forward (reshard_after_forward=True)", "kept after forward (False)"], fontsize=9, loc="upper center",
+              ["freed after forward (reshard_after_forward=True)", "kept after forward (False)"], fontsize=9,
+              loc="upper center",
               bbox_to_anchor=(0.5, -0.14), ncol=2)
     return check_figure(fig)
 
@@ -366,6 +413,7 @@ def _first_step(trainer) -> dict:
         return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:110]}", where=where)
     return dict(units=fsdp_facts(trainer.model_wrapped)["units"], losses=trainer_losses(trainer))
 
+# %% ../nbs/09a_hf_run.ipynb #f72538de
 def size_policy_worker(spec:HFRunSpec, thresholds:list) -> list:
     "Per min_num_params in `thresholds`: an unmodified Trainer on SIZE_BASED_WRAP, accelerate's units, and the kit's."
     import torch
@@ -388,14 +436,14 @@ def size_policy_worker(spec:HFRunSpec, thresholds:list) -> list:
         AcceleratorState._reset_state(True)  # a fresh Accelerator per Trainer, as in a new script
         args = trainer_arguments(spec, str(folder / f"size_{n}"), training_arguments(cfg)["fsdp_config"])
         world = args.world_size
-        data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
+        data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch,
+                         spec.seed)
         trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
         row = dict(min_num_params=n, accelerate_selects=chosen, trainer=_first_step(trainer))
         try: row["kit"] = dict(units=fsdp_facts(apply_fsdp(load(), cfg, fsdp_mesh(build_mesh()))[0])["units"])
         except KitError as e: row["kit"] = dict(refused=str(e))
         out.append(row)
     return out
-
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c011
 def word_corpus(rows:int=96, seed:int=0) -> list:
@@ -404,10 +452,12 @@ def word_corpus(rows:int=96, seed:int=0) -> list:
     rng = random.Random(seed)
     who = ["the cat", "a dog", "my friend", "the teacher", "a small bird", "the old man", "our neighbour", "the child"]
     does = ["reads", "finds", "carries", "paints", "watches", "cleans", "builds", "opens"]
-    what = ["a red book", "the green door", "an old map", "the blue boat", "a warm coat", "the tall tree", "a quiet room", "the new lamp"]
+    what = ["a red book", "the green door", "an old map", "the blue boat", "a warm coat", "the tall tree",
+            "a quiet room", "the new lamp"]
     when = ["in the morning", "after lunch", "every day", "at night", "before the rain", "on sunday"]
     return [f"{rng.choice(who)} {rng.choice(does)} {rng.choice(what)} {rng.choice(when)} ." for _ in range(rows)]
 
+# %% ../nbs/09a_hf_run.ipynb #f237c2f5
 def word_tokenizer(texts:list):
     "A word-level `PreTrainedTokenizerFast` trained on `texts` (with pad, unk, bos and eos), built here."
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -416,8 +466,10 @@ def word_tokenizer(texts:list):
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
 
+# %% ../nbs/09a_hf_run.ipynb #99ee4288
 def _prepare_sft(spec:HFRunSpec, folder:Path) -> tuple:
     "The base model and its tokenizer saved as a pretrained folder, and the text data set as JSON lines: (base, data)."
     from fsdp_kit.models import model_config, build_model
@@ -438,7 +490,8 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
     source, notes, overrides = Path(path), [], ["--num_processes", str(nproc)]
     cfg = parse_fsdp_file(source)  # parsed once per command, the checks of the kit's reading included
     if (cfg.get("fsdp_config") or {}).get("fsdp_version", 1) == 1:
-        from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2  # what `accelerate to-fsdp2 --config_file F --output_file T` runs
+        # what `accelerate to-fsdp2 --config_file F --output_file T` runs
+        from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
         from fsdp_kit.upstream import quiet
         # its log lines on dropped keys: the notes say what was converted
         with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)
@@ -453,22 +506,29 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
                      "already live in host memory, so --fsdp_offload_params false")
     return str(source), overrides, notes
 
+# %% ../nbs/09a_hf_run.ipynb #ab83557e
 def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:str, out:str, port:int) -> list:
     "`accelerate launch --config_file FILE examples/sft_lora.py ...`, as a list of arguments."
-    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file, *overrides,
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file,
+           *overrides,
            "--main_process_port", str(port), str(EXAMPLES / "sft_lora.py"),
-           "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out, "--result_json", f"{out}/result.json",
-           "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length", str(spec.seq_len),
-           "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules",
+           "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out, "--result_json",
+           f"{out}/result.json",
+           "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length",
+           str(spec.seq_len),
+           "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16",
+           "--lora_target_modules",
            "all-linear"]
     if spec.workflow == "qlora":
         cmd += ["--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_compute_dtype", "bfloat16",
                 "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True"]
     return cmd
 
+# %% ../nbs/09a_hf_run.ipynb #c71045c9
 def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
     "Run `cmd` in a session of its own with its output in `log`, stopped after `timeout` s."
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try: out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9); out, _ = proc.communicate()
@@ -478,9 +538,11 @@ def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
         os.killpg(proc.pid, 9); proc.communicate()
         raise
     Path(log).write_text(out)
-    if proc.returncode: raise KitError(f"{what} failed (exit {proc.returncode}); its output is in {log}:\n{out[-3000:]}")
+    if proc.returncode:
+        raise KitError(f"{what} failed (exit {proc.returncode}); its output is in {log}:\n{out[-3000:]}")
     return out
 
+# %% ../nbs/09a_hf_run.ipynb #0c03120c
 def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
             progress_from:float=None # the command's start (`time.time()`): a line on stderr per finished phase (None: no lines)
            ) -> HFRunResult:
@@ -489,7 +551,8 @@ def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
     from fsdp_kit.launch import free_port
     from fsdp_kit.ranks import progress
     say = lambda line: print(line, file=sys.stderr, flush=True)
-    done = lambda n, phase: progress_from is not None and progress(f"hf --run {spec.workflow}", n, 2, progress_from, phase, say)
+    done = lambda n, phase: progress_from is not None and progress(f"hf --run {spec.workflow}", n, 2, progress_from,
+                                                                   phase, say)
     spec.check()
     folder = Path(spec.out or tempfile.mkdtemp(prefix=f"fsdp_kit_hf_{spec.workflow}_"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -513,6 +576,7 @@ def _native_plan(model) -> dict:
     plan = getattr(model, "_fsdp_plan", None) or getattr(model.config, "base_model_fsdp_plan", None) or {}
     return dict(plan) if isinstance(plan, dict) else {"plan": str(plan)}
 
+# %% ../nbs/09a_hf_run.ipynb #f1a0aafd
 def native_worker(spec:HFRunSpec,
                   progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
                  ) -> HFRunResult:
@@ -528,7 +592,8 @@ def native_worker(spec:HFRunSpec,
     facts = confirm_fsdp2(model, "from_pretrained(distributed_config=...)")
     done(1, "sharded by from_pretrained")
     args = trainer_arguments(spec, str(folder / "native"), None)
-    data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch, spec.seed)
+    data = TokenRows(model.config.vocab_size, spec.steps * spec.batch * world, spec.seq_len, world, spec.batch,
+                     spec.seed)
     trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
     trainer.train()
     confirm_fsdp2(trainer.model, "Trainer on the natively sharded model")
@@ -536,7 +601,8 @@ def native_worker(spec:HFRunSpec,
     trained, saved = full_state_dict(trainer.model), str(folder / "final")
     if dist.get_rank() == 0: AutoModelForCausalLM.from_pretrained(base).save_pretrained(saved, state_dict=trained)
     barrier()
-    result = HFRunResult("native", world, True, len(facts["units"]), facts["param_types"][0], facts["mixed_precision_policy"],
+    result = HFRunResult("native", world, True, len(facts["units"]), facts["param_types"][0],
+                         facts["mixed_precision_policy"],
                          trainer_losses(trainer), saved, "AutoModelForCausalLM.from_pretrained", units=facts["units"],
                          per_rank=facts["per_rank"],
                          activation_checkpointing=facts["activation_checkpointing"],
@@ -560,11 +626,14 @@ def run_workflow(spec:HFRunSpec, # which workflow, on which config file
     from fsdp_kit.launch import launch
     spec.check()
     if spec.workflow == "native" and nproc < 2:  # refused before launching: on one rank the model would train unsharded
-        raise bad_value("nproc", nproc, "2 or more for native: transformers' DistributedConfig does nothing at world size 1 "
+        raise bad_value("nproc", nproc,
+                        "2 or more for native: transformers' DistributedConfig does nothing at world size 1 "
                         "(the model stays unsharded); trainer, sft and qlora run FSDP2 on 1 rank")
     start = time.time()
     if spec.workflow in ("sft", "qlora"): result = run_sft(spec, nproc, SFT_RUN_LIMIT, progress_from)
-    else: result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, progress_from, nprocs=nproc,
+    else:
+        result = launch(trainer_worker if spec.workflow == "trainer" else native_worker, spec, progress_from,
+                        nprocs=nproc,
                           launcher="torchrun", timeout=timeout)
     result.seconds = round(time.time() - start, 1)
     return result

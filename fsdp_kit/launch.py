@@ -80,7 +80,8 @@ def rank_tag(rank:int=None, attempt_no:int=None) -> str:
     return f"a{attempt() if attempt_no is None else attempt_no}-rank{rank}"
 
 # %% ../nbs/10_launch.ipynb #c83d3f5c
-FORKED = "FSDP_KIT_FORKED_FROM_CALLER"  # set in the ranks `launch` forks from the caller's own process (a notebook's kernel)
+# set in the ranks `launch` forks from the caller's own process (a notebook's kernel)
+FORKED = "FSDP_KIT_FORKED_FROM_CALLER"
 
 def intra_op_threads(local_world:int) -> int:
     "Threads for a rank's CPU ops: 1 in a rank forked from the caller (OpenMP's pool does not survive a fork), else the cores shared out."
@@ -89,16 +90,20 @@ def intra_op_threads(local_world:int) -> int:
 def _init_process_group(backend:str, timeout:float):
     "Bring up the default process group from the launcher's environment variables."
     import torch, torch.distributed as dist
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                       os.environ["WORLD_SIZE"]))
     if backend == "nccl": torch.cuda.set_device(local_rank)
     if backend != "nccl" or os.environ.get(FORKED) == "1": torch.set_num_threads(intra_op_threads(local_world))
     timeout = datetime.timedelta(seconds=timeout)
     if attempt() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps its store across restarts: the failed attempt's keys (its ranks' addresses) are still there, and a new
+        # torchrun keeps its store across restarts: the failed attempt's keys (its ranks' addresses) are still there,
+        # and a new
         # rank could read a dead peer's address. Each attempt gets keys of its own.
-        store = dist.PrefixStore(f"fsdp_kit/attempt_{attempt()}", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        store = dist.PrefixStore(f"fsdp_kit/attempt_{attempt()}",
+                                 dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                                                is_master=False, timeout=timeout))
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=timeout)
     else: dist.init_process_group(backend, timeout=timeout)
 
@@ -110,7 +115,8 @@ def _wait_for_siblings(run_dir:str, timeout:float):
     if os.environ.get("FSDP_KIT_OWN_RUN_DIR"): return
     deadline = time.monotonic() + timeout
     while len(list(Path(run_dir).glob(f"started-a{attempt()}-*"))) < local_world:
-        if time.monotonic() > deadline: raise TimeoutError(f"only some of the {local_world} local workers started within {timeout} s")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only some of the {local_world} local workers started within {timeout} s")
         time.sleep(0.005)
 
 # %% ../nbs/10_launch.ipynb #2c7659e3
@@ -121,6 +127,7 @@ def die_with_parent():
     except (OSError, AttributeError): return  # not Linux: the launcher's own shutdown still stops the workers
     if os.getppid() == 1: os._exit(143)  # the parent died before the request took effect
 
+# %% ../nbs/10_launch.ipynb #d882aa6c
 def run_worker(fn, # the function each rank runs
                args:tuple, # its positional arguments
                backend:str, # "gloo", "nccl", or None: NCCL where CUDA is available
@@ -137,12 +144,17 @@ def run_worker(fn, # the function each rank runs
         die_with_parent()
         import multiprocessing
         if multiprocessing.parent_process() is not None:  # forked: it inherited the launching process's signal handlers
-            # Ctrl-C (Kernel > Interrupt signals the whole process group) and the SIGINT or SIGTERM the launcher then sends end it at once,
-            # even inside a collective, without a traceback per rank: the launching process says what happened, in one line
+            # Ctrl-C (Kernel > Interrupt signals the whole process group) and the SIGINT or SIGTERM the launcher then
+            # sends end it at once,
+            # even inside a collective, without a traceback per rank: the launching process says what happened, in one
+            # line
             signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        tempfile.tempdir = os.environ.get("FSDP_KIT_CALLER_TMPDIR") or None  # the caller pointed its own at the run folder
-        # an empty file that only a rank which exits without an error or a result leaves empty; a SIGTERM fills it with the stacks
-        faulthandler.register(signal.SIGTERM, open(Path(run_dir)/f"terminated-{rank_tag()}", "w"), all_threads=True, chain=True)
+        # the caller pointed its own at the run folder
+        tempfile.tempdir = os.environ.get("FSDP_KIT_CALLER_TMPDIR") or None
+        # an empty file that only a rank which exits without an error or a result leaves empty; a SIGTERM fills it with
+        # the stacks
+        faulthandler.register(signal.SIGTERM, open(Path(run_dir)/f"terminated-{rank_tag()}", "w"), all_threads=True,
+                              chain=True)
     try:
         _wait_for_siblings(run_dir, timeout)
         _init_process_group(backend, timeout)
@@ -152,7 +164,8 @@ def run_worker(fn, # the function each rank runs
         (Path(run_dir)/f"done-{rank_tag()}").touch()
         return result
     except BaseException as e:
-        _write_json(Path(run_dir)/f"error-{rank_tag()}.json", dict(rank=rank, attempt=attempt(), time=time.time(), type=type(e).__name__,
+        _write_json(Path(run_dir)/f"error-{rank_tag()}.json",
+                    dict(rank=rank, attempt=attempt(), time=time.time(), type=type(e).__name__,
                     message=str(e), traceback=traceback.format_exc()))
         raise
     finally:
@@ -186,8 +199,10 @@ def user_frames(stack:str) -> list:
     if "most recent call first" in stack: frames = frames[::-1]
     out = []
     for path, line, function in frames:
-        if path.startswith(kit) and Path(path).name in ("launch.py", "cli.py", "__main__.py"): continue  # the launcher's plumbing
-        if not path.startswith(kit) and (path.startswith("<") or path.startswith(libs)): continue  # torch, runpy, threading, ...
+        # the launcher's plumbing
+        if path.startswith(kit) and Path(path).name in ("launch.py", "cli.py", "__main__.py"): continue
+        # torch, runpy, threading, ...
+        if not path.startswith(kit) and (path.startswith("<") or path.startswith(libs)): continue
         out.append(f"{os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path}:{line} in {function}")
     return out
 
@@ -200,8 +215,10 @@ class Heartbeat:
                 ):
         self.timeout, self.exit_code, self.run_dir = timeout, exit_code, Path(run_dir or os.environ["FSDP_KIT_RUN_DIR"])
         self.tag, self.main, self.stopped, self.lock = rank_tag(), threading.get_ident(), threading.Event(), threading.Lock()
-        # one small file, rewritten in place with a single pwrite: a few microseconds, where create-and-rename cost ~0.5 ms a step
-        self.fd, self.width = os.open(self.run_dir/f"progress-{self.tag}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 0
+        # one small file, rewritten in place with a single pwrite: a few microseconds, where create-and-rename cost ~0.5
+        # ms a step
+        self.fd, self.width = os.open(self.run_dir/f"progress-{self.tag}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                      0o644), 0
         self.state = dict(rank=int(os.environ.get("RANK", 0)), attempt=attempt(), started=0, done=0, timeout=timeout)
         self.beat()
         threading.Thread(target=self._watch, daemon=True, name="fsdp_kit watchdog").start()
@@ -237,9 +254,11 @@ class Heartbeat:
         "Write what the main thread is stuck in, then end the process (torchrun then ends the other ranks)."
         frame = sys._current_frames().get(self.main)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        _write_json(self.run_dir/f"stuck-{self.tag}.json", dict(self.state, waited=round(time.monotonic() - self.last, 1),
+        _write_json(self.run_dir/f"stuck-{self.tag}.json",
+                    dict(self.state, waited=round(time.monotonic() - self.last, 1),
                     stack=stack, collective=collective_in(stack)))
-        if os.environ.get("FSDP_KIT_IN_PROCESS"):  # `_launch_here` runs the rank in the caller's process (a notebook kernel): do not end it
+        # `_launch_here` runs the rank in the caller's process (a notebook kernel): do not end it
+        if os.environ.get("FSDP_KIT_IN_PROCESS"):
             import _thread
             self.stop()
             return _thread.interrupt_main()
@@ -260,11 +279,14 @@ def rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
-    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a stack outside any
+    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a
+    # stack outside any
     # collective
     silent = sorted(r for r, t in terminated.items() if r not in errors and r not in stuck and not collective_in(main_thread_stack(t)))
-    if not stuck and not (timed_out and (progress or silent)): return None  # otherwise the earliest error is all we know
-    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, "")) or (errors.get(r) or {}).get("traceback")
+    # otherwise the earliest error is all we know
+    if not stuck and not (timed_out and (progress or silent)): return None
+    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r,
+                                                                                       "")) or (errors.get(r) or {}).get("traceback")
               or ""
               for r in progress | stuck | errors | dict.fromkeys(silent)}
     most = max((p["started"] for p in progress.values()), default=0)
@@ -276,10 +298,12 @@ def _hang(errors, stuck, progress, terminated) -> dict:
     where = re.findall(r"line \d+,? in (\w+)", stacks.get(hung, ""))
     message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start step {p.get('done', 0) + 1}" if p
                else f"rank {hung} hung")
-    if waiters: message += f"; rank(s) {', '.join(map(str, waiters))} waited for it in {' / '.join(waited_in) or 'a collective'}"
+    if waiters:
+        message += f"; rank(s) {', '.join(map(str, waiters))} waited for it in {' / '.join(waited_in) or 'a collective'}"
     timeout = next(iter(progress.values()), {}).get("timeout")
     message += f" (no progress for {timeout:g} s)" if timeout else ""
-    if where: message += f". Rank {hung} was in {where[-1] if 'most recent call first' not in stacks[hung] else where[0]}"
+    if where:
+        message += f". Rank {hung} was in {where[-1] if 'most recent call first' not in stacks[hung] else where[0]}"
     return dict(rank=hung, message=message, traceback=stacks.get(hung, ""), others=waiters, kind="hang")
 
 # %% ../nbs/10_launch.ipynb #27826722
@@ -314,7 +338,8 @@ def attempts(run_dir) -> int:
 def restarts(run_dir, before:int=None) -> list:
     "Why each earlier attempt ended: one `diagnose` dict (plus `attempt`) per attempt before `before` (default: the last)."
     before = attempts(run_dir) - 1 if before is None else before
-    return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"), attempt=a)
+    return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"),
+                 attempt=a)
             for a in range(before)]
 
 # %% ../nbs/10_launch.ipynb #bb679095
@@ -339,11 +364,13 @@ def collect(run_dir:str, # the launch's run folder
     "Return the result this node's first rank saved in `run_dir`, or raise `WorkerError` for the failed rank."
     run_dir = Path(run_dir)
     failed = diagnose(run_dir, attempts(run_dir) - 1)
-    if failed and failed["kind"] == "error" and failed["message"].startswith("KitError: "):  # a user's mistake a worker found: one line
+    # a user's mistake a worker found: one line
+    if failed and failed["kind"] == "error" and failed["message"].startswith("KitError: "):
         raise KitError(f"rank {failed['rank']}: {failed['message'].removeprefix('KitError: ')}")
     if failed: raise WorkerError(failed["rank"], failed["message"], failed["traceback"], failed["others"])
     result = run_dir/"result.pkl"
-    if not result.exists(): raise WorkerError(None, f"no rank returned a result and none reported an error. {exit_note}".strip())
+    if not result.exists():
+        raise WorkerError(None, f"no rank returned a result and none reported an error. {exit_note}".strip())
     return pickle.loads(result.read_bytes())
 
 # %% ../nbs/10_launch.ipynb #0809f0df
@@ -361,7 +388,8 @@ def _quiet_launch_logs():
     # its logger gets a level of its own when first imported: import it first
     importlib.import_module("torch.distributed.elastic.agent.server.api")
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn",
-                                              "torch.distributed.elastic.agent.server.api")]  # "Received 2 death signal" on Ctrl-C
+                                              # "Received 2 death signal" on Ctrl-C
+                                              "torch.distributed.elastic.agent.server.api")]
     levels = [l.level for l in loggers]
     for l in loggers: l.setLevel(logging.CRITICAL)
     try: yield
@@ -369,7 +397,8 @@ def _quiet_launch_logs():
         for l, level in zip(loggers, levels): l.setLevel(level)
 
 # %% ../nbs/10_launch.ipynb #5e1c7a20
-STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")  # the signals torch's process launcher takes over in its caller
+# the signals torch's process launcher takes over in its caller
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 
 @contextmanager
 def _own_signal_handlers():
@@ -400,36 +429,45 @@ def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
     if threads := autograd_threads(): return _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads)
     preload()  # once per kernel: each forked rank would import them again, at every launch
     if nprocs == 1: return _launch_one(fn, args, backend, timeout, run_dir)
-    saved, tempfile.tempdir = tempfile.tempdir, str(run_dir)  # torchelastic makes its log folder here; the workers restore ours
+    # torchelastic makes its log folder here; the workers restore ours
+    saved, tempfile.tempdir = tempfile.tempdir, str(run_dir)
     os.environ.update(FSDP_KIT_CALLER_TMPDIR=saved or "", **{FORKED: "1"})
     import multiprocessing
     before = {p.pid for p in multiprocessing.active_children()}
     with _quiet_launch_logs(), _own_signal_handlers(), redirect_stdout(_DropBanner(sys.stdout)):
-        try: notebook_launcher(run_worker, (fn, args, backend, timeout, str(run_dir)), num_processes=nprocs, use_port=str(free_port()))
+        try:
+            notebook_launcher(run_worker, (fn, args, backend, timeout, str(run_dir)), num_processes=nprocs,
+                              use_port=str(free_port()))
         except Exception as e:
-            if type(e).__name__ == "SignalException": raise KeyboardInterrupt(signal.Signals(e.sigval).name) from None  # Kernel > Interrupt
+            # Kernel > Interrupt
+            if type(e).__name__ == "SignalException": raise KeyboardInterrupt(signal.Signals(e.sigval).name) from None
             return f"{type(e).__name__}: {str(e)[:500]}"
         finally:
             tempfile.tempdir = saved; os.environ.pop("FSDP_KIT_CALLER_TMPDIR", None); os.environ.pop(FORKED, None)
-            for p in multiprocessing.active_children():  # a failed or interrupted launch (Ctrl-C, a test's timeout) leaves no worker behind
+            # a failed or interrupted launch (Ctrl-C, a test's timeout) leaves no worker behind
+            for p in multiprocessing.active_children():
                 if p.pid not in before: p.kill(); p.join(5)
     return ""
 
 # %% ../nbs/10_launch.ipynb #5a7c2e10
 def _world_of_one(**more) -> dict:
     "The environment a launcher gives the one rank of a process group of size 1 (on a free port), and `more`."
-    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+    return dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
                 **more)
 
 def _launch_one(fn, args, backend, timeout, run_dir):
     "Fork one worker, in a process group of size 1: the rank's backward (and autograd's threads) stay out of this process."
     import multiprocessing
-    env = _world_of_one(FSDP_KIT_CALLER_TMPDIR=tempfile.tempdir or "", **{FORKED: "1"})  # the caller's temporary folder; forked
-    proc = multiprocessing.get_context("fork").Process(target=_one_rank, args=(env, fn, args, backend, timeout, str(run_dir)))
+    # the caller's temporary folder; forked
+    env = _world_of_one(FSDP_KIT_CALLER_TMPDIR=tempfile.tempdir or "", **{FORKED: "1"})
+    proc = multiprocessing.get_context("fork").Process(target=_one_rank,
+                                                       args=(env, fn, args, backend, timeout, str(run_dir)))
     proc.start()
     try: proc.join()
     finally:
-        if proc.is_alive(): proc.kill(); proc.join(5)  # an interrupted wait (Ctrl-C, a test's timeout) leaves no worker behind
+        # an interrupted wait (Ctrl-C, a test's timeout) leaves no worker behind
+        if proc.is_alive(): proc.kill(); proc.join(5)
     return "" if proc.exitcode == 0 else f"the worker exited with code {proc.exitcode}"
 
 def _one_rank(env, fn, args, backend, timeout, run_dir):
@@ -442,7 +480,8 @@ def _one_rank(env, fn, args, backend, timeout, run_dir):
 def _launch_here(fn, args, backend, timeout, run_dir):
     "Run one rank in this process, in a process group of size 1."
     import torch
-    env = _world_of_one(FSDP_KIT_IN_PROCESS="1")  # a watchdog here interrupts the function instead of ending the caller's process
+    # a watchdog here interrupts the function instead of ending the caller's process
+    env = _world_of_one(FSDP_KIT_IN_PROCESS="1")
     saved, threads = {k: os.environ.get(k) for k in env}, torch.get_num_threads()
     os.environ.update(env)
     try: run_worker(fn, args, backend, timeout, str(run_dir))
@@ -468,11 +507,13 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
                     ) -> list:
     "The `torchrun` command line that runs `module` on `nnodes` x `nproc` processes."
     require_whole("nproc", nproc, 1), require_whole("nnodes", nnodes, 1), require_whole("max_restarts", max_restarts, 0)
-    if require_whole("node_rank", node_rank) >= nnodes: raise bad_value("node_rank", node_rank, f"0 <= node_rank < nnodes={nnodes}")
+    if require_whole("node_rank", node_rank) >= nnodes:
+        raise bad_value("node_rank", node_rank, f"0 <= node_rank < nnodes={nnodes}")
     cmd = [python, "-m", "torch.distributed.run"] if python else ["torchrun"]
     if nnodes == 1 and rdzv_endpoint is None: cmd += ["--standalone"]
     else:
-        if not rdzv_endpoint: raise bad_value("rdzv_endpoint", rdzv_endpoint, "HOST:PORT of the first node, needed when nnodes > 1")
+        if not rdzv_endpoint:
+            raise bad_value("rdzv_endpoint", rdzv_endpoint, "HOST:PORT of the first node, needed when nnodes > 1")
         if not isinstance(rdzv_id, str) or not rdzv_id.strip():
             raise bad_value("rdzv_id", rdzv_id, "a non-empty name every node of the job shares")
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
@@ -486,12 +527,14 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
 # %% ../nbs/10_launch.ipynb #3118688d
 def _importable(fn) -> bool:
     "Could a fresh interpreter import `fn` (pickle stores a function by module and name)?"
-    return getattr(fn, "__module__", None) not in (None, "__main__") and "<locals>" not in getattr(fn, "__qualname__", "<locals>")
+    return getattr(fn, "__module__", None) not in (None,
+                                                   "__main__") and "<locals>" not in getattr(fn, "__qualname__", "<locals>")
 
 def _check_importable(fn):
     "Refuse a function that worker processes started by torchrun could not import."
     if not _importable(fn):
-        raise bad_value("fn", getattr(fn, "__qualname__", fn), "a module-level function of an importable module with launcher='torchrun'",
+        raise bad_value("fn", getattr(fn, "__qualname__", fn),
+                        "a module-level function of an importable module with launcher='torchrun'",
                         "Move it into a module, or use launcher='notebook'.")
 
 # %% ../nbs/10_launch.ipynb #142e0b19
@@ -506,7 +549,8 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
         # the workers' prints go straight to our stderr where it is a real file; a notebook kernel's stream is not one
         try: stream = sys.stderr if sys.stderr.fileno() >= 0 else out
         except (AttributeError, OSError, ValueError): stream = out
-        proc = subprocess.Popen(cmd, stdout=stream, stderr=err, env=env, preexec_fn=die_with_parent)  # torchrun, too, ends when we do
+        # torchrun, too, ends when we do
+        proc = subprocess.Popen(cmd, stdout=stream, stderr=err, env=env, preexec_fn=die_with_parent)
         try: _wait_for_rendezvous(proc, run_dir, **nodes)
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): torchrun stops its workers before it exits
             _stop(proc)
@@ -516,10 +560,12 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     text = log.read_text()
     if "RendezvousTimeoutError" in text or "RendezvousClosedError" in text: raise _rendezvous_error(**nodes)
     lines = text.splitlines()
-    native = [l for l in lines if any(k in l for k in ("terminate called", "what()", "Fatal Python error", "Segmentation fault"))]
+    native = [l for l in lines if any(k in l for k in ("terminate called", "what()", "Fatal Python error",
+                                                       "Segmentation fault"))]
     return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
 
+# %% ../nbs/10_launch.ipynb #e8a65d62
 def _stop(proc, grace:float=20):
     "End torchrun: SIGTERM (it passes it on to its workers and waits for them), then SIGKILL after `grace` seconds."
     if proc.poll() is not None: return
@@ -527,7 +573,9 @@ def _stop(proc, grace:float=20):
     try: proc.wait(grace)
     except subprocess.TimeoutExpired: proc.kill(); proc.wait()
 
-def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_timeout=None, every:float=10, **_):
+# %% ../nbs/10_launch.ipynb #dc4d97ba
+def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_timeout=None, every:float=10,
+                         **_):
     "Wait for torchrun to exit; with several nodes, say every `every` s (half the rendezvous timeout, if shorter) that it still waits."
     start, said = time.monotonic(), 0
     every = min(every, rdzv_timeout / 2) if rdzv_timeout else every
@@ -541,6 +589,7 @@ def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=Non
                   + (f" of --rdzv-timeout {rdzv_timeout} s)" if rdzv_timeout else ")"), file=sys.stderr, flush=True)
             said = waited
 
+# %% ../nbs/10_launch.ipynb #f848a642
 def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, rdzv_timeout=None, **_) -> KitError:
     "The rendezvous ended without every node: name the nodes that never joined and how to start them."
     others = ", ".join(str(r) for r in range(nnodes) if r != node_rank)
@@ -562,7 +611,8 @@ def worker_main(run_dir:str):
     run_worker(fn, args, backend, timeout, run_dir)
 
 # %% ../nbs/10_launch.ipynb #b7c1e2a1
-# what every worker of the kit imports: torch's FSDP2, transformers and the kit's default model family (tiny / small Llama). Not
+# what every worker of the kit imports: torch's FSDP2, transformers and the kit's default model family (tiny / small
+# Llama). Not
 # transformers.trainer: it imports peft and bitsandbytes (transformers 5.25), fork traps
 PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "transformers",
            "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
@@ -572,6 +622,7 @@ def preload():
     import importlib
     for name in PRELOAD: importlib.import_module(name)
 
+# %% ../nbs/10_launch.ipynb #81e8c573
 def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
                   nproc:int, # processes per node
                   **nodes # multi-node settings, as `torchrun_command` takes them
@@ -580,21 +631,25 @@ def agent_command(run_dir:str, # the launch's run folder (holds call.pkl)
     import importlib.util
     cmd = torchrun_command("fsdp_kit", ["worker", run_dir], nproc=nproc, python=sys.executable, **nodes)
     at = cmd.index("-m", 3)  # where torchrun's own options end and the worker's module begins
-    script = importlib.util.find_spec("fsdp_kit.__main__").origin  # `python -m fsdp_kit`, as a script torchrun can run in its process
+    # `python -m fsdp_kit`, as a script torchrun can run in its process
+    script = importlib.util.find_spec("fsdp_kit.__main__").origin
     # torchrun's log folder: in the run folder, removed with it
     return [sys.executable, "-m", "fsdp_kit", "agent", "--log-dir", str(Path(run_dir)/"elastic"),
             "--run-path", "--start-method", "fork", *cmd[3:at], script, *cmd[at+2:]]
 
+# %% ../nbs/10_launch.ipynb #c339edab
 def agent_main(argv:list):
     "`python -m fsdp_kit agent ARGS`: torchrun's own `main(ARGS)`, after importing `PRELOAD` for the workers."
     preload()
-    if fork_traps(): argv[argv.index("--start-method") + 1] = "spawn"  # an import touched the device: fresh interpreters instead
+    # an import touched the device: fresh interpreters instead
+    if fork_traps(): argv[argv.index("--start-method") + 1] = "spawn"
     from torch.distributed.run import main
     try: main(argv); status = 0
     except SystemExit as e: status = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:  # torchrun's own failure (a rank that failed, a signal): its report goes to the log as before
         traceback.print_exc(); status = 1
-    # no interpreter shutdown: with transformers loaded it took 1.9-2.4 s on 2 cores, and the command names a failed rank only once we exit
+    # no interpreter shutdown: with transformers loaded it took 1.9-2.4 s on 2 cores, and the command names a failed
+    # rank only once we exit
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(status)
 
@@ -612,7 +667,8 @@ def _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads:int):
                        "defined in the notebook, in __main__ or inside a function). Restart the kernel and keep every backward inside "
                        f"launched functions, or move {name} to the top level of a module (launch then starts fresh interpreters with "
                        "launcher='torchrun')")
-    print(f"launch: starting the {nprocs} ranks with launcher='torchrun' (fresh interpreters), not by fork: {why}", file=sys.stderr,
+    print(f"launch: starting the {nprocs} ranks with launcher='torchrun' (fresh interpreters), not by fork: {why}",
+          file=sys.stderr,
           flush=True)
     return _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir)
 
@@ -636,35 +692,43 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
     if launcher not in ("notebook", "torchrun"): raise bad_value("launcher", launcher, "'notebook' or 'torchrun'")
     if launcher == "notebook" and (nnodes != 1 or max_restarts or rdzv_timeout):
         raise bad_value("launcher", launcher, "'torchrun' with nnodes > 1, max_restarts > 0 or rdzv_timeout")
-    if backend not in (None, "gloo", "nccl"): raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
+    if backend not in (None, "gloo", "nccl"):
+        raise bad_value("backend", backend, "'gloo', 'nccl' or None (NCCL where CUDA is available)")
     if backend == "nccl" and not _has_cuda():
         raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
     check_arg_types(fn, args)
-    nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+    nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                 max_restarts=max_restarts,
                  rdzv_timeout=rdzv_timeout)
     torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
     if rdzv_endpoint is not None: _check_endpoint(rdzv_endpoint)
     check_specs(args, nprocs * nnodes)
     if under_torchrun(): return _launch_in_this_rank(fn, args, backend, timeout)
-    # under torchrun the workers pick the default backend themselves: this process need not import torch (2 s on a small machine)
+    # under torchrun the workers pick the default backend themselves: this process need not import torch (2 s on a small
+    # machine)
     if launcher == "notebook": backend = backend or default_backend()
     sweep_run_dirs()
     run_dir = tempfile.mkdtemp(prefix="fsdp_kit_run_")
     (Path(run_dir)/"launcher.pid").write_text(str(os.getpid()))
     try:
-        if launcher == "notebook": return collect(run_dir, _launch_notebook(fn, args, nprocs, backend, timeout, run_dir))
+        if launcher == "notebook":
+            return collect(run_dir, _launch_notebook(fn, args, nprocs, backend, timeout, run_dir))
         result = collect(run_dir, _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes))
-        for r in restarts(run_dir): print(f"torchrun restarted the workers after attempt {r['attempt']}: {r['message']}", file=sys.stderr)
+        for r in restarts(run_dir):
+            print(f"torchrun restarted the workers after attempt {r['attempt']}: {r['message']}", file=sys.stderr)
         return result
-    except KeyboardInterrupt as e:  # Ctrl-C, or Kernel > Interrupt, which signals the workers too: one line, not every rank's traceback
+    # Ctrl-C, or Kernel > Interrupt, which signals the workers too: one line, not every rank's traceback
+    except KeyboardInterrupt as e:
         raise KeyboardInterrupt(f"{getattr(fn, '__name__', 'the function')} on {nprocs} process(es) was interrupted "
                                 f"({e.args[0] if e.args else 'SIGINT'}); every worker was stopped") from None
     finally: shutil.rmtree(run_dir, ignore_errors=True)
 
+# %% ../nbs/10_launch.ipynb #7ba19e48
 def _has_cuda() -> bool:
     import torch
     return torch.cuda.is_available()
 
+# %% ../nbs/10_launch.ipynb #d1506faf
 def check_arg_types(fn, args:tuple):
     "Refuse an argument that is not the dataclass `fn` declares for it, before anything starts."
     import dataclasses, inspect, typing
@@ -675,15 +739,18 @@ def check_arg_types(fn, args:tuple):
         kind = hints.get(param.name)
         if value is None and param.default is None: continue  # an optional spec left out (scale_train_worker's fault)
         if isinstance(kind, type) and dataclasses.is_dataclass(kind) and not isinstance(value, kind):
-            raise bad_value(param.name, type(value).__name__, f"a {kind.__name__}: {getattr(fn, '__name__', fn)} runs one")
+            raise bad_value(param.name, type(value).__name__,
+                            f"a {kind.__name__}: {getattr(fn, '__name__', fn)} runs one")
 
+# %% ../nbs/10_launch.ipynb #d01e5712
 def check_specs(args:tuple, world_size:int):
     "Call `check()` on every argument that has one, so a bad spec never starts a process."
     import inspect
     for a in args:
         check = getattr(a, "check", None)
         if not callable(check) or isinstance(a, type): continue
-        if callable(getattr(a, "checked", None)): a.checked(world_size); continue  # a RunSpec the caller checked is not checked again
+        # a RunSpec the caller checked is not checked again
+        if callable(getattr(a, "checked", None)): a.checked(world_size); continue
         params = inspect.signature(check).parameters
         wanted = [p for p in params.values() if p.default is p.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
         optional = params.get("world_size")
@@ -692,6 +759,7 @@ def check_specs(args:tuple, world_size:int):
         elif len(wanted) == 0: check()
         elif len(wanted) == 1: check(world_size)
 
+# %% ../nbs/10_launch.ipynb #27cf2579
 def _check_endpoint(endpoint:str):
     "Refuse a rendezvous endpoint that is not HOST:PORT, or whose host this machine cannot resolve."
     host, _, port = str(endpoint).rpartition(":")
@@ -701,10 +769,12 @@ def _check_endpoint(endpoint:str):
     except (socket.gaierror, UnicodeError) as e:
         raise bad_value("rdzv_endpoint", endpoint, "HOST:PORT with a host this machine can resolve", str(e)) from None
 
+# %% ../nbs/10_launch.ipynb #41dbac00
 def under_torchrun() -> bool:
     "Is this process a rank that a user's own `torchrun` started (not a worker of `launch`)?"
     return "TORCHELASTIC_RUN_ID" in os.environ and "FSDP_KIT_RUN_DIR" not in os.environ
 
+# %% ../nbs/10_launch.ipynb #87be2807
 def _launch_in_this_rank(fn, args, backend, timeout):
     "Under a user's `torchrun ... -m fsdp_kit CMD` this process is already one rank: run `fn` here."
     run_dir = tempfile.mkdtemp(prefix=f"fsdp_kit_run_rank{os.environ.get('RANK', 0)}_")
@@ -714,6 +784,7 @@ def _launch_in_this_rank(fn, args, backend, timeout):
         os.environ.pop("FSDP_KIT_OWN_RUN_DIR", None)
         shutil.rmtree(run_dir, ignore_errors=True)
 
+# %% ../nbs/10_launch.ipynb #ea5d13de
 def sweep_run_dirs():
     "Remove the run folders of launches whose launching process is gone (killed before it could clean up)."
     for d in Path(tempfile.gettempdir()).glob("fsdp_kit_run_*"):
@@ -724,6 +795,7 @@ def sweep_run_dirs():
         if pid is None and age < 3600: continue  # being set up right now, or not ours to judge yet
         if pid is None or not _alive(pid): shutil.rmtree(d, ignore_errors=True)
 
+# %% ../nbs/10_launch.ipynb #38747aed
 def _alive(pid:int) -> bool:
     "Is process `pid` running (a zombie counts as gone)?"
     try: os.kill(pid, 0)
@@ -733,10 +805,14 @@ def _alive(pid:int) -> bool:
     except (OSError, IndexError): return True
 
 # %% ../nbs/10_launch.ipynb #c5f8db4e
-# Everything a command starts (torchrun's agent and its workers, `accelerate launch`, the TrainingArguments helper) inherits TMPDIR
-# pointing into the command's own temporary folder, which also holds every temporary file of the command. A small janitor process,
-# started first, waits for the command to end, however it ends (SIGKILL included: the pipe it reads closes), then SIGKILLs every
-# process whose environment names that folder and removes it. Processes left to themselves took up to 8.6 s to die (torchrun's agent
+# Everything a command starts (torchrun's agent and its workers, `accelerate launch`, the TrainingArguments helper)
+# inherits TMPDIR
+# pointing into the command's own temporary folder, which also holds every temporary file of the command. A small
+# janitor process,
+# started first, waits for the command to end, however it ends (SIGKILL included: the pipe it reads closes), then
+# SIGKILLs every
+# process whose environment names that folder and removes it. Processes left to themselves took up to 8.6 s to die
+# (torchrun's agent
 # waiting on its workers), and a helper reparented to PID 1 outlived the command.
 JANITOR = """import os, shutil, signal, sys, time
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)
@@ -758,19 +834,24 @@ while (pids := scoped()) and time.monotonic() < end:
 shutil.rmtree(folder, ignore_errors=True)
 """
 
-
+# %% ../nbs/10_launch.ipynb #a59ef101
 class CommandScope:
     "A temporary folder for one command and everything it starts, and a janitor that removes it and ends those processes with the command."
     def __enter__(self):
         import subprocess
         self.saved = {k: os.environ.get(k) for k in ("TMPDIR", "FSDP_KIT_COMMAND_DIR")}
         self.folder = tempfile.mkdtemp(prefix="fsdp_kit_cmd_")
-        read, self.pipe = os.pipe()  # the janitor reads `read` until every copy of `self.pipe` is closed: this process's, at its end
-        self.janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR, self.folder], stdin=read, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "TMPDIR"},
-                                        start_new_session=True)  # a signal to the command's process group leaves it to clean up
+        # the janitor reads `read` until every copy of `self.pipe` is closed: this process's, at its end
+        read, self.pipe = os.pipe()
+        self.janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR, self.folder], stdin=read,
+                                        stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL,
+                                        env={k: v for k, v in os.environ.items() if k != "TMPDIR"},
+                                        # a signal to the command's process group leaves it to clean up
+                                        start_new_session=True)
         os.close(read)
-        os.environ.update(TMPDIR=self.folder, FSDP_KIT_COMMAND_DIR=self.folder)  # the mark the janitor finds descendants by
+        # the mark the janitor finds descendants by
+        os.environ.update(TMPDIR=self.folder, FSDP_KIT_COMMAND_DIR=self.folder)
         self.tempdir, tempfile.tempdir = tempfile.tempdir, self.folder
         return self.folder
 
@@ -782,4 +863,3 @@ class CommandScope:
         os.close(self.pipe)  # the janitor ends what is left and removes the folder
         try: self.janitor.wait(5)
         except Exception: pass
-

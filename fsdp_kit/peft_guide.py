@@ -36,6 +36,7 @@ def method_config(method:str, # one of METHODS
         case "prefix_tuning": return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8)
         case "adaption_prompt": return AdaptionPromptConfig(task_type="CAUSAL_LM", adapter_layers=1, adapter_len=4)
 
+# %% ../nbs/05b_peft.ipynb #30dd6ef4
 def peft_model(method:str, # one of METHODS
                seed:int=0, # seed of the base weights and of the adapter's initial values
                base=None # the model to adapt (a 4-bit one for QDoRA); None: the tiny Llama
@@ -66,7 +67,8 @@ def one_process_losses(model, # an unsharded model
 def trainable(model) -> dict:
     "Names of the trainable parameters, how many values they hold, and their classes (DTensor where FSDP2 sharded them)."
     ps = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return dict(tensors=len(ps), values=sum(p.numel() for _, p in ps), classes=sorted({type(p).__name__ for _, p in ps}),
+    return dict(tensors=len(ps), values=sum(p.numel() for _, p in ps),
+                classes=sorted({type(p).__name__ for _, p in ps}),
                 names=sorted({n.split(".")[-2] if n.endswith(".weight") else n.split(".")[-1] for n, _ in ps}))
 
 def method_run(method:str, # one of METHODS
@@ -78,10 +80,12 @@ def method_run(method:str, # one of METHODS
     import torch.distributed as dist
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
-    model, units = apply_fsdp(peft_model(method, seed, load() if load else None), cfg or FSDPConfig(), fsdp_mesh(build_mesh()))
+    model, units = apply_fsdp(peft_model(method, seed, load() if load else None), cfg or FSDPConfig(),
+                              fsdp_mesh(build_mesh()))
     out = dict(method=method, units=len(units), trainable=trainable(model), losses=train_steps(model, steps, seed, lr))
     if dist.get_rank() == 0:
-        ref = one_process_losses(peft_model(method, seed, load() if load else None), steps, dist.get_world_size(), seed, lr)
+        ref = one_process_losses(peft_model(method, seed, load() if load else None), steps, dist.get_world_size(),
+                                 seed, lr)
         out |= dict(one_process=ref, max_loss_diff=max(abs(a - b) for a, b in zip(out["losses"], ref)))
     return out, model
 
@@ -98,9 +102,11 @@ def saved_copy_check(out_dir:str, # an adapter folder written by peft's save_pre
     with torch.no_grad(): loss = reloaded(input_ids=tokens, labels=tokens).loss.item()
     copy = reloaded.state_dict()[key]
     saved = load_file(os.path.join(out_dir, "adapter_model.safetensors"))
-    return dict(files=sorted(os.listdir(out_dir)), saved_keys=sorted(saved), lm_head_equal=torch.equal(copy, trained[key]),
+    return dict(files=sorted(os.listdir(out_dir)), saved_keys=sorted(saved),
+                lm_head_equal=torch.equal(copy, trained[key]),
                 lm_head_max_diff=(copy - trained[key]).abs().max().item(), reloaded_loss=loss)
 
+# %% ../nbs/05b_peft.ipynb #cc0bc19e
 def modules_to_save_round_trip(model, # the sharded PeftModel of method_run("modules_to_save")
                                folder:str, seed:int=0) -> dict:
     "Save the adapter and its trained lm_head copy from the whole state dict and reload it; try the LoRA tensors alone."
@@ -110,32 +116,40 @@ def modules_to_save_round_trip(model, # the sharded PeftModel of method_run("mod
     tokens = synthetic_tokens(model.config.vocab_size, 2 * world, 32, step=10_000, seed=seed)  # held out
     sharded_loss, full = global_loss(model, tokens, rank, world), full_state_dict(model)  # collectives: every rank
     if rank != 0: return None
-    key, first = "base_model.model.lm_head.modules_to_save.default.weight", build_model(model_config("tiny"), seed).lm_head.weight
+    key, first = "base_model.model.lm_head.modules_to_save.default.weight", build_model(model_config("tiny"),
+                                                                                        seed).lm_head.weight
     model.save_pretrained(os.path.join(folder, "whole"), state_dict=full)
     lora = {k: v for k, v in full.items() if "lora_" in k}
     try: model.save_pretrained(os.path.join(folder, "lora_only"), state_dict=lora); lora_only = "saved"
     except Exception as e: lora_only = f"{type(e).__name__}: {e}"
-    return dict(sharded_loss=sharded_loss, lm_head_trained_change=(full[key] - first).abs().max().item(), lora_only=lora_only,
+    return dict(sharded_loss=sharded_loss, lm_head_trained_change=(full[key] - first).abs().max().item(),
+                lora_only=lora_only,
                 original_unchanged=torch.equal(full["base_model.model.lm_head.original_module.weight"], first),
                 whole=saved_copy_check(os.path.join(folder, "whole"), full, tokens, seed))
 
 # %% ../nbs/05b_peft.ipynb #f0f6dc93
 def adapter_weights(model) -> dict:
     "A copy of this rank's part of every LoRA weight."
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: (p.to_local() if hasattr(p,
+                                        "to_local") else p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
+# %% ../nbs/05b_peft.ipynb #c5ba26e3
 def freeze_probe(reshard_after_forward:bool, seed:int=0, lr:float=1e-2) -> dict:
     "Train a sharded LoRA model a step, freeze the adapter with `set_requires_grad`, reshard, step: did it hold?"
     import torch, torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from fsdp_kit.mesh import build_mesh, fsdp_mesh
     from fsdp_kit.wrap import apply_fsdp
-    model = apply_fsdp(peft_model("lora", seed), FSDPConfig(reshard_after_forward=reshard_after_forward), fsdp_mesh(build_mesh()))[0]
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)  # built once, as a Trainer builds it
+    model = apply_fsdp(peft_model("lora", seed), FSDPConfig(reshard_after_forward=reshard_after_forward),
+                       fsdp_mesh(build_mesh()))[0]
+    # built once, as a Trainer builds it
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = lambda step: rank_rows(synthetic_tokens(model.config.vocab_size, 2 * world, 32, step=step, seed=seed), rank, world)
+    rows = lambda step: rank_rows(synthetic_tokens(model.config.vocab_size, 2 * world, 32, step=step, seed=seed),
+                                  rank, world)
     model(input_ids=rows(0), labels=rows(0)).loss.backward(); optim.step(); optim.zero_grad()
-    with torch.no_grad(): model(input_ids=rows(1))  # an eval forward: with reshard_after_forward=False the layers stay gathered
+    # an eval forward: with reshard_after_forward=False the layers stay gathered
+    with torch.no_grad(): model(input_ids=rows(1))
     model.set_requires_grad("default", False)
     at_call = sorted({f"{type(p).__name__} requires_grad={p.requires_grad}" for n, p in model.named_parameters() if "lora_" in n})
     for m in model.modules():
@@ -148,8 +162,10 @@ def freeze_probe(reshard_after_forward:bool, seed:int=0, lr:float=1e-2) -> dict:
                 loss_requires_grad=loss.requires_grad, adapter_change_after_freeze=max(gather_objects(moved)))
 
 # %% ../nbs/05b_peft.ipynb #e314ca0c
-FSDP2_JSON = dict(version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", state_dict_type="SHARDED_STATE_DICT")  # the seed's YAML, FSDP2
-FSDP1_JSON = dict(FSDP2_JSON, version=1, use_orig_params=False, sync_module_states=False)  # as the seed's YAML, without the broadcast
+# the seed's YAML, FSDP2
+FSDP2_JSON = dict(version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", state_dict_type="SHARDED_STATE_DICT")
+# as the seed's YAML, without the broadcast
+FSDP1_JSON = dict(FSDP2_JSON, version=1, use_orig_params=False, sync_module_states=False)
 
 def trainer_failure(e:Exception) -> dict:
     "An exception's type and first line, and the innermost `Trainer` method it passed through (where in training it stopped)."
@@ -157,6 +173,7 @@ def trainer_failure(e:Exception) -> dict:
     frames = [f.name for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("transformers/trainer.py")]
     return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0]}", failed_in=frames[-1] if frames else None)
 
+# %% ../nbs/05b_peft.ipynb #6ff3e68e
 def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint)
                           folder:str, # where the Trainer would write its checkpoint
                           settings:tuple=((2, 8), (2, 64), (1, 64)) # (FSDP version, LoRA rank): r x 64 values per lora_A, 512 or 4096
@@ -176,7 +193,8 @@ def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint
         model = get_peft_model(load_base(base, QLoRASpec(lora=nf4("bfloat16"))), lora_config(r)).train()
         out = os.path.join(folder, f"paged_v{version}_r{r}")
         spec = HFRunSpec(steps=2, batch=2, seq_len=32)
-        args = trainer_arguments(spec, out, FSDP1_JSON if version == 1 else FSDP2_JSON, save_strategy="steps", save_steps=2,
+        args = trainer_arguments(spec, out, FSDP1_JSON if version == 1 else FSDP2_JSON, save_strategy="steps",
+                                 save_steps=2,
                                  optim="paged_adamw_8bit", bf16=True)
         data = TokenRows(model.config.vocab_size, 8, 32, args.world_size, 2)
         trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=data))
@@ -193,6 +211,7 @@ def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint
                          warnings=sorted({str(w.message) for w in seen if "aged" in str(w.message)})))
     return rows
 
+# %% ../nbs/05b_peft.ipynb #dc902106
 def paged_one_process(base:str, r:int=64) -> dict:
     "The same optimizer on the same 4-bit LoRA model unsharded, one process: a step, then its state dict saved and loaded."
     import io, torch, bitsandbytes as bnb
@@ -228,18 +247,23 @@ def best_model_run(base:str, # a saved tiny Llama (hf_run.base_checkpoint)
     fsdp = dict(FSDP2_JSON, state_dict_type=state_dict_type)
     spec = HFRunSpec(steps=max_steps, lr=lr, batch=2, seq_len=32)
     args = trainer_arguments(spec, out, fsdp, eval_strategy="steps", eval_steps=2, save_strategy="steps",
-                             save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
+                             save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                             greater_is_better=False)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     world, vocab = args.world_size, model.config.vocab_size
-    trainer = quiet_trainer(Trainer(model=model, args=args, train_dataset=TokenRows(vocab, max_steps * 2 * world, 32, world, 2),
+    trainer = quiet_trainer(Trainer(model=model, args=args,
+                                    train_dataset=TokenRows(vocab, max_steps * 2 * world, 32, world, 2),
                                     eval_dataset=TokenRows(vocab, 2 * world, 32, world, 2, seed=1),
                                     callbacks=[EarlyStoppingCallback(early_stopping_patience=patience)]))
     trainer.train()
-    facts = fsdp_facts(trainer.model_wrapped)  # before another eval: the root unit stays gathered after a forward without backward
+    # before another eval: the root unit stays gathered after a forward without backward
+    facts = fsdp_facts(trainer.model_wrapped)
     evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     after = trainer.evaluate()["eval_loss"]
-    return dict(state_dict_type=state_dict_type, evals=evals, best_checkpoint=os.path.basename(trainer.state.best_model_checkpoint or ""),
-                best_metric=trainer.state.best_metric, steps_done=trainer.state.global_step, max_steps=max_steps, eval_loss_after=after,
+    return dict(state_dict_type=state_dict_type, evals=evals,
+                best_checkpoint=os.path.basename(trainer.state.best_model_checkpoint or ""),
+                best_metric=trainer.state.best_metric, steps_done=trainer.state.global_step, max_steps=max_steps,
+                eval_loss_after=after,
                 checkpoints=sorted(os.listdir(out)), fsdp_units=len(facts["units"]), param_types=facts["param_types"],
                 local_parameters=facts["local_parameters"], parameters=facts["parameters"])
 
@@ -284,8 +308,10 @@ _COMMON = """accelerate launch --config_file "configs/{yaml}" train.py \\
 --lora_target_modules "all-linear" \\
 --use_4bit_quantization {quant}"""
 
+# %% ../nbs/05b_peft.ipynb #2d458ccf
 SEED_COMMANDS = {  # PEFT's examples/sft/run_peft_fsdp.sh and run_peft_qlora_fsdp.sh, as the seed guide prints them
-    "lora": _COMMON.format(yaml="fsdp_config.yaml", out="llama-sft-lora-fsdp", batch=8, accum=4, reentrant=False, quant=False),
+    "lora": _COMMON.format(yaml="fsdp_config.yaml", out="llama-sft-lora-fsdp", batch=8, accum=4, reentrant=False,
+                           quant=False),
     "qlora": _COMMON.format(yaml="fsdp_config_qlora.yaml", out="llama-sft-qlora-fsdp", batch=2, accum=2, reentrant=True,
                             quant=True) + """ \\
 --use_nested_quant True \\
@@ -310,6 +336,7 @@ model = AutoModelForCausalLM.from_pretrained(
 +   dtype=quant_storage_dtype or torch.float32,
 )"""
 
+# %% ../nbs/05b_peft.ipynb #b0253da5
 def command_flags(command:str) -> list:
     "The script's `--name value` pairs of a launch command (what follows the script), a bare flag as (name, None)."
     import shlex
@@ -317,9 +344,11 @@ def command_flags(command:str) -> list:
     words = words[next(i for i, w in enumerate(words) if w.endswith(".py")) + 1:]
     pairs = []
     for i, w in enumerate(words):
-        if w.startswith("--"): pairs.append((w[2:], None if i + 1 == len(words) or words[i + 1].startswith("--") else words[i + 1]))
+        if w.startswith("--"):
+            pairs.append((w[2:], None if i + 1 == len(words) or words[i + 1].startswith("--") else words[i + 1]))
     return pairs
 
+# %% ../nbs/05b_peft.ipynb #76f78cf2
 def script_reading(command:str) -> dict:
     "Which of `command`'s arguments examples/sft_lora.py's own parser knows, and which not."
     from transformers import HfArgumentParser
@@ -327,7 +356,8 @@ def script_reading(command:str) -> dict:
     from fsdp_kit.examples.sft_lora import ModelArguments, DataArguments
     known = {a.dest for a in HfArgumentParser((ModelArguments, DataArguments, SFTConfig))._actions}
     flags = command_flags(command)
-    return dict(arguments=len(flags), known=[n for n, _ in flags if n in known], unknown=[n for n, _ in flags if n not in known])
+    return dict(arguments=len(flags), known=[n for n, _ in flags if n in known],
+                unknown=[n for n, _ in flags if n not in known])
 
 # %% ../nbs/05b_peft.ipynb #40d74f92
 @dataclass(frozen=True)
@@ -344,6 +374,7 @@ class PeftSpec:
         require_whole("best_max_steps", self.best_max_steps, 4), require_positive("best_lr", self.best_lr)
         return self
 
+# %% ../nbs/05b_peft.ipynb #7dff7871
 def peft_worker(spec:PeftSpec) -> dict:
     "Every caveat of the PEFT guide on this process group: methods, modules_to_save, freeze, QDoRA, paged optimizer, best model."
     import torch.distributed as dist
@@ -351,7 +382,8 @@ def peft_worker(spec:PeftSpec) -> dict:
     from fsdp_kit.hf_run import HFRunSpec, base_checkpoint
     from fsdp_kit.qlora import QLoRASpec, load_base, nf4
     quiet_libraries(); enable_cpu_fsdp(say=False)
-    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS|.*past_key_values.*")  # accelerate's thread note; prefix tuning's cache
+    # accelerate's thread note; prefix tuning's cache
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS|.*past_key_values.*")
     folder, rank, out = shared_tempdir("fsdp_kit_peft_"), dist.get_rank(), dict(methods={})
     for method in METHODS:
         out["methods"][method], model = method_run(method, spec.steps, spec.seed, spec.lr)
@@ -361,12 +393,15 @@ def peft_worker(spec:PeftSpec) -> dict:
             except TypeError as e: out["prompt_set_requires_grad"] = f"TypeError: {e}"
     out["freeze"] = [freeze_probe(r, spec.seed, spec.lr) for r in (True, False)]
     base, qlora = base_checkpoint(HFRunSpec(seed=spec.seed), folder), QLoRASpec(lora=nf4("bfloat16"))
-    out["qdora"], model = method_run("dora", spec.steps, spec.seed, spec.lr, lambda: load_base(base, qlora), qlora.config)
+    out["qdora"], model = method_run("dora", spec.steps, spec.seed, spec.lr, lambda: load_base(base, qlora),
+                                     qlora.config)
     packed = {str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if type(m).__name__ == "Linear4bit"}
     out["qdora"]["storage"] = sorted(packed)
     out["paged"] = paged_optimizer_probe(base, folder)
-    if rank == 0: out["paged_one_process"], out["sft_lora_reading"] = paged_one_process(base), script_reading(SEED_COMMANDS["qlora"])
-    out["best"] = [best_model_run(base, folder, t, spec.best_lr, spec.best_max_steps) for t in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
+    if rank == 0:
+        out["paged_one_process"], out["sft_lora_reading"] = paged_one_process(base), script_reading(SEED_COMMANDS["qlora"])
+    out["best"] = [best_model_run(base, folder, t, spec.best_lr,
+                                  spec.best_max_steps) for t in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
     barrier()
     if rank == 0: shutil.rmtree(folder, ignore_errors=True)
     return out

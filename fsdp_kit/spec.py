@@ -10,29 +10,36 @@ __all__ = ['STEP_PRECISIONS', 'QUANT_STORAGES', 'BASE_DTYPES', 'SECTIONS', 'Step
 
 # %% ../nbs/01b_spec.ipynb #4f4d60ee
 from dataclasses import dataclass, field, fields, KW_ONLY
+from fastcore.basics import patch
 from .errors import KitError, bad_value, require_whole, require_seed, require_model, require_positive
 from .config import FSDPConfig, MIXED_PRECISION
 from .upstream import DTYPE_NAMES
 from .mesh import AXES, MeshSpec
 
 # %% ../nbs/01b_spec.ipynb #f493d761
-STEP_PRECISIONS = ("fp32", "pure-bf16")  # the dtype the weights are kept in: float32 (mixed precision casts them) or bf16 throughout
+# the dtype the weights are kept in: float32 (mixed precision casts them) or bf16 throughout
+STEP_PRECISIONS = ("fp32", "pure-bf16")
 
 @dataclass(frozen=True)
 class StepSpec:
     "How one optimizer step runs: AdamW's learning rate and warm-up, the weights' precision and the memory savers."
     lr:float=3e-3 # AdamW learning rate
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
-    precision:str="fp32" # weights kept in fp32 (FSDP's mixed_precision casts for compute) or pure-bf16 (weights, grads, Adam in bf16)
-    ce_chunks:int=0 # the loss in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
+    # weights kept in fp32 (FSDP's mixed_precision casts for compute) or pure-bf16 (weights, grads, Adam in bf16)
+    precision:str="fp32"
+    # the loss in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
+    ce_chunks:int=0
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
-    offload_activations:bool=False # what autograd saves for backward kept in host memory (fsdp_kit.ac.activations_on_host)
+    # what autograd saves for backward kept in host memory (fsdp_kit.ac.activations_on_host)
+    offload_activations:bool=False
     gradient_checkpointing:bool=False # the model's own (transformers) gradient checkpointing
 
     def check(self) -> "StepSpec":
         "Refuse values outside what each field allows, naming the field; return the spec."
-        require_positive("lr", self.lr), require_whole("warmup", self.warmup, 0), require_whole("ce_chunks", self.ce_chunks, 0)
-        if self.precision not in STEP_PRECISIONS: raise bad_value("precision", self.precision, f"one of {', '.join(STEP_PRECISIONS)}")
+        require_positive("lr", self.lr), require_whole("warmup", self.warmup,
+                                                       0), require_whole("ce_chunks", self.ce_chunks, 0)
+        if self.precision not in STEP_PRECISIONS:
+            raise bad_value("precision", self.precision, f"one of {', '.join(STEP_PRECISIONS)}")
         for name in ("optimizer_in_backward", "offload_activations", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool): raise bad_value(name, getattr(self, name), "True or False")
         return self
@@ -43,7 +50,8 @@ class StepSpec:
         return self.precision == "pure-bf16"
 
 # %% ../nbs/01b_spec.ipynb #a1732b24
-QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")  # bnb_4bit_quant_storage: uint8, or a torch name of upstream.DTYPES
+# bnb_4bit_quant_storage: uint8, or a torch name of upstream.DTYPES
+QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")
 BASE_DTYPES = (None, "fp32", "bf16", "nf4")  # the frozen base: float32, bf16, or 4-bit NF4 (bitsandbytes, QLoRA)
 
 @dataclass(frozen=True)
@@ -74,7 +82,8 @@ class RunSpec:
     batch:int=4 # sequences per rank per step (per data-parallel rank: the cp ranks of a group share theirs)
     seq_len:int=64 # tokens per sequence
     steps:int=10 # optimizer steps
-    mesh:MeshSpec=MeshSpec() # the mesh sizes: dp_replicate x dp_shard x cp (dp_shard=-1: every rank the other axes leave)
+    # the mesh sizes: dp_replicate x dp_shard x cp (dp_shard=-1: every rank the other axes leave)
+    mesh:MeshSpec=MeshSpec()
     fsdp:FSDPConfig=None # how to wrap, shard, cast and offload (None: FSDPConfig(), a unit per decoder layer, fp32)
     step:StepSpec=field(default_factory=StepSpec) # how one optimizer step runs: lr, warm-up, precision, memory savers
     lora:LoraSpec=None # adapters on a frozen base (None: every parameter trains)
@@ -90,30 +99,6 @@ class RunSpec:
         "The FSDP config this run applies."
         return self.fsdp if self.fsdp is not None else FSDPConfig()
 
-    def check(self, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
-        "Refuse shared settings that cannot run, naming the field; return the spec, unchanged."
-        require_model("model", self.model), require_seed("seed", self.seed)
-        for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
-        if not isinstance(self.mesh, MeshSpec): raise bad_value("mesh", self.mesh, "a mesh.MeshSpec")
-        for name in ("dp_replicate", "cp"): require_whole(name, getattr(self.mesh, name), 1)
-        if isinstance(self.mesh.dp_shard, bool) or self.mesh.dp_shard != -1: require_whole("dp_shard", self.mesh.dp_shard, 1)
-        if self.fsdp is not None and not isinstance(self.fsdp, FSDPConfig):
-            raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
-        self.config.check()
-        if not isinstance(self.step, StepSpec): raise bad_value("step", self.step, "a spec.StepSpec")
-        if self.lora is not None and not isinstance(self.lora, LoraSpec): raise bad_value("lora", self.lora, "None or a spec.LoraSpec")
-        self.step.check()
-        if self.lora is not None: self.lora.check()
-        if world_size is not None: self.mesh.resolve(world_size)
-        return self
-
-    def checked(self, world_size:int=None): # processes that will run it
-        "The spec, checked once: `check(world_size)` unless it already passed for this world size (launch calls this)."
-        if getattr(self, "_passed", None) != (world_size,):
-            self.check(world_size)
-            object.__setattr__(self, "_passed", (world_size,))  # not a field: a replace()d variant is a new spec, checked again
-        return self
-
     def refuse_unless(self, name:str, # a shared field, or a mesh size (dp_replicate, dp_shard, cp)
                       allowed, # the one value this lab runs
                       why:str # what to do instead
@@ -128,14 +113,40 @@ class RunSpec:
         "The spec `asdict` gave, its sections (mesh, fsdp, step, lora) rebuilt as their dataclasses."
         return cls(**d | {k: section(**d[k]) for k, section in SECTIONS.items() if d.get(k) is not None})
 
-    def refuse_unread(self, unread:dict # shared field (or mesh size) -> why this lab does not read it
-                     ):
-        "Refuse each setting in `unread` that differs from RunSpec's default: this lab would ignore it."
-        default = RunSpec()
-        for name, why in unread.items(): self.refuse_unless(name, getattr(default.mesh if name in AXES else default, name), why)
+# %% ../nbs/01b_spec.ipynb #beeee436
+@patch
+def check(self:RunSpec, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
+    "Refuse shared settings that cannot run, naming the field; return the spec, unchanged."
+    require_model("model", self.model), require_seed("seed", self.seed)
+    for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
+    if not isinstance(self.mesh, MeshSpec): raise bad_value("mesh", self.mesh, "a mesh.MeshSpec")
+    for name in ("dp_replicate", "cp"): require_whole(name, getattr(self.mesh, name), 1)
+    if isinstance(self.mesh.dp_shard, bool) or self.mesh.dp_shard != -1:
+        require_whole("dp_shard", self.mesh.dp_shard, 1)
+    if self.fsdp is not None and not isinstance(self.fsdp, FSDPConfig):
+        raise bad_value("fsdp", self.fsdp, "None or a config.FSDPConfig")
+    self.config.check()
+    if not isinstance(self.step, StepSpec): raise bad_value("step", self.step, "a spec.StepSpec")
+    if self.lora is not None and not isinstance(self.lora, LoraSpec):
+        raise bad_value("lora", self.lora, "None or a spec.LoraSpec")
+    self.step.check()
+    if self.lora is not None: self.lora.check()
+    if world_size is not None: self.mesh.resolve(world_size)
+    return self
 
-SECTIONS = dict(mesh=MeshSpec, fsdp=FSDPConfig, step=StepSpec, lora=LoraSpec)  # RunSpec's sections: field -> its dataclass
+@patch
+def checked(self:RunSpec, world_size:int=None): # processes that will run it
+    "The spec, checked once: `check(world_size)` unless it already passed for this world size (launch calls this)."
+    if getattr(self, "_passed", None) != (world_size,):
+        self.check(world_size)
+        # not a field: a replace()d variant is a new spec, checked again
+        object.__setattr__(self, "_passed", (world_size,))
+    return self
 
+# %% ../nbs/01b_spec.ipynb #48a71c9b
+SECTIONS = dict(mesh=MeshSpec, fsdp=FSDPConfig, step=StepSpec, lora=LoraSpec)
+
+# %% ../nbs/01b_spec.ipynb #7d4d96d4
 def not_a_field(cls, name:str, value) -> KitError:
     "The error for `cls(name=value)` where `name` is no field of `cls`: the section it lives in now, or the fields there are."
     for section, kind in SECTIONS.items():
@@ -153,7 +164,8 @@ def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spel
     name = str(value).removeprefix("torch.")
     name = DTYPE_NAMES.get(name, name)  # bfloat16 -> bf16, float32 -> fp32
     name = "no" if name == "fp32" else name  # computing in fp32 is no mixed precision
-    if name not in MIXED_PRECISION: raise bad_value(field, value, "no, bf16 or fp16 (accelerate's names for the compute dtype)")
+    if name not in MIXED_PRECISION:
+        raise bad_value(field, value, "no, bf16 or fp16 (accelerate's names for the compute dtype)")
     return name
 
 # %% ../nbs/01b_spec.ipynb #cd1d579c

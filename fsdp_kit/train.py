@@ -34,7 +34,8 @@ class TrainSpec(RunSpec):
                            "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
         if self.lora is not None: lora_targets(self.lora.targets)
         if self.lora is not None and self.lora.base_dtype not in (None, "fp32"):
-            raise bad_value("base_dtype", self.lora.base_dtype, "None or fp32 for training (a bf16 or 4-bit base is the QLoRA lab's)")
+            raise bad_value("base_dtype", self.lora.base_dtype,
+                            "None or fp32 for training (a bf16 or 4-bit base is the QLoRA lab's)")
         if not isinstance(self.check_parity, bool): raise bad_value("check_parity", self.check_parity, "True or False")
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
             raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec",
@@ -43,7 +44,8 @@ class TrainSpec(RunSpec):
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32",
                             f"Drop --check-parity or mixed_precision={self.config.mixed_precision!r}")
         if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
-            raise bad_value("check_parity", True, "a full fine-tune from step 0", "Drop --check-parity with --lora-r or --resume")
+            raise bad_value("check_parity", True, "a full fine-tune from step 0",
+                            "Drop --check-parity with --lora-r or --resume")
         if self.ckpt is not None: self.ckpt.check()
         self.check_step()
         return self
@@ -52,18 +54,22 @@ class TrainSpec(RunSpec):
         "Refuse step settings training cannot combine, naming the field."
         step = self.step
         if step.pure_bf16 and (self.lora or self.config.mixed_precision != "no" or self.check_parity):
-            raise bad_value("precision", step.precision, "fp32 with LoRA, mixed_precision or check_parity (pure bf16: all of it bf16)")
+            raise bad_value("precision", step.precision,
+                            "fp32 with LoRA, mixed_precision or check_parity (pure bf16: all of it bf16)")
         if step.optimizer_in_backward and (step.warmup or self.ckpt is not None):
-            raise bad_value("optimizer_in_backward", True, "False with warmup or ckpt (an optimizer per parameter: no schedule, no state)")
+            raise bad_value("optimizer_in_backward", True,
+                            "False with warmup or ckpt (an optimizer per parameter: no schedule, no state)")
         if step.gradient_checkpointing:
-            raise bad_value("gradient_checkpointing", True, "False: training recomputes activations as the config's ac policy says (--ac)")
+            raise bad_value("gradient_checkpointing", True,
+                            "False: training recomputes activations as the config's ac policy says (--ac)")
 
 # %% ../nbs/01_train.ipynb #399cb3b6
 def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr, warmup and optimizer_in_backward
     "AdamW over the trainable parameters (all, or only the adapters under LoRA; `ac.step_optimizer`) and a linear warm-up schedule."
     import torch
     optim = step_optimizer(model, spec.step)
-    if spec.step.optimizer_in_backward: return optim, optim  # stepped inside backward: no schedule (warm-up is refused with it)
+    # stepped inside backward: no schedule (warm-up is refused with it)
+    if spec.step.optimizer_in_backward: return optim, optim
     warmup = spec.step.warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
     return optim, schedule
@@ -77,12 +83,14 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
               ) -> list:
     "Train `model` from `start_step` to `spec.steps` on this rank's rows of each global batch; return its losses (and fill `times`)."
     import torch
-    rows, device = rows or spec.batch * world_size, next(model.parameters()).device  # tokens go where the parameters are
+    # tokens go where the parameters are
+    rows, device = rows or spec.batch * world_size, next(model.parameters()).device
     optim, schedule = optimizer or make_optimizer(model, spec)
     losses = []
     for step in range(start_step, spec.steps):
         start = time.perf_counter()
-        tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank, world_size).to(device)
+        tokens = rank_rows(synthetic_tokens(model.config.vocab_size, rows, spec.seq_len, step, spec.seed), rank,
+                           world_size).to(device)
         with first_step if first_step is not None and step == start_step else nullcontext():
             loss = train_step(model, optim, tokens, spec.step)  # the wrap lab's step too (fsdp_kit.ac.train_step)
             schedule.step()
@@ -113,7 +121,8 @@ class TrainResult:
     config:dict=None # the FSDPConfig the run applied, field by field
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
-    timing:dict=None # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
+    # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
+    timing:dict=None
     ac:str="none" # the activation checkpointing policy the run applied (fsdp_kit.ac)
     step:dict=None # the StepSpec the run applied: lr, warmup, precision and the memory savers
 
@@ -141,29 +150,38 @@ def train_worker(spec:TrainSpec,
     from fsdp_kit.measure import first_step_tracker, step_timing
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(model_config(spec.model), spec.seed)
-    if spec.step.pure_bf16: model = model.to(torch.bfloat16)  # weights, gradients and AdamW's moments all bf16: no fp32 master
+    # weights, gradients and AdamW's moments all bf16: no fp32 master
+    if spec.step.pure_bf16: model = model.to(torch.bfloat16)
     if spec.lora:
         from fsdp_kit.lora import add_lora
         model = add_lora(model, spec.lora.r, spec.seed, spec.lora.targets)
     mesh = fsdp_mesh(build_mesh(spec.mesh))
-    model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.config.layout])  # on the mesh's device: fully_shard moves it there
+    # on the mesh's device: fully_shard moves it there
+    model, units = apply_fsdp(model, spec.config, mesh, LAYOUTS[spec.config.layout])
     optimizer, start, saver = make_optimizer(model, spec), 0, None
     if spec.ckpt is not None:
         from fsdp_kit.checkpoint import Saver
         saver = Saver(spec.ckpt, model, *optimizer, spec)
         start = saver.resume()
     times, after_step = [], saver if watch is None else watch.start(model, start, saver)
-    tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])  # per-parameter optimizers: none to hook
-    losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start, after_step=after_step,
+    # per-parameter optimizers: none to hook
+    tracker = first_step_tracker(model, None if spec.step.optimizer_in_backward else optimizer[0])
+    losses = train_loop(model, spec, rank, world_size, times=times, optimizer=optimizer, start_step=start,
+                        after_step=after_step,
                         first_step=tracker)
     if watch is not None: watch.stop()
     losses = mean_over_ranks(losses)
     timed = times[1:] or times  # the first step warms up (allocations, first collectives)
     seconds = statistics.median(timed) if timed else float("nan")
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) if spec.check_parity else None
-    result = TrainResult(spec.model, world_size, count_params(model), losses, seconds, spec.batch * world_size * spec.seq_len / seconds,
-                         dist.get_backend(), first_step=start, units=[asdict(u) for u in units], config=asdict(spec.config),
-                         peak_bytes=tracker.peak_bytes() if losses else None, timing=step_timing(timed) if timed else None,
+    full = get_model_state_dict(model,
+                                options=StateDictOptions(full_state_dict=True,
+                                                         cpu_offload=True)) if spec.check_parity else None
+    result = TrainResult(spec.model, world_size, count_params(model), losses, seconds,
+                         spec.batch * world_size * spec.seq_len / seconds,
+                         dist.get_backend(), first_step=start, units=[asdict(u) for u in units],
+                         config=asdict(spec.config),
+                         peak_bytes=tracker.peak_bytes() if losses else None,
+                         timing=step_timing(timed) if timed else None,
                          ac=ac_policy(spec.config),
                          step=asdict(spec.step))
     if saver is not None: result.checkpoint = saver.finish(spec.steps)
