@@ -34,7 +34,8 @@ LAYOUTS = ("accelerate", "layers")
 AC_POLICIES = ("none", "full", "selective-layer:K", "selective-op")  # what `ac` accepts; K is a whole number >= 1
 
 def parse_ac(policy:str) -> tuple:
-    "`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) every K-th decoder layer or ('op', 1); a KitError otherwise."
+    """`policy` as (kind, k): ('none', 0), ('full', 1), ('layer', K) every K-th decoder layer or
+    ('op', 1); a KitError otherwise."""
     fixed = {"none": ("none", 0), "full": ("full", 1), "selective-op": ("op", 1)}
     if isinstance(policy, str) and policy in fixed: return fixed[policy]
     if isinstance(policy, str) and policy.startswith("selective-layer:"):
@@ -69,14 +70,16 @@ class FSDPConfig:
 
     @property
     def activation_checkpointing(self) -> bool:
-        "Upstream's boolean: whether any decoder layer is checkpointed (set from a file, true is the policy 'full', false 'none')."
+        """Upstream's boolean: whether any decoder layer is checkpointed (set from a file, true is the
+        policy 'full', false 'none')."""
         return self.ac != "none"
 
     @activation_checkpointing.setter
     def activation_checkpointing(self, on:bool): self.ac = "full" if on else "none"
 
     def check(self) -> "FSDPConfig":
-        "Refuse values outside what each field allows, naming the field (a run's spec calls this once, before launching)."
+        """Refuse values outside what each field allows, naming the field (a run's spec calls
+        this once, before launching)."""
         for name in CHECKED_FIELDS: self.check_field(name)
         return self
 
@@ -149,37 +152,49 @@ def to_class_list(name:str, value) -> list:
 # %% ../nbs/03_config.ipynb #b4d0f57d
 SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forward, and what else it means
     "FULL_SHARD": (True,
-                   "FULL_SHARD -> reshard_after_forward=True: parameters are freed after forward and gathered again in backward"),
+                   "FULL_SHARD -> reshard_after_forward=True: parameters are freed after forward and "
+                   "gathered again in backward"),
     "SHARD_GRAD_OP": (False,
-                      "SHARD_GRAD_OP -> reshard_after_forward=False: gathered parameters stay from forward to backward (ZeRO-2 style)"),
+                      "SHARD_GRAD_OP -> reshard_after_forward=False: gathered parameters stay from forward "
+                      "to backward (ZeRO-2 style)"),
     "HYBRID_SHARD": (True,
-                     "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard (fsdp-kit mesh --dp-replicate "
+                     "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard "
+                     "(fsdp-kit mesh --dp-replicate "
                      "N)"),
     "HYBRID_SHARD_ZERO2": (False,
-                           "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: use dp_replicate x dp_shard"),
+                           "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: "
+                           "use dp_replicate x dp_shard"),
     "NO_SHARD": (False,
-                 "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's NO_SHARD replicated whole "
-                 "parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use a mesh with dp_shard=1 and "
+                 "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's "
+                 "NO_SHARD replicated whole "
+                 "parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use "
+                 "a mesh with dp_shard=1 and "
                  "dp_replicate=N"),
 }
 SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                       "5": "HYBRID_SHARD_ZERO2"}
 NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
-    "use_orig_params": "FSDP2 always keeps the original parameters (each one a DTensor sharded on dim 0); there are no flat parameters",
+    "use_orig_params": "FSDP2 always keeps the original parameters (each one a DTensor sharded on dim 0); "
+                       "there are no flat parameters",
     "backward_prefetch": "FSDP2 always prefetches the next unit's all-gather in backward (explicit control: "
                          "set_modules_to_backward_prefetch)",
-    "forward_prefetch": "FSDP2 issues the next unit's all-gather from its own schedule (explicit control: set_modules_to_forward_prefetch)",
-    "sync_module_states": "FSDP2 does not broadcast module states; the kit builds identical weights on every rank from one seed, and "
+    "forward_prefetch": "FSDP2 issues the next unit's all-gather from its own schedule (explicit control: "
+                        "set_modules_to_forward_prefetch)",
+    "sync_module_states": "FSDP2 does not broadcast module states; the kit builds identical weights on "
+                          "every rank from one seed, and "
                           "cpu_ram_efficient_loading broadcasts from rank 0",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by design; there is no rate limiter to set",
-    "ignored_modules": "the kit shards every module; accelerate would leave the modules this names unsharded (null names none)",
-    "activation_checkpointing_offload": "the kit keeps checkpointed activations on the device; accelerate would offload them to host "
+    "ignored_modules": "the kit shards every module; accelerate would leave the modules this names "
+                       "unsharded (null names none)",
+    "activation_checkpointing_offload": "the kit keeps checkpointed activations on the device; accelerate "
+                                        "would offload them to host "
                                         "memory when true",
 }
 # values with which these keys change nothing
 NO_OP = {"ignored_modules": (None, "", []), "activation_checkpointing_offload": (False, "false", "False")}
 WHY_UPSTREAM = {  # source key -> why upstream reads another value than the file's key says
-    "mixed_precision": "transformers never reads fsdp_config's mixed_precision: the precision comes from TrainingArguments(bf16=True) or "
+    "mixed_precision": "transformers never reads fsdp_config's mixed_precision: the precision comes from "
+                       "TrainingArguments(bf16=True) or "
                        "fp16=True (fsdp-kit: --mixed-precision)",
     "offload_params": "transformers reads cpu_offload, not accelerate's offload_params",
     "transformer_layer_cls_to_wrap": "upstream reads layer classes only under TRANSFORMER_BASED_WRAP",
@@ -215,7 +230,8 @@ KNOWN_KEYS = sorted([*FIELD_KEYS, *NOT_APPLYING, "sharding_strategy", "version"]
 
 # %% ../nbs/03_config.ipynb #83217054
 def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
-    "Set `cfg`'s fields from FSDP2 `keys` (no fsdp_ prefix), explaining the rest; returns {field: (key, value)} of those set."
+    """Set `cfg`'s fields from FSDP2 `keys` (no fsdp_ prefix), explaining the rest; returns {field:
+    (key, value)} of those set."""
     given, unknown = {}, []
     for key, value in keys.items():
         if key in FIELD_KEYS:
@@ -226,9 +242,11 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
             given[name] = (key, value)
             if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
         elif key == "sharding_strategy":
-            cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as {'accelerate' if accelerate else 'transformers'} "
+            cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as "
+                             f"{'accelerate' if accelerate else 'transformers'} "
                              "ignores it: "
-                             "reshard_after_forward alone decides (true frees gathered parameters after forward, false keeps them)")
+                             "reshard_after_forward alone decides (true frees gathered parameters after "
+                             "forward, false keeps them)")
         elif key in NO_OP and value in NO_OP[key]:
             cfg.notes.append(f"{key}={value!r} changes nothing (accelerate's no-op)")
         elif key in NO_OP: cfg.notes.append(f"{key}={value!r} is not applied by the kit: {NOT_APPLYING[key]}")
@@ -245,7 +263,8 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
 def _unknown_notes(keys:list, source:str, upstream:str, each:int=5) -> list:
     "An IGNORED note per unknown key, with the nearest known one; past `each` keys, one note that counts them all."
     if len(keys) > each:
-        return [f"IGNORED: {len(keys):,} unknown keys in {source} ({', '.join(map(repr, keys[:3]))}, ...): {upstream} never reads them, "
+        return [f"IGNORED: {len(keys):,} unknown keys in {source} ({', '.join(map(repr, keys[:3]))}, ...): "
+                f"{upstream} never reads them, "
                 "so they change nothing there or here"]
     near = {k: difflib.get_close_matches(k, KNOWN_KEYS, n=1) for k in keys}
     return [f"IGNORED: unknown key {k!r} in {source}: {upstream} never reads it, so it changes nothing there or here"
@@ -267,7 +286,8 @@ def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
                      "the kit runs FSDP2 and reads the file as `accelerate to-fsdp2` converts it")
     if "sharding_strategy" in keys and accelerate: _sharding_strategy(keys["sharding_strategy"], cfg)
     elif "sharding_strategy" in keys:  # transformers reads reshard_after_forward only: never act on this key
-        cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it reads reshard_after_forward): "
+        cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it "
+                         f"reads reshard_after_forward): "
                          "ignored")
         data = {k: v for k, v in data.items() if k not in ("sharding_strategy", "fsdp_sharding_strategy")}
     for key in keys:
@@ -282,7 +302,8 @@ def _strip_prefix(keys:dict) -> dict:
 
 # %% ../nbs/03_config.ipynb #2fff4e2c
 def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
-    "Every field as upstream reads the (FSDP2) file: an absent key takes upstream's value; a key upstream reads otherwise is noted."
+    """Every field as upstream reads the (FSDP2) file: an absent key takes upstream's value; a key
+    upstream reads otherwise is noted."""
     from fsdp_kit.upstream import FIELDS
     if "refused" in upstream:
         cfg.notes.append(f"{entry} refuses this file ({upstream['refused']}); the kit reads it with its own defaults")
@@ -295,7 +316,8 @@ def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
         setattr(cfg, name, upstream[name])
     if cfg.parallelism_config:
         cfg.notes.append("parallelism_config: " + ", ".join(f"{k}={v}" for k, v in cfg.parallelism_config.items())
-                         + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit mesh / cp-eval --dp-replicate "
+                         + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit "
+                           "mesh / cp-eval --dp-replicate "
                            "--dp-shard --cp)")
 
 # %% ../nbs/03_config.ipynb #9c67d7d0
@@ -321,7 +343,8 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
     if accelerate and "mixed_precision" in data: keys2["mixed_precision"] = data["mixed_precision"]
     # transformers never reads it: neither checked nor applied
     if not accelerate and keys2.get("mixed_precision", mixed_precision) != mixed_precision:
-        cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: {WHY_UPSTREAM['mixed_precision']}")
+        cfg.notes.append(f"mixed_precision={keys2['mixed_precision']!r} in fsdp_config is not read: "
+                         f"{WHY_UPSTREAM['mixed_precision']}")
     if not accelerate: keys2.pop("mixed_precision", None)
     # TrainingArguments' bf16=True / fp16=True
     if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision
@@ -338,7 +361,8 @@ def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with o
                       source:str="transformers fsdp_config", # where it came from, for messages
                       mixed_precision:str=None # TrainingArguments' precision ("bf16": bf16=True, "fp16": fp16=True); the dict cannot say it
                      ) -> FSDPConfig:
-    "An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True, fsdp_config=...)` reads it."
+    """An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True,
+    fsdp_config=...)` reads it."""
     if not isinstance(fsdp_config, dict):
         raise bad_value("fsdp_config", type(fsdp_config).__name__, f"a JSON object (dict) in {source}")
     if mixed_precision is not None: _check_choice("mixed_precision", mixed_precision, MIXED_PRECISION)
@@ -346,7 +370,8 @@ def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with o
 
 # %% ../nbs/03_config.ipynb #2a75d81c
 LAUNCH_NOTES = {  # top-level keys of an accelerate config that say something about the run, and what
-    "use_cpu": "under distributed_type FSDP accelerate launch uses it only to pick threads per process; the kit runs on CPU (gloo) where "
+    "use_cpu": "under distributed_type FSDP accelerate launch uses it only to pick threads per process; the "
+               "kit runs on CPU (gloo) where "
                "there is no GPU",
     "downcast_bf16": "accelerate applies it on TPUs only",
 }
@@ -362,7 +387,8 @@ def accelerate_top_level() -> set:
 def _launch_notes(config:dict, cfg:FSDPConfig):
     "Notes on the accelerate config's top-level keys, one per kind."
     if "num_processes" in config:
-        cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit uses its own process count "
+        cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit "
+                         f"uses its own process count "
                          "(--nproc)")
     said = [k for k in LAUNCH_NOTES if config.get(k) not in (None, False, "no", "false")]
     cfg.notes += [f"{k}={config[k]!r}: {LAUNCH_NOTES[k]}" for k in said]
@@ -371,7 +397,8 @@ def _launch_notes(config:dict, cfg:FSDPConfig):
 
 # %% ../nbs/03_config.ipynb #5faee96c
 def _top_level_type(hint) -> tuple:
-    "(a test, what it allows) for a type of accelerate's `ClusterConfig` field; None where the kit reads the key itself."
+    """(a test, what it allows) for a type of accelerate's `ClusterConfig` field; None where
+    the kit reads the key itself."""
     import enum, typing
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     base = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
@@ -386,7 +413,8 @@ def _top_level_type(hint) -> tuple:
 
 # %% ../nbs/03_config.ipynb #9df5e6d1
 def _check_top_level_types(config:dict, source:str):
-    "Refuse a top-level key whose value is not of the type accelerate's `ClusterConfig` declares for it (null is read as unset)."
+    """Refuse a top-level key whose value is not of the type accelerate's `ClusterConfig` declares for
+    it (null is read as unset)."""
     import typing
     from accelerate.commands.config.config_args import ClusterConfig
     for key, hint in typing.get_type_hints(ClusterConfig).items():
@@ -398,7 +426,8 @@ def _check_top_level_types(config:dict, source:str):
 def from_accelerate(config:dict, # the parsed accelerate config YAML
                     source:str="accelerate config" # where it came from, for messages
                    ) -> FSDPConfig:
-    "An `FSDPConfig` from an accelerate config (the YAML `accelerate config` writes), read as `accelerate launch --config_file` reads it."
+    """An `FSDPConfig` from an accelerate config (the YAML `accelerate config` writes), read as `accelerate
+    launch --config_file` reads it."""
     if not isinstance(config, dict):
         raise bad_value("accelerate config", type(config).__name__, f"a YAML mapping in {source}")
     section = config.get("fsdp_config") or {}
@@ -411,7 +440,8 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     if unknown:
         near = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
         raise KitError(f"unknown key {unknown[0]!r} in {source}" + (f" (and {len(unknown) - 1:,} more)" if len(unknown) > 1 else "")
-                       + (f"; did you mean {near[0]!r}?" if near else "") + ": accelerate refuses a file with keys its ClusterConfig lacks")
+                       + (f"; did you mean {near[0]!r}?" if near else "") + ": accelerate refuses a file with "
+                                                                            "keys its ClusterConfig lacks")
     _check_top_level_types(config, source)
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
@@ -453,12 +483,14 @@ EXAMPLES = Path(str(importlib.resources.files("fsdp_kit"))) / "examples"
 def override(cfg:FSDPConfig, # a config, read from a file or the defaults
              **given # field -> the command line's value (None: not given, the file's stays)
             ) -> FSDPConfig:
-    "`cfg` with the given fields replaced, each checked; another AC policy over a file's activation_checkpointing true is refused."
+    """`cfg` with the given fields replaced, each checked; another AC policy over a file's
+    activation_checkpointing true is refused."""
     given = {k: v for k, v in given.items() if v is not None}
     if cfg.ac == "full" and given.get("ac", "full") != "full":
         parse_ac(given["ac"])  # an unknown policy is named as such first
         raise bad_value("ac", given["ac"],
-                        "'full' when the FSDP config sets activation_checkpointing=True (that field is the policy 'full')",
+                        "'full' when the FSDP config sets activation_checkpointing=True (that "
+                        "field is the policy 'full')",
                         "Drop activation_checkpointing from the config to run another policy.")
     out = replace(cfg, **given)
     for name in given: out.check_field(name)
@@ -474,8 +506,10 @@ def layer_class_names(model) -> list:
 def check_for_model(cfg:FSDPConfig, model, gradient_checkpointing:bool=False) -> FSDPConfig:
     "Refuse settings that do not fit `model`, naming the field and what the model offers."
     if cfg.activation_checkpointing and (gradient_checkpointing or model_checkpointing(model)):
-        raise KitError("activation_checkpointing=True together with gradient checkpointing is refused (as transformers does): "
-                       "both recompute the same layers. Keep activation_checkpointing in the FSDP config and turn gradient checkpointing "
+        raise KitError("activation_checkpointing=True together with gradient checkpointing is "
+                       "refused (as transformers does): "
+                       "both recompute the same layers. Keep activation_checkpointing in the FSDP config and "
+                       "turn gradient checkpointing "
                        "off.")
     if cfg.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         names = {type(m).__name__ for m in model.modules()}

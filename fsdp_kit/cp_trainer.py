@@ -20,7 +20,8 @@ from .hf import TokenRows
 # %% ../nbs/06a_cp_trainer.ipynb #b1cb03e6
 @dataclass(frozen=True)
 class CPTrainerSpec(EntrySpec):
-    "The Trainer's evaluation under context parallelism (its ParallelismConfig, no FSDP): model, seed, rows, a prompt, the cp sizes."
+    """The Trainer's evaluation under context parallelism (its ParallelismConfig, no FSDP): model, seed,
+    rows, a prompt, the cp sizes."""
     _:KW_ONLY
     batch:int=4 # eval rows per data-parallel rank and step
     seq_len:int=64 # tokens per row

@@ -24,17 +24,20 @@ def find_nbs(start: Path = None) -> Path:
     beside = Path(__file__).resolve().parents[1] / "nbs"
     if beside.is_dir():
         return beside
-    raise KitError("no nbs/ folder found: run `fsdp-kit docs` inside a checkout of fsdp_kit (the notebooks are the docs' source)")
+    raise KitError("no nbs/ folder found: run `fsdp-kit docs` inside a checkout of fsdp_kit (the "
+                   "notebooks are the docs' source)")
 
 
 def page_name(notebook: Path) -> str:
-    "nbdev's page name: `10_launch.ipynb` -> `launch.html`, `01a_models.ipynb` -> `models.html`, `index.ipynb` -> `index.html`."
+    """nbdev's page name: `10_launch.ipynb` -> `launch.html`, `01a_models.ipynb` -> `models.html`,
+    `index.ipynb` -> `index.html`."""
     return re.sub(r"^\d+[a-z]?_", "", notebook.stem) + ".html"
 
 
 def course_key(notebook: Path) -> tuple:
     "Where a notebook sits in the course."
-    # the landing page, then the lessons by number and letter (`01_train`, `01a_models`, `02_mesh`, ...), then the unnumbered pages (the
+    # the landing page, then the lessons by number and letter (`01_train`, `01a_models`, `02_mesh`, ...), then the
+    # unnumbered pages (the
     # benchmark report) by name.
     m = re.match(r"^(\d+)([a-z]?)_", notebook.stem)
     if notebook.stem == "index": return (0, 0, "", notebook.name)
@@ -59,9 +62,11 @@ def _clean(nb):
             if not cell.source:
                 continue
             for out in cell.get("outputs", []):
-                # a page has no kernel: say so instead of the widget's Python repr; the lesson shows its default state next
+                # a page has no kernel: say so instead of the widget's Python repr; the lesson shows its default state
+                # next
                 if WIDGET_MIME in out.get("data", {}):
-                    out["data"] = {"text/plain": "[an interactive widget: run the notebook to use it; its default state is shown below]"}
+                    out["data"] = {"text/plain": "[an interactive widget: run the notebook to use it; its "
+                                                 "default state is shown below]"}
         keep.append(cell)
     nb.cells = keep
     return nb
@@ -77,7 +82,8 @@ def _title(nb, fallback: str) -> str:
 
 
 def figure_alts(nb, page_title: str) -> list:
-    "Alt text for each figure of `nb`, in order: the figure's title where its output carries one, else the heading of its section."
+    """Alt text for each figure of `nb`, in order: the figure's title where its output carries one, else
+    the heading of its section."""
     alts, heading = [], page_title
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -92,7 +98,8 @@ def figure_alts(nb, page_title: str) -> list:
 
 
 def render_notebook(path: Path) -> dict:
-    "One notebook as an HTML fragment with its title, table of contents and counts of figures, errors and failed figures."
+    """One notebook as an HTML fragment with its title, table of contents and counts of figures,
+    errors and failed figures."""
     # a failed figure is one `measure.check_figure` refused
     import nbformat
     from nbconvert import HTMLExporter
@@ -103,15 +110,20 @@ def render_notebook(path: Path) -> dict:
     figures = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", [])
                   if not any(HIDDEN.match(l) for l in c.source.splitlines()))
     nb = _clean(nb)
-    # the template passes every code cell's pygments HTML through bleach (`clean_html`), which leaves it unchanged (pygments
-    # escapes the source) and took most of the rendering time: skipped; markdown and HTML outputs are not sanitized either way
+    # the template passes every code cell's pygments HTML through bleach (`clean_html`), which leaves it unchanged
+    # (pygments
+    # escapes the source) and took most of the rendering time: skipped; markdown and HTML outputs are not sanitized
+    # either way
     body, _ = HTMLExporter(template_name="basic", filters={"clean_html": lambda html: html}).from_notebook_node(nb)
     body = re.sub(r'<div class="prompt[^"]*">.*?</div>', "", body, flags=re.S)  # no In [ ]: prompts
-    alts = iter(figure_alts(nb, _title(nb, path.stem)))  # nbconvert writes "No description has been provided for this image" on each
-    body = re.sub(r'alt="No description has been provided for this image"', lambda m: f'alt="{html.escape(next(alts, "a figure"))}"', body)
+    # nbconvert writes "No description has been provided for this image" on each
+    alts = iter(figure_alts(nb, _title(nb, path.stem)))
+    body = re.sub(r'alt="No description has been provided for this image"',
+                  lambda m: f'alt="{html.escape(next(alts, "a figure"))}"', body)
     toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor,
            text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
-    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors, figure_errors=figure_errors,
+    return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors,
+                figure_errors=figure_errors,
                 page=page_name(path), source=path.name)
 
 
@@ -226,7 +238,8 @@ document.getElementById('planner').addEventListener('input', show);
 show();
 """
 
-DEFAULTS = dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full")  # the lesson's widget starts here too
+# the lesson's widget starts here too
+DEFAULTS = dict(model="llama-3-8b", method="full", gpus=8, batch=1, seq_len=2048, ac="full")
 
 
 def planner_page() -> dict:
@@ -241,12 +254,16 @@ def planner_page() -> dict:
     fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="0.001" step="any" required></label>'
     body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as "
             "<code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
-            f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan --export-table</code>); change a field "
+            f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan "
+            f"--export-table</code>); change a field "
             "and the plan changes. "
-            "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook plan any other setting.</p>"
-            f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The plan</h2><pre id="plan"></pre>'
+            "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook "
+            "plan any other setting.</p>"
+            f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The '
+            f'plan</h2><pre id="plan"></pre>'
             f'<script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
-    return dict(title="Planner (no kernel)", body=body, toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0,
+    return dict(title="Planner (no kernel)", body=body,
+                toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0,
                 errors=0,
                 figure_errors=0, page="planner.html", source=None)
 
@@ -261,7 +278,8 @@ def _page(page: dict, pages: list) -> str:
     i = [p["page"] for p in pages].index(page["page"])
     prev = f'<a href="{pages[i - 1]["page"]}">&larr; {html.escape(pages[i - 1]["title"])}</a>' if i > 0 else "<span></span>"
     nxt = f'<a href="{pages[i + 1]["page"]}">{html.escape(pages[i + 1]["title"])} &rarr;</a>' if i + 1 < len(pages) else "<span></span>"
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(page["title"])} | fsdp_kit</title>'
+    return (f'<!doctype html><html lang="en"><head><meta '
+            f'charset="utf-8"><title>{html.escape(page["title"])} | fsdp_kit</title>'
             f'<style>{CSS}{HtmlFormatter().get_style_defs(".highlight")}</style></head><body>'
             f'<nav class="side"><div class="brand">fsdp_kit</div>{links}</nav>'
             f'<aside class="toc"><b>On this page</b>{toc}</aside>'
@@ -286,7 +304,8 @@ def build_site(out: str, nbs: str = None) -> dict:
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))
     manifest = dict(builder="nbconvert",
-                    pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "figure_errors", "source")} for p in pages])
+                    pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "figure_errors",
+                                              "source")} for p in pages])
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -303,9 +322,11 @@ def docs(out: str = "site", nbs: str = None, quarto: bool = None) -> dict:
     "Build the docs site into `out`: with Quarto where it is installed, else offline with nbconvert."
     use_quarto = shutil.which("quarto") is not None if quarto is None else quarto
     if use_quarto and not shutil.which("quarto"):
-        raise KitError("quarto=True but no `quarto` on PATH: install Quarto (https://quarto.org) or build offline without --quarto")
+        raise KitError("quarto=True but no `quarto` on PATH: install Quarto (https://quarto.org) or "
+                       "build offline without --quarto")
     import importlib.util
     if not use_quarto and importlib.util.find_spec("nbconvert") is None:
-        raise KitError("the offline build renders the notebooks with nbconvert, which is not installed: pip install -e '.[dev]' "
+        raise KitError("the offline build renders the notebooks with nbconvert, which is not "
+                       "installed: pip install -e '.[dev]' "
                        "(the dev extra) or pip install nbconvert")
     return build_with_quarto(out) if use_quarto else build_site(out, nbs)

@@ -29,7 +29,8 @@ STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
 
 @dataclass(frozen=True)
 class DoctorSpec(EntrySpec):
-    "What the doctor runs: the user's config.json as `model`, the user's FSDP file and script settings, the twin's steps, the scale."
+    """What the doctor runs: the user's config.json as `model`, the user's FSDP file and script settings,
+    the twin's steps, the scale."""
     _:KW_ONLY
     fsdp_config:str # the user's accelerate YAML or transformers fsdp_config JSON
     steps:int=10 # optimizer steps of the twin
@@ -132,14 +133,16 @@ REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_si
 DROP = ("quantization_config",)
 
 def _kv_heads(user:dict) -> int:
-    "The twin's key/value heads: 4 for multi-head, 1 for multi-query, 2 for grouped-query attention (the variant is kept)."
+    """The twin's key/value heads: 4 for multi-head, 1 for multi-query, 2 for grouped-query
+    attention (the variant is kept)."""
     heads, kv = user.get("num_attention_heads"), user.get("num_key_value_heads")
     return 4 if kv in (None, heads) else 1 if kv == 1 else 2
 
 # %% ../nbs/12_doctor.ipynb #2aaf53b4
 def twin_config(user:dict # the user's config.json, as parsed
                ) -> tuple:
-    "(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same architecture, a few seconds to run."
+    """(the twin's config.json keys, what was shrunk as [{key, user, twin}]): the same
+    architecture, a few seconds to run."""
     twin, shrunk = dict(user), []
     def put(key, value):
         if twin.get(key) != value: shrunk.append(dict(key=key, user=user.get(key), twin=value))
@@ -246,7 +249,8 @@ def _adapt(spec:DoctorSpec, model):
 
 # %% ../nbs/12_doctor.ipynb #a8a34e96
 def _arguments(spec:DoctorSpec, folder:str):
-    "The TrainingArguments of the twin's script: the user's precision and gradient checkpointing, the JSON as fsdp_config."
+    """The TrainingArguments of the twin's script: the user's precision and gradient
+    checkpointing, the JSON as fsdp_config."""
     import torch
     from transformers import TrainingArguments
     mp = spec.precision()
@@ -506,14 +510,17 @@ def check_wrap(ctx) -> Check:
         n, layer, sizes = ctx["upstream"].get("min_num_params"), ctx["layer_params"], ctx["sizes"]
         if n >= layer:
             return Check("wrap", "FAIL",
-                         f"SIZE_BASED_WRAP with min_num_params {n:,}: none of your model's decoder layers ({layer:,} parameters each) "
+                         f"SIZE_BASED_WRAP with min_num_params {n:,}: none of your model's decoder layers "
+                         f"({layer:,} parameters each) "
                          "reaches it, "
                                     "so every layer's weights are gathered at once, in the root unit",
-                                    f"TRANSFORMER_BASED_WRAP with the layer class (a min_num_params below {layer:,} also selects "
+                                    f"TRANSFORMER_BASED_WRAP with the layer class (a min_num_params "
+                                    f"below {layer:,} also selects "
                                     f"{sizes['container']}, "
                                     f"{sizes['container_params']:,} parameters, which fully_shard refuses)")
         return Check("wrap", "PASS",
-                     f"SIZE_BASED_WRAP with min_num_params {n:,}: each of your model's decoder layers ({layer:,} parameters) is above it "
+                     f"SIZE_BASED_WRAP with min_num_params {n:,}: each of your model's decoder layers "
+                     f"({layer:,} parameters) is above it "
                      "(the twin's smaller layers cannot show it; judged on your model's sizes)")
     root = {u["module"] for u in p["units"] if u["module"] == ""}
     wrapped = [l for l in p["layers"]
@@ -526,7 +533,8 @@ def check_wrap(ctx) -> Check:
                      "TRANSFORMER_BASED_WRAP with the layer class" + (" (or a min_num_params below one layer's parameters)"
                                                                       if policy == "SIZE_BASED_WRAP" else ""))
     return Check("wrap", "PASS",
-                 f"{len(wrapped)} of {len(p['layers'])} decoder layers are FSDP units of their own ({len(p['groups'])} units hold weights)")
+                 f"{len(wrapped)} of {len(p['layers'])} decoder layers are FSDP units of their own "
+                 f"({len(p['groups'])} units hold weights)")
 
 # %% ../nbs/12_doctor.ipynb #7db379fd
 def check_tied(ctx) -> Check:
@@ -536,7 +544,8 @@ def check_tied(ctx) -> Check:
                                                                              "already")):
         return Check("tied_embeddings", "FAIL",
                      f"the model ties embed_tokens and lm_head and the wrap fails on it: {seen['error']}",
-                     "keep the embedding out of transformer_layer_cls_to_wrap: accelerate puts tied embeddings in one unit with lm_head")
+                     "keep the embedding out of transformer_layer_cls_to_wrap: accelerate puts tied "
+                     "embeddings in one unit with lm_head")
     p = seen.get("prepared")
     if not p and tied: return Check("tied_embeddings", "SKIP", _stopped(seen))
     if not p or not p["report"]["sharded"]:
@@ -545,10 +554,12 @@ def check_tied(ctx) -> Check:
     where = [g["modules"] for g in p["groups"] if p["embed"] in g["modules"] or p["head"] in g["modules"]]
     if not tied:
         return Check("tied_embeddings", "PASS",
-                     f"untied: embeddings and lm_head in unit(s) {' and '.join('[' + ', '.join(w) + ']' for w in where)}")
+                     f"untied: embeddings and lm_head in unit(s) "
+                     f"{' and '.join('[' + ', '.join(w) + ']' for w in where)}")
     if not p["tied"]:
         return Check("tied_embeddings", "FAIL",
-                     "the config ties embed_tokens and lm_head, but after prepare they are two tensors: twice the memory, and they drift "
+                     "the config ties embed_tokens and lm_head, but after prepare they are two tensors: twice "
+                     "the memory, and they drift "
                      "apart", "load with tie_word_embeddings as in the config and do not re-create lm_head")
     if len(where) != 1:
         return Check("tied_embeddings", "FAIL", f"the shared weight is in {len(where)} units: {where}",
@@ -570,14 +581,17 @@ def check_quant_storage(ctx) -> Check:
     if kept:
         held = sum(p["codes"][n][2] for n in kept)
         return Check("quant_storage", "FAIL",
-                     f"bnb_4bit_quant_storage={storage}: {len(kept)} of {len(p['codes'])} 4-bit weights are not sharded "
-                     f"(accelerate leaves non-float 4-bit weights out of FSDP): every rank holds all {_mib(held)} of them",
+                     f"bnb_4bit_quant_storage={storage}: {len(kept)} of {len(p['codes'])} "
+                     f"4-bit weights are not sharded "
+                     f"(accelerate leaves non-float 4-bit weights out of FSDP): every rank "
+                     f"holds all {_mib(held)} of them",
                      f"bnb_4bit_quant_storage={ctx['others_dtype']} (the dtype of the other parameters)")
     changed = [n for n in before if n in p["codes"] and p["codes"][n][3] != before[n][3]]
     stepped = [n for n in before if n in after and after[n][3] != before[n][3]]
     if changed or stepped:
         return Check("quant_storage", "FAIL",
-                     f"the packed 4-bit bytes changed: {len(changed)} weight(s) across fully_shard, {len(stepped)} after a step",
+                     f"the packed 4-bit bytes changed: {len(changed)} weight(s) across fully_shard, "
+                     f"{len(stepped)} after a step",
                      "bnb_4bit_quant_storage equal to the load dtype")
     if others != [storage]:
         return Check("quant_storage", "FAIL",
@@ -601,14 +615,17 @@ def check_base_upcast(ctx) -> Check:
     if grew > 0:
         who = "prepare_model_for_kbit_training" if spec.kbit_prepare else "the prepare step"
         return Check("frozen_base", "FAIL",
-                     f"{who} upcast {grew} frozen tensors from {', '.join(d for d in load if d != 'float32')} to float32: "
+                     f"{who} upcast {grew} frozen tensors from "
+                     f"{', '.join(d for d in load if d != 'float32')} to float32: "
                      f"the frozen base holds {_mib(total)} on this rank "
                      f"({', '.join(f'{d} {_mib(b)}' for d, (_, b) in p['frozen'].items())})",
-                     "do not call prepare_model_for_kbit_training under FSDP (the QLoRA recipe for FSDP leaves the base in the storage "
+                     "do not call prepare_model_for_kbit_training under FSDP (the QLoRA recipe for FSDP "
+                     "leaves the base in the storage "
                      "dtype)" if spec.kbit_prepare else "load in the compute dtype")
     if spec.precision() != "no" and "float32" in p["frozen"]:
         return Check("frozen_base", "WARN",
-                     f"the frozen base is kept in float32 ({_mib(p['frozen']['float32'][1])} on this rank) while computing in "
+                     f"the frozen base is kept in float32 ({_mib(p['frozen']['float32'][1])} on "
+                     f"this rank) while computing in "
                      f"{spec.precision()}",
                      "from_pretrained(..., dtype=torch.bfloat16): a frozen weight needs no fp32 master copy")
     return Check("frozen_base", "PASS",
@@ -623,8 +640,10 @@ def check_precision(ctx) -> Check:
     low = [d for d in p["trained"] if d != "float32"]
     if low:
         return Check("mixed_precision", "FAIL",
-                     f"trained parameters are kept in {', '.join(low)}: updates below its resolution are lost (no fp32 master weights)",
-                         "load in float32 and set mixed_precision bf16: accelerate keeps fp32 weights and computes in bf16")
+                     f"trained parameters are kept in {', '.join(low)}: updates below its resolution are "
+                     f"lost (no fp32 master weights)",
+                         "load in float32 and set mixed_precision bf16: accelerate keeps fp32 "
+                         "weights and computes in bf16")
     mp = p["mixed_precision_policy"] or {}
     reduce = mp.get("reduce_dtype")
     if reduce in ("bfloat16", "float16"):
@@ -633,7 +652,8 @@ def check_precision(ctx) -> Check:
                      f"gradients are reduce-scattered in {reduce}: each one sums {n} ranks' values with "
                      f"{8 if reduce == 'bfloat16' else 11} significant bits, "
                      "so small gradients are lost more as ranks grow",
-                     "MixedPrecisionPolicy(reduce_dtype=torch.float32) (fsdp-kit: reduce_dtype fp32) if the loss drifts from an fp32 run")
+                     "MixedPrecisionPolicy(reduce_dtype=torch.float32) (fsdp-kit: reduce_dtype fp32) if the "
+                     "loss drifts from an fp32 run")
     return Check("mixed_precision", "PASS",
                  f"fp32 master weights; compute {mp.get('param_dtype') or 'float32'}, reduce {reduce or 'float32'}")
 
@@ -651,10 +671,12 @@ def check_loading(ctx) -> Check:
     said = f"cpu_ram_efficient_loading {'on' if on else 'off'}, {sum(read)} of {len(read)} ranks read the checkpoint ({held})"
     if copies <= 1:
         return Check("loading", "PASS",
-                     f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which the ranks share in the page "
+                     f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which "
+                                    "the ranks share in the page "
                                     "cache"
                                                                    if copies == 0
-                                                                   else "only one rank holds the weights; the others receive them by "
+                                                                   else "only one rank holds the weights; "
+                                                                        "the others receive them by "
                                                                         "broadcast"))
     s, stored, dtype = ctx.get("scale") or {}, ctx["twin"]["checkpoint_dtype"], spec.load_dtype()
     if spec.method == "qlora":
@@ -677,7 +699,8 @@ def check_checkpointing(ctx) -> Check:
     seen, up = ctx["seen"], ctx["upstream"]
     if "error" in seen and "activation_checkpointing" in seen["error"] and "both" in seen["error"]:
         return Check("activation_checkpointing", "FAIL", f"set twice: {seen['error']}",
-                     "keep activation_checkpointing in the FSDP config and drop gradient_checkpointing from TrainingArguments")
+                     "keep activation_checkpointing in the FSDP config and drop "
+                     "gradient_checkpointing from TrainingArguments")
     p = seen.get("prepared")
     if not p: return Check("activation_checkpointing", "SKIP", _stopped(seen))
     n, wrapped = len(p["layers"]), p["checkpoint_wrapped"]
@@ -704,8 +727,10 @@ def check_context_parallel(ctx) -> Check:
     ran = ((up.get("parallelism_config") or {}).get("cp_size") or 1)
     if asked > 1 and ran == 1:
         return Check("context_parallel", "FAIL",
-                     f"cp_size {asked} is in the file, but {up['entry_point']} runs without context parallelism: the key is ignored",
-                                            "accelerate: a parallelism_config section (parallelism_config_cp_size) in the YAML; "
+                     f"cp_size {asked} is in the file, but {up['entry_point']} runs without context "
+                     f"parallelism: the key is ignored",
+                                            "accelerate: a parallelism_config section "
+                                            "(parallelism_config_cp_size) in the YAML; "
                                             "transformers: TrainingArguments(parallelism_config=...)")
     sliding = (twin.get("use_sliding_window")
                or (twin.get("sliding_window") and twin.get("use_sliding_window",
@@ -713,7 +738,8 @@ def check_context_parallel(ctx) -> Check:
                or "sliding_attention" in (twin.get("layer_types") or []))
     if ran > 1 and sliding:
         return Check("context_parallel", "FAIL",
-                     f"cp_size {ran} with a sliding-window model: context parallelism runs causal SDPA without a mask, so the window is "
+                     f"cp_size {ran} with a sliding-window model: context parallelism runs causal SDPA "
+                     f"without a mask, so the window is "
                      "dropped",
                                          "no context parallelism for this model, or full attention")
     if ran > 1:
@@ -735,14 +761,18 @@ def check_saving(ctx) -> Check:
     if not save["files"]:
         sdt = (seen.get("prepared") or {}).get("state_dict_type")
         return Check("saving", "FAIL",
-                     f"save_model with {sdt} finished in {save['seconds']:.1f} s and wrote nothing to {Path(save['saved']).name}/: "
+                     f"save_model with {sdt} finished in {save['seconds']:.1f} s and wrote nothing to "
+                     f"{Path(save['saved']).name}/: "
                      f"{where} has nothing to load",
-                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints)")
+                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT "
+                     "for resumable checkpoints)")
     if "load_error" in save:
         sdt = (seen.get("prepared") or {}).get("state_dict_type")
         return Check("saving", "FAIL",
-                     f"{where} cannot load what save_model wrote with {sdt} ({', '.join(save['files'][:4])}): {save['load_error'][:160]}",
-                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable checkpoints, then `accelerate "
+                     f"{where} cannot load what save_model wrote with {sdt} ({', '.join(save['files'][:4])}): "
+                     f"{save['load_error'][:160]}",
+                     "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable "
+                     "checkpoints, then `accelerate "
                      "merge-weights`)")
     return Check("saving", "PASS",
                  f"save_model took {save['seconds']:.1f} s; {save.get('loaded_with', where)} loads it")
@@ -771,9 +801,11 @@ def check_ddp_fallback(ctx) -> Check:
     if not r["sharded"]:
         return Check("ddp_fallback", "FAIL",
                      f"{r['kind']} ({p['distributed_type']}): every rank holds all {r['parameters']:,} parameters",
-                                      "distributed_type: FSDP in the accelerate config, or fsdp + fsdp_config in TrainingArguments")
+                                      "distributed_type: FSDP in the accelerate config, or fsdp + "
+                                      "fsdp_config in TrainingArguments")
     return Check("ddp_fallback", "PASS",
-                 f"FSDP2 ({p['distributed_type']}): {r['fsdp_units']} units, rank 0 holds {r['local_parameters']:,} of {r['parameters']:,} "
+                 f"FSDP2 ({p['distributed_type']}): {r['fsdp_units']} units, rank 0 holds "
+                 f"{r['local_parameters']:,} of {r['parameters']:,} "
                  "parameters")
 
 CHECKS = [check_fsdp_version, check_wrap, check_tied, check_quant_storage, check_base_upcast, check_precision,
@@ -811,7 +843,8 @@ def run_checks(ctx:dict) -> list:
 
 # %% ../nbs/12_doctor.ipynb #b370c8df
 def exit_status(result:dict, strict:bool=False) -> int:
-    "The command's exit status for a report: 1 on a FAIL (on a WARN too if `strict`, the versions verdict included), else 0."
+    """The command's exit status for a report: 1 on a FAIL (on a WARN too if `strict`, the versions
+    verdict included), else 0."""
     found = [c["status"] for c in result["checks"]] + [(result.get("versions_verdict") or {}).get("status")]
     return 1 if "FAIL" in found or (strict and "WARN" in found) else 0
 
@@ -868,7 +901,8 @@ def scaled_file(spec:DoctorSpec, up:dict, sizes:dict, twin:str, folder:str) -> t
     mine = wrap_sizes(twin)
     m = twin_threshold(n, sizes, mine)
     if m == n: return None, []
-    note = (f"min_num_params {n:,} -> {m:,} for the twin (its decoder layer has {mine['layer']:,} parameters, yours {sizes['layer']:,}; "
+    note = (f"min_num_params {n:,} -> {m:,} for the twin (its decoder layer has {mine['layer']:,} parameters, "
+            f"yours {sizes['layer']:,}; "
             f"{sizes['container']} {'is' if sizes['container_selected'] else 'is not'} above the threshold in both)")
     return file_variant(spec.fsdp_config, Path(folder) / "file", dict(min_num_params=m)), [note]
 
@@ -879,7 +913,8 @@ def try_fix(spec:DoctorSpec, folder:str, seen:dict, say=print) -> dict:
     if known is None: return None
     changes, drop = FIXES[known]
     fixed = file_variant(spec.fsdp_config, Path(folder) / "fix" / "file", changes, drop)
-    say(f"the twin's run stopped ({known}); running it again with {', '.join(f'{k}={v}' for k, v in changes.items())} ...")
+    say(f"the twin's run stopped ({known}); running it again with "
+        f"{', '.join(f'{k}={v}' for k, v in changes.items())} ...")
     s = run_twin(replace(spec, fsdp_config=fixed), str(Path(folder) / "fix"), say)["seen"]
     p = s.get("prepared") or {}
     return dict(changes=changes, dropped=list(drop), ok="error" not in s and bool(s.get("save", {}).get("loaded_with")),
@@ -892,15 +927,19 @@ def _container_crash(ctx) -> Check:
     seen, sizes, fix, n = ctx["seen"], ctx["sizes"], ctx.get("fix_run"), ctx["upstream"].get("min_num_params")
     box = (f"{sizes['container']} ({sizes['container_class']}, {sizes['container_params']:,} parameters in your model)"
            if sizes["container"] else "a container")
-    reason = (f"the run stopped in accelerate's prepare: {seen['error'][:110]}...; cause: accelerate's FSDP2 size policy calls fully_shard "
+    reason = (f"the run stopped in accelerate's prepare: {seen['error'][:110]}...; cause: accelerate's FSDP2 "
+              f"size policy calls fully_shard "
               "on every "
-              f"module above min_num_params {n:,}, and {box} is one, but a container has no forward for fully_shard to hook")
+              f"module above min_num_params {n:,}, and {box} is one, but a container has no "
+              f"forward for fully_shard to hook")
     key = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" if ctx["spec"].is_yaml() else '"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"'
     if fix and fix["ok"]:
         losses = fix["losses"] or [0]
         return Check("wrap", "FAIL", reason,
-                     f"{key}, without min_num_params (the doctor ran the twin with it: {fix['units']} units hold weights, "
-                     f"{len(fix['losses'] or [])} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, saved and loaded back)")
+                     f"{key}, without min_num_params (the doctor ran the twin with it: "
+                     f"{fix['units']} units hold weights, "
+                     f"{len(fix['losses'] or [])} steps, loss {losses[0]:.3f} -> "
+                     f"{losses[-1]:.3f}, saved and loaded back)")
     tried = f" (the doctor's run with it stopped too: {(fix or {}).get('error', '')[:120]})" if fix else ""
     return Check("wrap", "FAIL", reason, f"{key}, without min_num_params{tried}")
 
@@ -955,7 +994,8 @@ def report_text(result:dict) -> str:
     "The doctor's findings as lines: one per check (status, name, reason, fix), then the user's scale."
     stopped, skipped = result.get("stopped_by"), [c["name"] for c in result["checks"] if c["status"] == "SKIP"]
     lines = [f"{c['status']:4}  {c['name']:24} {c['reason']}" + (f"\n      fix: {c['fix']}" if c["fix"] and c["status"] != "PASS" else "")
-             + (f"\n      not reached, the run stopped here: {', '.join(skipped)}" if c["name"] == stopped and skipped else "")
+             + (f"\n      not reached, the run stopped "
+                f"here: {', '.join(skipped)}" if c["name"] == stopped and skipped else "")
              for c in result["checks"] if c["status"] != "SKIP" or not stopped]
     counts = {s: sum(c["status"] == s for c in result["checks"]) for s in STATUSES}
     s = result.get("scale") or {}

@@ -43,7 +43,8 @@ def flag_of(name:str) -> str:
 
 # %% ../nbs/01c_flags.ipynb #53aa4cc5
 def _comments(cls) -> dict:
-    "Field name -> the comment on its line, in the source of `cls` and of the dataclasses it extends (a subclass's own comment wins)."
+    """Field name -> the comment on its line, in the source of `cls` and of the dataclasses it extends (a
+    subclass's own comment wins)."""
     import inspect, io, tokenize
     out = {}
     for kind in reversed([k for k in cls.__mro__ if is_dataclass(k)]):
@@ -65,7 +66,8 @@ def field_docs(cls) -> dict:
 
 # %% ../nbs/01c_flags.ipynb #84523539
 def convert(name:str, kind, text):
-    "A flag's text as the field's type (`kind`): bool, int, float, a list of names, True/False/a group size, else the text."
+    """A flag's text as the field's type (`kind`): bool, int, float, a list of names, True/False/a
+    group size, else the text."""
     from fsdp_kit.config import to_bool, to_reshard, to_class_list
     if kind == (bool | int): return to_reshard(name, text)
     if kind is bool: return to_bool(name, text)
@@ -85,7 +87,8 @@ def _word(value) -> str:
 
 # %% ../nbs/01c_flags.ipynb #ed98eaa7
 def add_flags(parser, title:str, cls, names, base, required=()):
-    "An argument group `title`: a flag for each field of `cls` in `names`, its help the field's comment, its default `base`'s value."
+    """An argument group `title`: a flag for each field of `cls` in `names`, its help the field's comment,
+    its default `base`'s value."""
     g = parser.add_argument_group(title)
     for name in names:
         kind, _, doc = field_docs(cls)[name]
@@ -105,22 +108,26 @@ def add_flags(parser, title:str, cls, names, base, required=()):
 
 # %% ../nbs/01c_flags.ipynb #fcbb2a77
 class _Old(argparse.Action):
-    "An old spelling: keep the value beside the new flag's (`given` reads both), and say once on stderr what it is spelled now."
+    """An old spelling: keep the value beside the new flag's (`given` reads both), and say once on
+    stderr what it is spelled now."""
     def __call__(self, parser, ns, values, option_string=None):
         value = self.const if self.const is not None else values
         new = flag_of(self.dest) + ("" if self.const is not None and self.const == "true" else f" {value}")
-        print(f"note: {option_string}{'' if self.const is not None else ' ' + str(values)} is the old spelling of {new}; "
+        print(f"note: {option_string}{'' if self.const is not None else ' ' + str(values)} is "
+              f"the old spelling of {new}; "
               "it is read as such in this release", file=sys.stderr)
         setattr(ns, f"old_{self.dest}", (option_string, value))
 
 # %% ../nbs/01c_flags.ipynb #5988bbd3
 def given(ns, cls, names) -> dict:
-    "The fields of `cls` among `names` set on the command line, as their types (an old value read as the fields it sets, said once)."
+    """The fields of `cls` among `names` set on the command line, as their types (an old value read as the
+    fields it sets, said once)."""
     out = {}
     for name in names:
         text, old = getattr(ns, name, None), getattr(ns, f"old_{name}", None)
         if old is not None and text is not None and text != old[1]:
-            raise KitError(f"{flag_of(name)}={text!r} is not allowed with {old[0]}, which is {flag_of(name)} {old[1]}: pass one of them")
+            raise KitError(f"{flag_of(name)}={text!r} is not allowed with {old[0]}, which is {flag_of(name)} "
+                           f"{old[1]}: pass one of them")
         text = old[1] if old is not None else text
         if text is None: continue
         if (name, text) in OLD_VALUES:

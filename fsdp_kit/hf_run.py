@@ -31,7 +31,8 @@ DEFAULT_CONFIGS = {  # the file each workflow runs when none is given, in the pa
 
 @dataclass(frozen=True)
 class HFRunSpec(EntrySpec):
-    "One Hugging Face workflow: the model and seed, rows, steps and learning rate, the file it reads and where it writes."
+    """One Hugging Face workflow: the model and seed, rows, steps and learning rate, the file it
+    reads and where it writes."""
     _:KW_ONLY
     batch:int=4 # sequences per rank per step
     seq_len:int=64 # tokens per sequence
@@ -59,7 +60,8 @@ class HFRunSpec(EntrySpec):
         want = (".json",) if self.workflow in ("trainer", "native") else (".yaml", ".yml")
         if path.suffix not in want:
             raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
-                                                    "trainer and native read a transformers fsdp_config JSON; sft and qlora an accelerate "
+                                                    "trainer and native read a transformers fsdp_config JSON; "
+                                                    "sft and qlora an accelerate "
                                                     "YAML")
         return self
 
@@ -90,7 +92,8 @@ class HFRunResult:
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c004
 def unit_table(model) -> list:
-    "Each FSDP unit of `model`: its module, class, the parameters it holds (not its nested units') and whether it reshards."
+    """Each FSDP unit of `model`: its module, class, the parameters it holds (not its nested
+    units') and whether it reshards."""
     from torch.distributed.fsdp import FSDPModule
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     claimed, rows, groups = set(), [], {}
@@ -496,13 +499,16 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
         # its log lines on dropped keys: the notes say what was converted
         with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)
         source.write_text(yaml.dump(cfg))
-        notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: converted as `accelerate to-fsdp2` "
+        notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: "
+                     f"converted as `accelerate to-fsdp2` "
                      f"does, to {source}")
     if cfg.get("num_processes") != nproc:
-        notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes {nproc} on the command line")
+        notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes "
+                     f"{nproc} on the command line")
     if (cfg.get("fsdp_config") or {}).get("fsdp_offload_params") and not torch.cuda.is_available():
         overrides += ["--fsdp_offload_params", "false"]
-        notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an accelerator; on CPU the parameters "
+        notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an "
+                     "accelerator; on CPU the parameters "
                      "already live in host memory, so --fsdp_offload_params false")
     return str(source), overrides, notes
 
@@ -546,7 +552,8 @@ def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
 def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
             progress_from:float=None # the command's start (`time.time()`): a line on stderr per finished phase (None: no lines)
            ) -> HFRunResult:
-    "Run examples/sft_lora.py under `accelerate launch` with `spec`'s YAML (LoRA, or QLoRA for workflow qlora); its result."
+    """Run examples/sft_lora.py under `accelerate launch` with `spec`'s YAML (LoRA, or QLoRA for
+    workflow qlora); its result."""
     import tempfile
     from fsdp_kit.launch import free_port
     from fsdp_kit.ranks import progress
@@ -608,7 +615,8 @@ def native_worker(spec:HFRunSpec,
                          activation_checkpointing=facts["activation_checkpointing"],
                          distributed_type=str(trainer.accelerator.distributed_type))
     result.notes += [f"fsdp_plan: {json.dumps(_native_plan(model))}",
-                     f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and the model's fsdp_plan decide "
+                     f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and "
+                     f"the model's fsdp_plan decide "
                      "the units"]
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
     done(3, "saved and loaded back")

@@ -53,7 +53,8 @@ def fork_traps() -> list:
 
 # %% ../nbs/10_launch.ipynb #9d1e4a70
 def autograd_threads() -> int:
-    "How many of autograd's device threads (`pt_autograd_*`) run in this process: once any does, no fork of it can run a backward."
+    """How many of autograd's device threads (`pt_autograd_*`) run in this process: once any does, no
+    fork of it can run a backward."""
     try: tasks = os.listdir("/proc/self/task")
     except OSError: return 0  # not Linux: nothing to tell by
     count = 0
@@ -84,7 +85,8 @@ def rank_tag(rank:int=None, attempt_no:int=None) -> str:
 FORKED = "FSDP_KIT_FORKED_FROM_CALLER"
 
 def intra_op_threads(local_world:int) -> int:
-    "Threads for a rank's CPU ops: 1 in a rank forked from the caller (OpenMP's pool does not survive a fork), else the cores shared out."
+    """Threads for a rank's CPU ops: 1 in a rank forked from the caller (OpenMP's pool does not survive a fork),
+    else the cores shared out."""
     return 1 if os.environ.get(FORKED) == "1" else max(1, (os.cpu_count() or 1) // local_world)
 
 def _init_process_group(backend:str, timeout:float):
@@ -230,7 +232,8 @@ class Heartbeat:
         self._write()
 
     def _write(self):
-        "Overwrite the progress file with the state, padded to the longest state so far (JSON allows the trailing spaces)."
+        """Overwrite the progress file with the state, padded to the longest state so far (JSON
+        allows the trailing spaces)."""
         with self.lock:
             if self.fd is None: return
             line = json.dumps(self.state).encode()
@@ -296,7 +299,8 @@ def _hang(errors, stuck, progress, terminated) -> dict:
     waited_in = sorted({c for r in waiters if (c := collective_in(stacks[r]))})
     p = progress.get(hung, {})
     where = re.findall(r"line \d+,? in (\w+)", stacks.get(hung, ""))
-    message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start step {p.get('done', 0) + 1}" if p
+    message = (f"rank {hung} hung: it finished step {p.get('done', '?')} but did not start "
+               f"step {p.get('done', 0) + 1}" if p
                else f"rank {hung} hung")
     if waiters:
         message += f"; rank(s) {', '.join(map(str, waiters))} waited for it in {' / '.join(waited_in) or 'a collective'}"
@@ -320,9 +324,11 @@ def diagnose(run_dir, # the launch's run folder
     if silent:
         others = sorted(errors, key=lambda r: errors[r]["time"])
         return dict(rank=silent[0], kind="died", others=silent[1:] + others, traceback="",
-                    message=f"rank {silent[0]} died without reporting an error (killed by a signal such as SIGKILL, or the out-of-memory "
+                    message=f"rank {silent[0]} died without reporting an error (killed by a signal such as "
+                            f"SIGKILL, or the out-of-memory "
                             "killer)"
-                            + (f"; step {progress[silent[0]]['done']} was its last finished step" if silent[0] in progress else ""))
+                            + (f"; step {progress[silent[0]]['done']} "
+                               f"was its last finished step" if silent[0] in progress else ""))
     if errors:
         first, *later = sorted(errors.values(), key=lambda e: e["time"])
         return dict(rank=first["rank"], message=f"{first['type']}: {first['message']}", traceback=first["traceback"],
@@ -336,7 +342,8 @@ def attempts(run_dir) -> int:
     return max(found, default=0) + 1
 
 def restarts(run_dir, before:int=None) -> list:
-    "Why each earlier attempt ended: one `diagnose` dict (plus `attempt`) per attempt before `before` (default: the last)."
+    """Why each earlier attempt ended: one `diagnose` dict (plus `attempt`) per attempt before
+    `before` (default: the last)."""
     before = attempts(run_dir) - 1 if before is None else before
     return [dict(diagnose(run_dir, a) or dict(rank=None, message="no rank reported a failure", kind="unknown"),
                  attempt=a)
@@ -353,7 +360,8 @@ class WorkerError(RuntimeError):
         super().__init__(f"rank {rank} failed{also}: {message}{where}")
 
     def brief(self, limit:int=8) -> str:
-        "The message, then only the last `limit` frames of the rank's traceback in the kit's or the user's code (`user_frames`)."
+        """The message, then only the last `limit` frames of the rank's traceback in the kit's or the
+        user's code (`user_frames`)."""
         head = str(self).split("\n\n--- traceback of rank", 1)[0]
         return head + "".join(f"\n  {f}" for f in user_frames(self.worker_traceback)[-limit:])
 
@@ -402,7 +410,8 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 
 @contextmanager
 def _own_signal_handlers():
-    "Give the caller its own handlers of `STOP_SIGNALS` back after the launch (torch's launcher installs its own and leaves them)."
+    """Give the caller its own handlers of `STOP_SIGNALS` back after the launch (torch's launcher
+    installs its own and leaves them)."""
     if threading.current_thread() is not threading.main_thread(): yield; return  # handlers belong to the main thread
     saved = {s: signal.getsignal(s) for s in (getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n))}
     try: yield
@@ -422,7 +431,8 @@ class _DropBanner:
 
 # %% ../nbs/10_launch.ipynb #1b37b650
 def _launch_notebook(fn, args, nprocs, backend, timeout, run_dir):
-    "Fork `nprocs` workers (more than one through `accelerate.notebook_launcher`); unforked where no fork could run autograd."
+    """Fork `nprocs` workers (more than one through `accelerate.notebook_launcher`); unforked where
+    no fork could run autograd."""
     from accelerate import notebook_launcher
     traps = fork_traps()
     if traps: raise KitError("launch() cannot fork this process safely:\n- " + "\n- ".join(traps))
@@ -457,7 +467,8 @@ def _world_of_one(**more) -> dict:
                 **more)
 
 def _launch_one(fn, args, backend, timeout, run_dir):
-    "Fork one worker, in a process group of size 1: the rank's backward (and autograd's threads) stay out of this process."
+    """Fork one worker, in a process group of size 1: the rank's backward (and autograd's
+    threads) stay out of this process."""
     import multiprocessing
     # the caller's temporary folder; forked
     env = _world_of_one(FSDP_KIT_CALLER_TMPDIR=tempfile.tempdir or "", **{FORKED: "1"})
@@ -562,7 +573,8 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     lines = text.splitlines()
     native = [l for l in lines if any(k in l for k in ("terminate called", "what()", "Fatal Python error",
                                                        "Segmentation fault"))]
-    return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; the end of its log:\n"
+    return (f"torchrun exited with code {proc.returncode}; native errors in its log: "
+            f"{native[:10]}; the end of its log:\n"
             + "\n".join(lines[-30:]))
 
 # %% ../nbs/10_launch.ipynb #e8a65d62
@@ -576,7 +588,8 @@ def _stop(proc, grace:float=20):
 # %% ../nbs/10_launch.ipynb #dc4d97ba
 def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_timeout=None, every:float=10,
                          **_):
-    "Wait for torchrun to exit; with several nodes, say every `every` s (half the rendezvous timeout, if shorter) that it still waits."
+    """Wait for torchrun to exit; with several nodes, say every `every` s (half the rendezvous timeout, if
+    shorter) that it still waits."""
     start, said = time.monotonic(), 0
     every = min(every, rdzv_timeout / 2) if rdzv_timeout else every
     while proc.poll() is None:
@@ -593,7 +606,8 @@ def _wait_for_rendezvous(proc, run_dir, nnodes=1, node_rank=0, rdzv_endpoint=Non
 def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, rdzv_timeout=None, **_) -> KitError:
     "The rendezvous ended without every node: name the nodes that never joined and how to start them."
     others = ", ".join(str(r) for r in range(nnodes) if r != node_rank)
-    return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the rendezvous at {rdzv_endpoint} (id "
+    return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the "
+                    f"rendezvous at {rdzv_endpoint} (id "
                     f"{rdzv_id!r}) "
                     f"within {rdzv_timeout or 600} s. Start the same command on each of them with its own --node-rank, "
                     "the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout")
@@ -655,17 +669,22 @@ def agent_main(argv:list):
 
 # %% ../nbs/10_launch.ipynb #5a7c2e12
 def _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads:int):
-    "Where autograd's `threads` already run here, so no fork could run a backward: one rank in this process, more under torchrun."
-    why = (f"autograd's threads already run in this process ({threads} pt_autograd_* threads, started by a backward here), "
+    """Where autograd's `threads` already run here, so no fork could run a backward: one rank in this
+    process, more under torchrun."""
+    why = (f"autograd's threads already run in this process ({threads} pt_autograd_* threads, "
+           f"started by a backward here), "
            "and a forked rank could not run a backward")
     if nprocs == 1:
         print(f"launch: running the 1 rank in this process, not a forked one: {why}", file=sys.stderr, flush=True)
         return _launch_here(fn, args, backend, timeout, run_dir)
     name = getattr(fn, "__qualname__", repr(fn))
     if not _importable(fn):
-        raise KitError(f"launch() cannot start {nprocs} ranks of {name}: {why}; and fresh interpreters cannot import {name} (it is "
-                       "defined in the notebook, in __main__ or inside a function). Restart the kernel and keep every backward inside "
-                       f"launched functions, or move {name} to the top level of a module (launch then starts fresh interpreters with "
+        raise KitError(f"launch() cannot start {nprocs} ranks of {name}: {why}; and fresh interpreters "
+                       f"cannot import {name} (it is "
+                       "defined in the notebook, in __main__ or inside a function). Restart the kernel and "
+                       "keep every backward inside "
+                       f"launched functions, or move {name} to the top level of a module (launch then "
+                       f"starts fresh interpreters with "
                        "launcher='torchrun')")
     print(f"launch: starting the {nprocs} ranks with launcher='torchrun' (fresh interpreters), not by fork: {why}",
           file=sys.stderr,
@@ -686,7 +705,8 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
            max_restarts:int=0, # times torchrun may restart the whole worker group after a failure (torchrun only)
            rdzv_timeout:int=None # seconds this node waits at the rendezvous for the others (torchrun only; torchrun's default 600)
           ):
-    "Run `fn(*args)` on `nprocs` processes (per node) in a fresh process group and return this node's first rank's result."
+    """Run `fn(*args)` on `nprocs` processes (per node) in a fresh process group and return this
+    node's first rank's result."""
     if not callable(fn): raise bad_value("fn", fn, "a function to run on every rank")
     require_whole("nprocs", nprocs, 1), require_positive("timeout", timeout)
     if launcher not in ("notebook", "torchrun"): raise bad_value("launcher", launcher, "'notebook' or 'torchrun'")
@@ -836,7 +856,8 @@ shutil.rmtree(folder, ignore_errors=True)
 
 # %% ../nbs/10_launch.ipynb #a59ef101
 class CommandScope:
-    "A temporary folder for one command and everything it starts, and a janitor that removes it and ends those processes with the command."
+    """A temporary folder for one command and everything it starts, and a janitor that removes it and ends those
+    processes with the command."""
     def __enter__(self):
         import subprocess
         self.saved = {k: os.environ.get(k) for k in ("TMPDIR", "FSDP_KIT_COMMAND_DIR")}

@@ -65,7 +65,8 @@ def one_process_losses(model, # an unsharded model
 
 # %% ../nbs/05b_peft.ipynb #b0868575
 def trainable(model) -> dict:
-    "Names of the trainable parameters, how many values they hold, and their classes (DTensor where FSDP2 sharded them)."
+    """Names of the trainable parameters, how many values they hold, and their classes (DTensor
+    where FSDP2 sharded them)."""
     ps = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return dict(tensors=len(ps), values=sum(p.numel() for _, p in ps),
                 classes=sorted({type(p).__name__ for _, p in ps}),
@@ -168,7 +169,8 @@ FSDP2_JSON = dict(version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", state_di
 FSDP1_JSON = dict(FSDP2_JSON, version=1, use_orig_params=False, sync_module_states=False)
 
 def trainer_failure(e:Exception) -> dict:
-    "An exception's type and first line, and the innermost `Trainer` method it passed through (where in training it stopped)."
+    """An exception's type and first line, and the innermost `Trainer` method it passed through
+    (where in training it stopped)."""
     import traceback
     frames = [f.name for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("transformers/trainer.py")]
     return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0]}", failed_in=frames[-1] if frames else None)
@@ -213,7 +215,8 @@ def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint
 
 # %% ../nbs/05b_peft.ipynb #dc902106
 def paged_one_process(base:str, r:int=64) -> dict:
-    "The same optimizer on the same 4-bit LoRA model unsharded, one process: a step, then its state dict saved and loaded."
+    """The same optimizer on the same 4-bit LoRA model unsharded, one process: a step, then its
+    state dict saved and loaded."""
     import io, torch, bitsandbytes as bnb
     from peft import get_peft_model
     from fsdp_kit.qlora import QLoRASpec, load_base, nf4
@@ -362,7 +365,8 @@ def script_reading(command:str) -> dict:
 # %% ../nbs/05b_peft.ipynb #40d74f92
 @dataclass(frozen=True)
 class PeftSpec:
-    "How the PEFT guide's caveats are run on the tiny preset (each method its own peft config and FSDP config): steps, lr, seed."
+    """How the PEFT guide's caveats are run on the tiny preset (each method its own peft config and
+    FSDP config): steps, lr, seed."""
     steps:int=10 # optimizer steps of each method run
     lr:float=3e-3 # AdamW learning rate of the method runs (constant)
     seed:int=0 # seed for weights and data
@@ -376,7 +380,8 @@ class PeftSpec:
 
 # %% ../nbs/05b_peft.ipynb #7dff7871
 def peft_worker(spec:PeftSpec) -> dict:
-    "Every caveat of the PEFT guide on this process group: methods, modules_to_save, freeze, QDoRA, paged optimizer, best model."
+    """Every caveat of the PEFT guide on this process group: methods, modules_to_save, freeze, QDoRA,
+    paged optimizer, best model."""
     import torch.distributed as dist
     from fsdp_kit.hf import enable_cpu_fsdp
     from fsdp_kit.hf_run import HFRunSpec, base_checkpoint

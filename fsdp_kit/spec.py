@@ -75,7 +75,8 @@ class LoraSpec:
 # %% ../nbs/01b_spec.ipynb #133d8d6e
 @dataclass(frozen=True)
 class RunSpec:
-    "The settings every lab shares: the model, its data, the steps, the mesh it shards over and the FSDP config it shards with."
+    """The settings every lab shares: the model, its data, the steps, the mesh it shards over and the
+    FSDP config it shards with."""
     model:str="tiny" # preset name (tiny, small) or config.json path
     _:KW_ONLY
     seed:int=0 # seed for weights and data
@@ -89,7 +90,8 @@ class RunSpec:
     lora:LoraSpec=None # adapters on a frozen base (None: every parameter trains)
 
     def __new__(cls, *args, **kwargs):
-        "Refuse a keyword that is not a field as a KitError, naming the section a setting moved to (mixed_precision -> fsdp)."
+        """Refuse a keyword that is not a field as a KitError, naming the section a setting moved to
+        (mixed_precision -> fsdp)."""
         names = {f.name for f in fields(cls)}  # once, not once per keyword
         if unknown := [k for k in kwargs if k not in names]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
         return super().__new__(cls)
@@ -148,10 +150,12 @@ SECTIONS = dict(mesh=MeshSpec, fsdp=FSDPConfig, step=StepSpec, lora=LoraSpec)
 
 # %% ../nbs/01b_spec.ipynb #7d4d96d4
 def not_a_field(cls, name:str, value) -> KitError:
-    "The error for `cls(name=value)` where `name` is no field of `cls`: the section it lives in now, or the fields there are."
+    """The error for `cls(name=value)` where `name` is no field of `cls`: the section it lives in
+    now, or the fields there are."""
     for section, kind in SECTIONS.items():
         if name in {f.name for f in fields(kind)} and section in {f.name for f in fields(cls)}:
-            return KitError(f"{name}={value!r} is not a field of {cls.__name__}: it lives in the {section} section, as {section}.{name}: "
+            return KitError(f"{name}={value!r} is not a field of {cls.__name__}: it lives in the {section} "
+                            f"section, as {section}.{name}: "
                             f"{cls.__name__}({section}={kind.__name__}({name}={value!r}))")
     return KitError(f"{name}={value!r} is not a field of {cls.__name__}: its fields are "
                     + ", ".join(f.name for f in fields(cls)))
@@ -171,7 +175,8 @@ def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spel
 # %% ../nbs/01b_spec.ipynb #cd1d579c
 @dataclass(frozen=True)
 class EntrySpec:
-    "A lab that runs upstream's own entry point (the Trainer, `accelerate launch`): the model and seed; each lab adds what it reads."
+    """A lab that runs upstream's own entry point (the Trainer, `accelerate launch`): the model and seed;
+    each lab adds what it reads."""
     model:str="tiny" # preset name (tiny, small) or config.json path
     _:KW_ONLY
     seed:int=0 # seed for weights and data

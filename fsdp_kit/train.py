@@ -22,7 +22,8 @@ from .lora import lora_targets
 # %% ../nbs/01_train.ipynb #cd8142c2
 @dataclass(frozen=True)
 class TrainSpec(RunSpec):
-    "A training run: the shared settings (`RunSpec`: model, data, steps, mesh, fsdp, step, lora), the parity check and checkpoints."
+    """A training run: the shared settings (`RunSpec`: model, data, steps, mesh, fsdp, step, lora), the
+    parity check and checkpoints."""
     _:KW_ONLY
     check_parity:bool=False # also train one process on the same global batches and compare
     ckpt:object=None # a `checkpoint.CheckpointSpec`: where and how often to save, and whether to resume
@@ -31,7 +32,8 @@ class TrainSpec(RunSpec):
         "Refuse settings that cannot run, naming the field; return the spec, unchanged."
         super().check(world_size)
         self.refuse_unless("cp", 1,
-                           "Training splits batches, not sequences: context parallelism is the CP lab's (CPSpec, fsdp-kit cp-eval)")
+                           "Training splits batches, not sequences: context parallelism is the CP lab's "
+                           "(CPSpec, fsdp-kit cp-eval)")
         if self.lora is not None: lora_targets(self.lora.targets)
         if self.lora is not None and self.lora.base_dtype not in (None, "fp32"):
             raise bad_value("base_dtype", self.lora.base_dtype,
@@ -65,7 +67,8 @@ class TrainSpec(RunSpec):
 
 # %% ../nbs/01_train.ipynb #399cb3b6
 def make_optimizer(model, spec:TrainSpec): # a RunSpec: its step's lr, warmup and optimizer_in_backward
-    "AdamW over the trainable parameters (all, or only the adapters under LoRA; `ac.step_optimizer`) and a linear warm-up schedule."
+    """AdamW over the trainable parameters (all, or only the adapters under LoRA; `ac.step_optimizer`) and
+    a linear warm-up schedule."""
     import torch
     optim = step_optimizer(model, spec.step)
     # stepped inside backward: no schedule (warm-up is refused with it)
@@ -81,7 +84,8 @@ def train_loop(model, spec:TrainSpec, rank:int=0, world_size:int=1, rows:int=Non
                after_step=None, # called with the number of steps done after each step (checkpoints save here)
                first_step=None # a context manager the first step runs inside (a memory tracker, say)
               ) -> list:
-    "Train `model` from `start_step` to `spec.steps` on this rank's rows of each global batch; return its losses (and fill `times`)."
+    """Train `model` from `start_step` to `spec.steps` on this rank's rows of each global batch; return its
+    losses (and fill `times`)."""
     import torch
     # tokens go where the parameters are
     rows, device = rows or spec.batch * world_size, next(model.parameters()).device
@@ -197,7 +201,8 @@ def train_worker(spec:TrainSpec,
 def plot_ddp_fsdp(held:dict, # label -> peak bytes by the kit's memory category (`measure.CATEGORIES` names), "total" too
                   sent:dict # label -> {collective kind: bytes this rank sends per step}
                  ):
-    "What each rank holds at its peak, by memory category (`measure.plot_categories`), beside the bytes it sends per step, by collective."
+    """What each rank holds at its peak, by memory category (`measure.plot_categories`), beside the bytes it
+    sends per step, by collective."""
     import matplotlib.pyplot as plt
     from fsdp_kit.measure import check_figure, plot_categories, COLLECTIVE_COLORS
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.5, 4.8), layout="constrained", width_ratios=(3, 2))
