@@ -158,8 +158,7 @@ def example_path(field: str, value):
     raise bad_value(f"--{field.replace('_', '-')}", value, "an existing file",
                     f"It is not in {os.getcwd()}; the packaged examples are in {EXAMPLES} "
                     "(examples/configs/..., examples/fsdp_configs/..., examples/doctor/...: an "
-                    "examples/... path finds them from any "
-                    "folder)")
+                    "examples/... path finds them from any folder)")
 
 
 def _cmd_env(a):
@@ -534,8 +533,7 @@ def _cmd_cp_eval(a):
             f"|diff| {r.loss_diff:.1e} (mean of the ranks' own means: {r.mean_of_rank_means:.7f})")
     if r.predictions_match_reference is not None:
         text += (f"\ngathered predictions equal the reference argmax: "
-                 f"{r.predictions_match_reference} (max |logit diff| "
-                 f"{r.max_logit_diff:.1e})")
+                 f"{r.predictions_match_reference} (max |logit diff| {r.max_logit_diff:.1e})")
     text += "\npeak MiB per rank: " + " / ".join(f"{b / 2**20:.2f}" for b in r.peak_bytes)
     emit(r, a.json, text)
 
@@ -760,8 +758,7 @@ MESH_READS = {"mesh": ("dp_replicate", "dp_shard", "cp")}
 COMPARE_READS = {"": ("model", "batch", "seq_len", "policies", "reshard"), "fsdp": ("min_num_params",),
                  "step": ("gradient_checkpointing",)}
 QLORA_READS = {"": ("model", "steps", "batch", "seq_len", "seed", "autocast", "load_in_8bit", "adapter_dir"),
-               "step": ("lr", "warmup"),
-               "lora": ("r", "quant_storage"), "fsdp": ("mixed_precision",)}
+               "step": ("lr", "warmup"), "lora": ("r", "quant_storage"), "fsdp": ("mixed_precision",)}
 CP_READS = {"": ("model", "seq_len", "batch", "seed", "sp", "rotate", "mask", "gather"), "mesh": ("dp_shard", "cp"),
             "fsdp": tuple(f for f in FSDP_SETTINGS if f not in ("state_dict_type", "cpu_ram_efficient_loading",
                                                                 "layout"))}
@@ -822,8 +819,7 @@ DOCTOR_OPTIONS = (("--fsdp-config",
                                          "transformers fsdp_config .json (run with TrainingArguments) (required)")),
                   ("--strict",
                    dict(action="store_true",
-                        help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on "
-                                                              "the doctor)")))
+                        help="exit 1 on a WARN too, not only on a FAIL (for a CI job that gates on the doctor)")))
 COMPARE_OPTIONS = (("--fsdp-config",
                     dict(metavar="FILE", help=f"run this config ({FILE_HELP}) instead of --policies x --reshard")),
                    ("--plot", dict(metavar="PNG", help="write the comparison plot here")))
@@ -983,17 +979,17 @@ def option_message(error: KitError, sub: argparse.ArgumentParser, argv: list = (
     # a hidden old spelling names nothing
     shown = [a for a in sub._actions if a.help != argparse.SUPPRESS and any(o.startswith("--") for o in a.option_strings)]
     options = {a.dest: typed.get(a.dest, next(o for o in a.option_strings if o.startswith("--"))) for a in shown}
-    options |= {field: options[dest.replace("-",
-                                            "_")] for field, dest in OPTION_NAMES.items() if dest.replace("-", "_") in options}
+    from fsdp_kit.config import FSDPConfig
+    # an FSDP field not typed: the file's key
+    options = {k: v for k, v in options.items() if k not in field_docs(FSDPConfig) or k in typed}
+    aliases = {field: dest.replace("-", "_") for field, dest in OPTION_NAMES.items()}
+    options |= {field: options[dest] for field, dest in aliases.items() if dest in options}
     # a positional, as its usage shows it (DIR)
     options |= {a.dest: a.metavar for a in sub._actions if not a.option_strings and a.metavar}
     # fsdp-kit ckpt DIR: the library calls it ckpt
     if "dir" in options and "ckpt" not in options: options["ckpt"] = options["dir"]
     # also the name of a key inside the user's YAML file: keep it as the file spells it
     options.pop("fsdp_config", None)
-    from fsdp_kit.config import FSDPConfig
-    # an FSDP field not typed: the file's key
-    options = {k: v for k, v in options.items() if k not in field_docs(FSDPConfig) or k in typed}
     text = re.sub(r"(?<![-\w.])(\w+)=", lambda m: f"{options[m.group(1)]}=" if m.group(1) in options else m.group(0),
                   str(error))
     # an option the library wrote out itself (`--seq-len=`), where the user typed another spelling of it

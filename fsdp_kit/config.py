@@ -47,23 +47,17 @@ def parse_ac(policy:str) -> tuple:
 @dataclass
 class FSDPConfig:
     "How FSDP2 wraps, shards and saves a model: the knobs of transformers' `fsdp_config` and accelerate's FSDP plugin."
-    # free gathered parameters after forward (True), keep them (False), or groups of this size (int)
-    reshard_after_forward:bool|int=True
+    reshard_after_forward:bool|int=True # free gathered parameters after forward, keep them (False), or regroup (int)
     auto_wrap_policy:str="TRANSFORMER_BASED_WRAP" # which modules become FSDP units: one of POLICIES
-    # layer class names; empty reads the model's `_no_split_modules`
-    transformer_layer_cls_to_wrap:list=field(default_factory=list)
+    transformer_layer_cls_to_wrap:list=field(default_factory=list) # layer class names; empty: `_no_split_modules`
     min_num_params:int=0 # SIZE_BASED_WRAP: a module becomes a unit when it holds more parameters than this
     cpu_offload:bool=False # keep sharded parameters, gradients and optimizer state in host memory
     mixed_precision:str="no" # "no", "bf16" or "fp16": the dtype gathered parameters are computed in
-    # dtype of the gradient reduce-scatter: None is accelerate's (the compute dtype); "fp32" keeps full precision
-    reduce_dtype:str=None
-    # activation checkpointing policy (fsdp_kit.config.AC_POLICIES); a file's activation_checkpointing true reads as
-    # "full"
-    ac:str="none"
+    reduce_dtype:str=None # dtype of the gradient reduce-scatter: None is accelerate's (the compute dtype); "fp32"
+    ac:str="none" # activation checkpointing policy (AC_POLICIES); a file's activation_checkpointing true is "full"
     state_dict_type:str="FULL_STATE_DICT" # checkpoint format: one gathered file or one shard per rank
     cpu_ram_efficient_loading:bool=False # only rank 0 reads weights; the others receive them by broadcast
-    # units (LAYOUTS): accelerate (embeddings, a [norm, lm_head] tail apart) or layers (those in the root)
-    layout:str="accelerate"
+    layout:str="accelerate" # units (LAYOUTS): accelerate (embeddings, [norm, lm_head] apart) or layers (in the root)
     parallelism_config:dict=None # accelerate's parallelism sizes, shown only: meshes come from the kit's own options
     notes:list=field(default_factory=list) # what each upstream key was mapped to
     source:str="" # where this config came from
@@ -86,8 +80,7 @@ class FSDPConfig:
 # in check()'s order
 CHECKED_FIELDS = ("auto_wrap_policy", "mixed_precision", "state_dict_type", "reduce_dtype", "ac", "cpu_offload",
                   "cpu_ram_efficient_loading", "reshard_after_forward", "min_num_params", "parallelism_config",
-                  "layout",
-                  "transformer_layer_cls_to_wrap")
+                  "layout", "transformer_layer_cls_to_wrap")
 
 # %% ../nbs/03_config.ipynb #6ba491e8
 @patch
@@ -159,8 +152,7 @@ SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forwar
                       "to backward (ZeRO-2 style)"),
     "HYBRID_SHARD": (True,
                      "HYBRID_SHARD -> reshard_after_forward=True on a 2-D mesh: use dp_replicate x dp_shard "
-                     "(fsdp-kit mesh --dp-replicate "
-                     "N)"),
+                     "(fsdp-kit mesh --dp-replicate N)"),
     "HYBRID_SHARD_ZERO2": (False,
                            "HYBRID_SHARD_ZERO2 -> reshard_after_forward=False on a 2-D mesh: "
                            "use dp_replicate x dp_shard"),
@@ -168,8 +160,7 @@ SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forwar
                  "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's "
                  "NO_SHARD replicated whole "
                  "parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use "
-                 "a mesh with dp_shard=1 and "
-                 "dp_replicate=N"),
+                 "a mesh with dp_shard=1 and dp_replicate=N"),
 }
 SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                       "5": "HYBRID_SHARD_ZERO2"}
@@ -187,8 +178,7 @@ NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
     "ignored_modules": "the kit shards every module; accelerate would leave the modules this names "
                        "unsharded (null names none)",
     "activation_checkpointing_offload": "the kit keeps checkpointed activations on the device; accelerate "
-                                        "would offload them to host "
-                                        "memory when true",
+                                        "would offload them to host memory when true",
 }
 # values with which these keys change nothing
 NO_OP = {"ignored_modules": (None, "", []), "activation_checkpointing_offload": (False, "false", "False")}
@@ -243,8 +233,7 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
             if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
         elif key == "sharding_strategy":
             cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as "
-                             f"{'accelerate' if accelerate else 'transformers'} "
-                             "ignores it: "
+                             f"{'accelerate' if accelerate else 'transformers'} " "ignores it: "
                              "reshard_after_forward alone decides (true frees gathered parameters after "
                              "forward, false keeps them)")
         elif key in NO_OP and value in NO_OP[key]:
@@ -287,8 +276,7 @@ def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
     if "sharding_strategy" in keys and accelerate: _sharding_strategy(keys["sharding_strategy"], cfg)
     elif "sharding_strategy" in keys:  # transformers reads reshard_after_forward only: never act on this key
         cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it "
-                         f"reads reshard_after_forward): "
-                         "ignored")
+                         f"reads reshard_after_forward): " "ignored")
         data = {k: v for k, v in data.items() if k not in ("sharding_strategy", "fsdp_sharding_strategy")}
     for key in keys:
         if key in NOT_APPLYING and key not in NO_OP:
@@ -317,8 +305,7 @@ def _follow_upstream(cfg:FSDPConfig, given:dict, upstream:dict, entry:str):
     if cfg.parallelism_config:
         cfg.notes.append("parallelism_config: " + ", ".join(f"{k}={v}" for k, v in cfg.parallelism_config.items())
                          + " (shown, not applied: the kit builds its mesh from its own options, fsdp-kit "
-                           "mesh / cp-eval --dp-replicate "
-                           "--dp-shard --cp)")
+                           "mesh / cp-eval --dp-replicate --dp-shard --cp)")
 
 # %% ../nbs/03_config.ipynb #9c67d7d0
 def _note_differences(cfg:FSDPConfig, upstream:dict, entry:str):
@@ -371,8 +358,7 @@ def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with o
 # %% ../nbs/03_config.ipynb #2a75d81c
 LAUNCH_NOTES = {  # top-level keys of an accelerate config that say something about the run, and what
     "use_cpu": "under distributed_type FSDP accelerate launch uses it only to pick threads per process; the "
-               "kit runs on CPU (gloo) where "
-               "there is no GPU",
+               "kit runs on CPU (gloo) where there is no GPU",
     "downcast_bf16": "accelerate applies it on TPUs only",
 }
 ACCELERATE_OWN = ("distributed_type", "fsdp_config", "mixed_precision", "num_processes", "parallelism_config",
@@ -388,8 +374,7 @@ def _launch_notes(config:dict, cfg:FSDPConfig):
     "Notes on the accelerate config's top-level keys, one per kind."
     if "num_processes" in config:
         cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit "
-                         f"uses its own process count "
-                         "(--nproc)")
+                         f"uses its own process count " "(--nproc)")
     said = [k for k in LAUNCH_NOTES if config.get(k) not in (None, False, "no", "false")]
     cfg.notes += [f"{k}={config[k]!r}: {LAUNCH_NOTES[k]}" for k in said]
     rest = [f"{k}={v!r}" for k, v in config.items() if k not in ACCELERATE_OWN or (k in LAUNCH_NOTES and k not in said)]
@@ -509,8 +494,7 @@ def check_for_model(cfg:FSDPConfig, model, gradient_checkpointing:bool=False) ->
         raise KitError("activation_checkpointing=True together with gradient checkpointing is "
                        "refused (as transformers does): "
                        "both recompute the same layers. Keep activation_checkpointing in the FSDP config and "
-                       "turn gradient checkpointing "
-                       "off.")
+                       "turn gradient checkpointing off.")
     if cfg.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         names = {type(m).__name__ for m in model.modules()}
         wanted = cfg.transformer_layer_cls_to_wrap or list(getattr(model, "_no_split_modules", None) or [])

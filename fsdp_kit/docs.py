@@ -255,8 +255,7 @@ def planner_page() -> dict:
     body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as "
             "<code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
             f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan "
-            f"--export-table</code>); change a field "
-            "and the plan changes. "
+            f"--export-table</code>); change a field " "and the plan changes. "
             "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook "
             "plan any other setting.</p>"
             f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The '

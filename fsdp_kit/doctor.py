@@ -35,14 +35,10 @@ class DoctorSpec(EntrySpec):
     fsdp_config:str # the user's accelerate YAML or transformers fsdp_config JSON
     steps:int=10 # optimizer steps of the twin
     method:str="full" # full, lora or qlora
-    # qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); None: bitsandbytes' own, uint8
-    quant_storage:str=None
-    # a transformers JSON: TrainingArguments' bf16=True or fp16=True, as bf16 or fp16 (a YAML says its own)
-    mixed_precision:str=None
+    quant_storage:str=None # qlora: bnb_4bit_quant_storage (uint8, bfloat16, float16, float32); None: uint8
+    mixed_precision:str=None # a transformers JSON: TrainingArguments' bf16 or fp16 (a YAML says its own)
     gradient_checkpointing:bool=False # the user's script turns on the Trainer's checkpointing (TrainingArguments)
-    # the dtype from_pretrained loads in (float32, bfloat16, float16); None: bfloat16 for lora/qlora under bf16, else
-    # float32
-    dtype:str=None
+    dtype:str=None # from_pretrained's dtype (float32, bfloat16, float16); None: bfloat16 for lora/qlora, else float32
     kbit_prepare:bool=False # the user's script calls peft's prepare_model_for_kbit_training on the 4-bit model
     nproc:int=2 # ranks the twin runs on
     gpus:int=None # the user's GPUs (all ranks), for the planner
@@ -511,12 +507,10 @@ def check_wrap(ctx) -> Check:
         if n >= layer:
             return Check("wrap", "FAIL",
                          f"SIZE_BASED_WRAP with min_num_params {n:,}: none of your model's decoder layers "
-                         f"({layer:,} parameters each) "
-                         "reaches it, "
+                         f"({layer:,} parameters each) " "reaches it, "
                                     "so every layer's weights are gathered at once, in the root unit",
                                     f"TRANSFORMER_BASED_WRAP with the layer class (a min_num_params "
-                                    f"below {layer:,} also selects "
-                                    f"{sizes['container']}, "
+                                    f"below {layer:,} also selects {sizes['container']}, "
                                     f"{sizes['container_params']:,} parameters, which fully_shard refuses)")
         return Check("wrap", "PASS",
                      f"SIZE_BASED_WRAP with min_num_params {n:,}: each of your model's decoder layers "
@@ -625,8 +619,7 @@ def check_base_upcast(ctx) -> Check:
     if spec.precision() != "no" and "float32" in p["frozen"]:
         return Check("frozen_base", "WARN",
                      f"the frozen base is kept in float32 ({_mib(p['frozen']['float32'][1])} on "
-                     f"this rank) while computing in "
-                     f"{spec.precision()}",
+                     f"this rank) while computing in {spec.precision()}",
                      "from_pretrained(..., dtype=torch.bfloat16): a frozen weight needs no fp32 master copy")
     return Check("frozen_base", "PASS",
                  f"the frozen base stays as loaded ({', '.join(p['frozen'])}, {_mib(total)} on this rank)")
@@ -672,12 +665,10 @@ def check_loading(ctx) -> Check:
     if copies <= 1:
         return Check("loading", "PASS",
                      f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which "
-                                    "the ranks share in the page "
-                                    "cache"
+                                    "the ranks share in the page cache"
                                                                    if copies == 0
                                                                    else "only one rank holds the weights; "
-                                                                        "the others receive them by "
-                                                                        "broadcast"))
+                                                                        "the others receive them by broadcast"))
     s, stored, dtype = ctx.get("scale") or {}, ctx["twin"]["checkpoint_dtype"], spec.load_dtype()
     if spec.method == "qlora":
         # 4 bits per parameter, nearly all of them in the quantized Linear layers
@@ -739,8 +730,7 @@ def check_context_parallel(ctx) -> Check:
     if ran > 1 and sliding:
         return Check("context_parallel", "FAIL",
                      f"cp_size {ran} with a sliding-window model: context parallelism runs causal SDPA "
-                     f"without a mask, so the window is "
-                     "dropped",
+                     f"without a mask, so the window is " "dropped",
                                          "no context parallelism for this model, or full attention")
     if ran > 1:
         return Check("context_parallel", "WARN",
@@ -772,8 +762,7 @@ def check_saving(ctx) -> Check:
                      f"{where} cannot load what save_model wrote with {sdt} ({', '.join(save['files'][:4])}): "
                      f"{save['load_error'][:160]}",
                      "state_dict_type: FULL_STATE_DICT for the final model (SHARDED_STATE_DICT for resumable "
-                     "checkpoints, then `accelerate "
-                     "merge-weights`)")
+                     "checkpoints, then `accelerate merge-weights`)")
     return Check("saving", "PASS",
                  f"save_model took {save['seconds']:.1f} s; {save.get('loaded_with', where)} loads it")
 
@@ -805,8 +794,7 @@ def check_ddp_fallback(ctx) -> Check:
                                       "fsdp_config in TrainingArguments")
     return Check("ddp_fallback", "PASS",
                  f"FSDP2 ({p['distributed_type']}): {r['fsdp_units']} units, rank 0 holds "
-                 f"{r['local_parameters']:,} of {r['parameters']:,} "
-                 "parameters")
+                 f"{r['local_parameters']:,} of {r['parameters']:,} " "parameters")
 
 CHECKS = [check_fsdp_version, check_wrap, check_tied, check_quant_storage, check_base_upcast, check_precision,
           check_loading,
@@ -928,8 +916,7 @@ def _container_crash(ctx) -> Check:
     box = (f"{sizes['container']} ({sizes['container_class']}, {sizes['container_params']:,} parameters in your model)"
            if sizes["container"] else "a container")
     reason = (f"the run stopped in accelerate's prepare: {seen['error'][:110]}...; cause: accelerate's FSDP2 "
-              f"size policy calls fully_shard "
-              "on every "
+              f"size policy calls fully_shard " "on every "
               f"module above min_num_params {n:,}, and {box} is one, but a container has no "
               f"forward for fully_shard to hook")
     key = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" if ctx["spec"].is_yaml() else '"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"'

@@ -61,8 +61,7 @@ class HFRunSpec(EntrySpec):
         if path.suffix not in want:
             raise bad_value("fsdp_config_file", self.fsdp_config, f"a {' or '.join(want)} file for {self.workflow}",
                                                     "trainer and native read a transformers fsdp_config JSON; "
-                                                    "sft and qlora an accelerate "
-                                                    "YAML")
+                                                    "sft and qlora an accelerate YAML")
         return self
 
 # %% ../nbs/09a_hf_run.ipynb #a1f0c003
@@ -500,8 +499,7 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
         with quiet(): source, cfg = folder / "fsdp2.yaml", convert_config_to_fsdp2(cfg)
         source.write_text(yaml.dump(cfg))
         notes.append(f"{Path(path).name} has no fsdp_version, so accelerate would run FSDP1: "
-                     f"converted as `accelerate to-fsdp2` "
-                     f"does, to {source}")
+                     f"converted as `accelerate to-fsdp2` does, to {source}")
     if cfg.get("num_processes") != nproc:
         notes.append(f"num_processes={cfg.get('num_processes')} in the file; --num_processes "
                      f"{nproc} on the command line")
@@ -523,8 +521,7 @@ def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:
            "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length",
            str(spec.seq_len),
            "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16",
-           "--lora_target_modules",
-           "all-linear"]
+           "--lora_target_modules", "all-linear"]
     if spec.workflow == "qlora":
         cmd += ["--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_compute_dtype", "bfloat16",
                 "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bf16", "True"]

@@ -325,8 +325,7 @@ def diagnose(run_dir, # the launch's run folder
         others = sorted(errors, key=lambda r: errors[r]["time"])
         return dict(rank=silent[0], kind="died", others=silent[1:] + others, traceback="",
                     message=f"rank {silent[0]} died without reporting an error (killed by a signal such as "
-                            f"SIGKILL, or the out-of-memory "
-                            "killer)"
+                            f"SIGKILL, or the out-of-memory " "killer)"
                             + (f"; step {progress[silent[0]]['done']} "
                                f"was its last finished step" if silent[0] in progress else ""))
     if errors:
@@ -607,8 +606,7 @@ def _rendezvous_error(nnodes=1, node_rank=0, rdzv_endpoint=None, rdzv_id=None, r
     "The rendezvous ended without every node: name the nodes that never joined and how to start them."
     others = ", ".join(str(r) for r in range(nnodes) if r != node_rank)
     return KitError(f"rdzv_timeout={rdzv_timeout}: node(s) {others} of {nnodes} never joined the "
-                    f"rendezvous at {rdzv_endpoint} (id "
-                    f"{rdzv_id!r}) "
+                    f"rendezvous at {rdzv_endpoint} (id {rdzv_id!r}) "
                     f"within {rdzv_timeout or 600} s. Start the same command on each of them with its own --node-rank, "
                     "the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout")
 
@@ -684,8 +682,7 @@ def _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads:int):
                        "defined in the notebook, in __main__ or inside a function). Restart the kernel and "
                        "keep every backward inside "
                        f"launched functions, or move {name} to the top level of a module (launch then "
-                       f"starts fresh interpreters with "
-                       "launcher='torchrun')")
+                       f"starts fresh interpreters with " "launcher='torchrun')")
     print(f"launch: starting the {nprocs} ranks with launcher='torchrun' (fresh interpreters), not by fork: {why}",
           file=sys.stderr,
           flush=True)

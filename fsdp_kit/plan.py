@@ -21,7 +21,7 @@ from dataclasses import dataclass, KW_ONLY, replace
 from fastcore.basics import patch
 from .errors import bad_value, require_whole
 from .config import EXAMPLES, FSDPConfig, POLICIES, ADDED_POLICIES
-from .spec import RunSpec, StepSpec, LoraSpec
+from .spec import RunSpec, LoraSpec
 from .models import PRESETS, model_config, build_model, read_config_json
 from .ac import ac_policy, parse_ac
 from .lora import LINEARS, lora_targets

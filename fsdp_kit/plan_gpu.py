@@ -18,7 +18,7 @@ from .errors import bad_value
 from .config import EXAMPLES, FSDPConfig
 from .spec import accelerate_precision
 from .lora import LINEARS
-from .plan import PlanSpec, LORA, QLORA, METHODS, LOAD_PATHS, layer_index, meta_shapes, model_tensors, units
+from .plan import PlanSpec, METHODS, layer_index, meta_shapes, model_tensors, units
 from .plan import dims, moments, activation_bytes, comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
 
 # %% ../nbs/08b_plan_gpu.ipynb #7a280d94

@@ -304,10 +304,8 @@ class QLoRAResult:
     versions:dict=field(default_factory=dict) # torch, transformers, peft, bitsandbytes
     config:dict=None # the FSDPConfig the model was sharded with (lora_fsdp_config)
     autocast:str="no" # the dtype torch.autocast ran the forward in (accelerate's name), no for none
-    # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte with before
-    gathered_codes:dict=None
-    # the dtype the first 4-bit layer's matmul ran in during training (autocast's, else the layer's compute_dtype)
-    compute_dtype:str=None
+    gathered_codes:dict=None # the 4-bit weights as FSDP gathered them for the forward, compared byte for byte
+    compute_dtype:str=None # the dtype the first 4-bit layer's matmul ran in (autocast's, else its compute_dtype)
 
 # %% ../nbs/05_qlora.ipynb #cc7b741f
 def batch_rows(spec:QLoRASpec, vocab_size:int, step:int, rank:int=0, world_size:int=1):

@@ -25,13 +25,10 @@ class StepSpec:
     "How one optimizer step runs: AdamW's learning rate and warm-up, the weights' precision and the memory savers."
     lr:float=3e-3 # AdamW learning rate
     warmup:int=0 # steps of linear learning-rate warm-up (0: constant)
-    # weights kept in fp32 (FSDP's mixed_precision casts for compute) or pure-bf16 (weights, grads, Adam in bf16)
-    precision:str="fp32"
-    # the loss in this many chunks of tokens, logits never whole (fsdp_kit.ac.causal_lm_loss); 0: whole logits
-    ce_chunks:int=0
+    precision:str="fp32" # weights in fp32 (mixed_precision casts them) or pure-bf16 (weights, grads, Adam in bf16)
+    ce_chunks:int=0 # the loss in this many chunks of tokens, logits never whole (ac.causal_lm_loss); 0: whole
     optimizer_in_backward:bool=False # AdamW stepped per parameter inside backward (fsdp_kit.ac.OptimizerInBackward)
-    # what autograd saves for backward kept in host memory (fsdp_kit.ac.activations_on_host)
-    offload_activations:bool=False
+    offload_activations:bool=False # what autograd saves for backward kept in host memory (ac.activations_on_host)
     gradient_checkpointing:bool=False # the model's own (transformers) gradient checkpointing
 
     def check(self) -> "StepSpec":
@@ -83,8 +80,7 @@ class RunSpec:
     batch:int=4 # sequences per rank per step (per data-parallel rank: the cp ranks of a group share theirs)
     seq_len:int=64 # tokens per sequence
     steps:int=10 # optimizer steps
-    # the mesh sizes: dp_replicate x dp_shard x cp (dp_shard=-1: every rank the other axes leave)
-    mesh:MeshSpec=MeshSpec()
+    mesh:MeshSpec=MeshSpec() # the mesh sizes: dp_replicate x dp_shard x cp (dp_shard=-1: the ranks left)
     fsdp:FSDPConfig=None # how to wrap, shard, cast and offload (None: FSDPConfig(), a unit per decoder layer, fp32)
     step:StepSpec=field(default_factory=StepSpec) # how one optimizer step runs: lr, warm-up, precision, memory savers
     lora:LoraSpec=None # adapters on a frozen base (None: every parameter trains)
@@ -195,6 +191,5 @@ class EntrySpec:
     checked = RunSpec.checked
 
     @classmethod
-    def from_dict(cls, d:dict): # `dataclasses.asdict` of a spec of this class
-        "The spec `asdict` gave."
+    def from_dict(cls, d:dict): # `dataclasses.asdict` of a spec of this class "The spec `asdict` gave."
         return cls(**d)

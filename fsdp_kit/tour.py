@@ -62,11 +62,9 @@ def _hf_trainer_line(r) -> str:
     return (f"unmodified Trainer on transformers_fsdp_config.json (accelerate's FSDP branch opened on CPU): "
             f"FSDP2 on {r.world_size} ranks, "
             f"{len(param_groups(r.units))} units holding weights, loss {r.losses[0]:.3f} -> "
-            f"{r.losses[-1]:.3f}; saved FULL -> "
-            "from_pretrained diff "
+            f"{r.losses[-1]:.3f}; saved FULL -> " "from_pretrained diff "
             f"{r.load_check['max_weight_diff']:.1e}; SHARDED checkpoint resumed, diff "
-            f"{r.resume['max_diff']:.1e}; the kit's recipe on the "
-            "same "
+            f"{r.resume['max_diff']:.1e}; the kit's recipe on the " "same "
             f"file: the same units {param_groups(r.units) == param_groups(r.parity['units'])}, loss diff "
             f"{r.parity['max_loss_diff']:.1e}")
 

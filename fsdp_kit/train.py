@@ -125,8 +125,7 @@ class TrainResult:
     config:dict=None # the FSDPConfig the run applied, field by field
     peak_bytes:dict=None # rank 0's peak memory of the first step, "total" and by category (FSDPMemTracker)
     scale:dict=None # nodes, restarts and injected faults, when run by `scale.scale_train_worker`
-    # rank 0's step times after the warm-up step: median, min, max and the machine's load (measure.step_timing)
-    timing:dict=None
+    timing:dict=None # rank 0's step times after the warm-up: median, min, max and the load (measure.step_timing)
     ac:str="none" # the activation checkpointing policy the run applied (fsdp_kit.ac)
     step:dict=None # the StepSpec the run applied: lr, warmup, precision and the memory savers
 
