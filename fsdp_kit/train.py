@@ -1,4 +1,4 @@
-"""Shard a model as an FSDP config says, train it on synthetic data on a real process group, check it against one process.
+"""Shard a model as an FSDP config says, train on synthetic data on a real process group, check it against one process.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/train.html.md"""
 
@@ -42,7 +42,8 @@ class TrainSpec(RunSpec):
         if self.ckpt is not None and not callable(getattr(self.ckpt, "check", None)):
             raise bad_value("ckpt", self.ckpt, "None or a checkpoint.CheckpointSpec",
                             "e.g. TrainSpec(ckpt=CheckpointSpec('ckpt', save_every=5))")
-        if self.check_parity and (self.config.mixed_precision != "no" or self.config.reduce_dtype not in (None, "fp32")):
+        mixed = self.config.mixed_precision != "no" or self.config.reduce_dtype not in (None, "fp32")
+        if self.check_parity and mixed:
             raise bad_value("check_parity", True, "an fp32 run: the one-process reference trains in fp32",
                             f"Drop --check-parity or mixed_precision={self.config.mixed_precision!r}")
         if self.check_parity and (self.lora or (self.ckpt and self.ckpt.resume)):
@@ -143,7 +144,7 @@ def _max_diff(full:dict, reference:dict) -> float:
 
 # %% ../nbs/01_train.ipynb #86631e70
 def train_worker(spec:TrainSpec,
-                 watch=None # called after each step like the checkpoint saver (see `scale.StepWatch`): heartbeats, faults, loss log
+                 watch=None # called after each step like the checkpoint saver (`scale.StepWatch`): heartbeats, faults
                 ) -> TrainResult:
     "Shard a model as `spec.config` says (`apply_fsdp`), train it on this process group, and measure (rank 0 returns)."
     import torch, torch.distributed as dist
@@ -197,7 +198,7 @@ def train_worker(spec:TrainSpec,
     return result
 
 # %% ../nbs/01_train.ipynb #935adc2c
-def plot_ddp_fsdp(held:dict, # label -> peak bytes by the kit's memory category (`measure.CATEGORIES` names), "total" too
+def plot_ddp_fsdp(held:dict, # label -> peak bytes by memory category (`measure.CATEGORIES` names), "total" too
                   sent:dict # label -> {collective kind: bytes this rank sends per step}
                  ):
     """What each rank holds at its peak, by memory category (`measure.plot_categories`), beside the bytes it
