@@ -1,4 +1,4 @@
-"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML express; `load_fsdp_config` reads either.
+"""`FSDPConfig` holds what transformers' `fsdp_config` and accelerate's FSDP YAML say; `load_fsdp_config` reads either.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/config.html.md"""
 
@@ -94,25 +94,24 @@ def check_field(self:FSDPConfig, name:str):
         case "layout": _check_choice(name, value, LAYOUTS)
         case "reduce_dtype" if value is not None: _check_choice(name, value, tuple(p for p in PRECISION if p != "no"))
         case "ac": parse_ac(value)
-        case "cpu_offload" | "cpu_ram_efficient_loading" if not isinstance(value,
-                                                                           bool): raise bad_value(name, value, "true or false")
-        case "reshard_after_forward" if not isinstance(value,
-                                                       (bool, int)) or (not isinstance(value, bool) and value < 2):
+        case "cpu_offload" | "cpu_ram_efficient_loading" if not isinstance(value, bool):
+            raise bad_value(name, value, "true or false")
+        case "reshard_after_forward" if not (isinstance(value, bool) or isinstance(value, int) and value >= 2):
             raise bad_value(name, value, "true, false, or a whole number >= 2 (the size of the groups to reshard to)")
         case "min_num_params" if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad_value(name, value, "a whole number >= 0")
         case "parallelism_config" if value is not None and not isinstance(value, dict):
             raise bad_value(name, value, "a mapping of sizes, e.g. {'dp_shard_size': 2, 'cp_size': 2}")
-        case "transformer_layer_cls_to_wrap" if not isinstance(value,
-                                                               list) or not all(isinstance(c, str) for c in value):
+        case "transformer_layer_cls_to_wrap" if (not isinstance(value, list)
+                                                 or not all(isinstance(c, str) for c in value)):
             raise bad_value(name, value, "a list of class names, e.g. ['LlamaDecoderLayer']")
 
 # %% ../nbs/03_config.ipynb #a92d1855
 def _check_choice(name:str, value, allowed:tuple):
     "Refuse `value` unless it is one of `allowed`, suggesting the nearest."
     if value in allowed: return
-    near = difflib.get_close_matches(str(value).upper() if name not in ("mixed_precision",
-                                                                        "reduce_dtype") else str(value), allowed, n=1)
+    exact_case = name in ("mixed_precision", "reduce_dtype")
+    near = difflib.get_close_matches(str(value) if exact_case else str(value).upper(), allowed, n=1)
     raise bad_value(name, value, f"one of {', '.join(allowed)}", f"Did you mean {near[0]!r}?" if near else "")
 
 # %% ../nbs/03_config.ipynb #81fd8500
@@ -158,9 +157,8 @@ SHARDING_STRATEGIES = {  # FSDP1 sharding_strategy -> FSDP2 reshard_after_forwar
                            "use dp_replicate x dp_shard"),
     "NO_SHARD": (False,
                  "NO_SHARD -> reshard_after_forward=False, as accelerate to-fsdp2 converts it; FSDP1's "
-                 "NO_SHARD replicated whole "
-                 "parameters (plain data parallelism), FSDP2 still shards them: for DDP-like runs use "
-                 "a mesh with dp_shard=1 and dp_replicate=N"),
+                 "NO_SHARD replicated whole parameters (plain data parallelism), FSDP2 still shards them: "
+                 "for DDP-like runs use a mesh with dp_shard=1 and dp_replicate=N"),
 }
 SHARDING_BY_NUMBER = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                       "5": "HYBRID_SHARD_ZERO2"}
@@ -172,8 +170,7 @@ NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
     "forward_prefetch": "FSDP2 issues the next unit's all-gather from its own schedule (explicit control: "
                         "set_modules_to_forward_prefetch)",
     "sync_module_states": "FSDP2 does not broadcast module states; the kit builds identical weights on "
-                          "every rank from one seed, and "
-                          "cpu_ram_efficient_loading broadcasts from rank 0",
+                          "every rank from one seed, and cpu_ram_efficient_loading broadcasts from rank 0",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers by design; there is no rate limiter to set",
     "ignored_modules": "the kit shards every module; accelerate would leave the modules this names "
                        "unsharded (null names none)",
@@ -184,8 +181,7 @@ NOT_APPLYING = {  # FSDP1 keys with no FSDP2 counterpart, and why
 NO_OP = {"ignored_modules": (None, "", []), "activation_checkpointing_offload": (False, "false", "False")}
 WHY_UPSTREAM = {  # source key -> why upstream reads another value than the file's key says
     "mixed_precision": "transformers never reads fsdp_config's mixed_precision: the precision comes from "
-                       "TrainingArguments(bf16=True) or "
-                       "fp16=True (fsdp-kit: --mixed-precision)",
+                       "TrainingArguments(bf16=True) or fp16=True (fsdp-kit: --mixed-precision)",
     "offload_params": "transformers reads cpu_offload, not accelerate's offload_params",
     "transformer_layer_cls_to_wrap": "upstream reads layer classes only under TRANSFORMER_BASED_WRAP",
     "min_num_params": "upstream reads min_num_params only under SIZE_BASED_WRAP",
@@ -207,8 +203,8 @@ FIELD_KEYS = {  # upstream key (without fsdp_) -> FSDPConfig field and converter
     "reshard_after_forward": ("reshard_after_forward", to_reshard),
     "auto_wrap_policy": ("auto_wrap_policy", lambda n, v: str(v)),
     "transformer_layer_cls_to_wrap": ("transformer_layer_cls_to_wrap", to_class_list),
-    "min_num_params": ("min_num_params", lambda n,
-                       v: int(v) if isinstance(v, (int, str)) and str(v).strip().isdigit() else v),
+    "min_num_params": ("min_num_params",
+                       lambda n, v: int(v) if isinstance(v, (int, str)) and str(v).strip().isdigit() else v),
     "cpu_offload": ("cpu_offload", to_bool),
     "offload_params": ("cpu_offload", to_bool),
     "mixed_precision": ("mixed_precision", lambda n, v: str(v)),
@@ -233,7 +229,7 @@ def _apply_keys(cfg:FSDPConfig, keys:dict, accelerate:bool=True) -> dict:
             if key == "offload_params" and accelerate: cfg.notes.append("offload_params -> cpu_offload")
         elif key == "sharding_strategy":
             cfg.notes.append(f"sharding_strategy={value!r} is ignored under FSDP2, as "
-                             f"{'accelerate' if accelerate else 'transformers'} " "ignores it: "
+                             f"{'accelerate' if accelerate else 'transformers'} ignores it: "
                              "reshard_after_forward alone decides (true frees gathered parameters after "
                              "forward, false keeps them)")
         elif key in NO_OP and value in NO_OP[key]:
@@ -253,8 +249,7 @@ def _unknown_notes(keys:list, source:str, upstream:str, each:int=5) -> list:
     "An IGNORED note per unknown key, with the nearest known one; past `each` keys, one note that counts them all."
     if len(keys) > each:
         return [f"IGNORED: {len(keys):,} unknown keys in {source} ({', '.join(map(repr, keys[:3]))}, ...): "
-                f"{upstream} never reads them, "
-                "so they change nothing there or here"]
+                f"{upstream} never reads them, so they change nothing there or here"]
     near = {k: difflib.get_close_matches(k, KNOWN_KEYS, n=1) for k in keys}
     return [f"IGNORED: unknown key {k!r} in {source}: {upstream} never reads it, so it changes nothing there or here"
             + (f"; did you mean {near[k][0]!r}?" if near[k] else "") for k in keys]
@@ -263,8 +258,8 @@ def _unknown_notes(keys:list, source:str, upstream:str, each:int=5) -> list:
 def _check_version(value, source:str) -> int:
     "FSDP version 1 or 2 (version 1 files are read as `accelerate to-fsdp2` converts them)."
     if str(value).strip() in ("1", "2"): return int(str(value).strip())
-    raise bad_value("version", value, "1 or 2 (FSDP1 files are read as accelerate to-fsdp2 converts them)",
-                    f"in {source}")
+    raise bad_value("version", value,
+                    "1 or 2 (FSDP1 files are read as accelerate to-fsdp2 converts them)", f"in {source}")
 
 def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
     "The FSDP2 config `accelerate to-fsdp2` writes for an FSDP1 one, with a note for what each FSDP1 key became."
@@ -276,7 +271,7 @@ def _from_fsdp1(data:dict, keys:dict, accelerate:bool, cfg:FSDPConfig) -> dict:
     if "sharding_strategy" in keys and accelerate: _sharding_strategy(keys["sharding_strategy"], cfg)
     elif "sharding_strategy" in keys:  # transformers reads reshard_after_forward only: never act on this key
         cfg.notes.append(f"sharding_strategy={keys['sharding_strategy']!r} is never read by transformers (it "
-                         f"reads reshard_after_forward): " "ignored")
+                         f"reads reshard_after_forward): ignored")
         data = {k: v for k, v in data.items() if k not in ("sharding_strategy", "fsdp_sharding_strategy")}
     for key in keys:
         if key in NOT_APPLYING and key not in NO_OP:
@@ -335,8 +330,9 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
     if not accelerate: keys2.pop("mixed_precision", None)
     # TrainingArguments' bf16=True / fp16=True
     if not accelerate and mixed_precision is not None: keys2["mixed_precision"] = mixed_precision
-    given = _apply_keys(cfg,
-                        {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}, accelerate)
+    # an FSDP1 file's keys FSDP2 has no use for were noted by _from_fsdp1
+    to_apply = {k: v for k, v in keys2.items() if not (version == 1 and k in NOT_APPLYING and k not in NO_OP)}
+    given = _apply_keys(cfg, to_apply, accelerate)
     _follow_upstream(cfg, given, reading_of(fsdp2, accelerate, mixed_precision or "no"), entry)
     if version == 1: _note_differences(cfg, reading_of(data, accelerate, mixed_precision or "no"), entry)
     cfg.notes = list(dict.fromkeys(cfg.notes))
@@ -346,7 +342,7 @@ def _read(data:dict, section:dict, accelerate:bool, cfg:FSDPConfig, mixed_precis
 # %% ../nbs/03_config.ipynb #37fe678f
 def from_transformers(fsdp_config:dict, # transformers' fsdp_config: keys with or without the fsdp_ prefix
                       source:str="transformers fsdp_config", # where it came from, for messages
-                      mixed_precision:str=None # TrainingArguments' precision ("bf16": bf16=True, "fp16": fp16=True); the dict cannot say it
+                      mixed_precision:str=None # TrainingArguments' precision: "bf16" (bf16=True) or "fp16" (fp16=True)
                      ) -> FSDPConfig:
     """An `FSDPConfig` from transformers' `fsdp_config` dict, read as `TrainingArguments(fsdp=True,
     fsdp_config=...)` reads it."""
@@ -374,7 +370,7 @@ def _launch_notes(config:dict, cfg:FSDPConfig):
     "Notes on the accelerate config's top-level keys, one per kind."
     if "num_processes" in config:
         cfg.notes.append(f"num_processes={config['num_processes']} is accelerate's launch setting; the kit "
-                         f"uses its own process count " "(--nproc)")
+                         "uses its own process count (--nproc)")
     said = [k for k in LAUNCH_NOTES if config.get(k) not in (None, False, "no", "false")]
     cfg.notes += [f"{k}={config[k]!r}: {LAUNCH_NOTES[k]}" for k in said]
     rest = [f"{k}={v!r}" for k, v in config.items() if k not in ACCELERATE_OWN or (k in LAUNCH_NOTES and k not in said)]
@@ -423,10 +419,11 @@ def from_accelerate(config:dict, # the parsed accelerate config YAML
     allowed = accelerate_top_level()
     unknown = sorted(set(config) - allowed)
     if unknown:
+        more = f" (and {len(unknown) - 1:,} more)" if len(unknown) > 1 else ""
         near = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
-        raise KitError(f"unknown key {unknown[0]!r} in {source}" + (f" (and {len(unknown) - 1:,} more)" if len(unknown) > 1 else "")
-                       + (f"; did you mean {near[0]!r}?" if near else "") + ": accelerate refuses a file with "
-                                                                            "keys its ClusterConfig lacks")
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise KitError(f"unknown key {unknown[0]!r} in {source}{more}{hint}: "
+                       "accelerate refuses a file with keys its ClusterConfig lacks")
     _check_top_level_types(config, source)
     kind = config.get("distributed_type", "FSDP")
     if str(kind).upper() != "FSDP":
@@ -491,10 +488,9 @@ def layer_class_names(model) -> list:
 def check_for_model(cfg:FSDPConfig, model, gradient_checkpointing:bool=False) -> FSDPConfig:
     "Refuse settings that do not fit `model`, naming the field and what the model offers."
     if cfg.activation_checkpointing and (gradient_checkpointing or model_checkpointing(model)):
-        raise KitError("activation_checkpointing=True together with gradient checkpointing is "
-                       "refused (as transformers does): "
-                       "both recompute the same layers. Keep activation_checkpointing in the FSDP config and "
-                       "turn gradient checkpointing off.")
+        raise KitError("activation_checkpointing=True together with gradient checkpointing is refused (as "
+                       "transformers does): both recompute the same layers. Keep activation_checkpointing in the "
+                       "FSDP config and turn gradient checkpointing off.")
     if cfg.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         names = {type(m).__name__ for m in model.modules()}
         wanted = cfg.transformer_layer_cls_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
