@@ -1,4 +1,4 @@
-"""The settings every lab shares, in one dataclass that each lab's spec extends, checked once and never changed afterwards.
+"""The settings every lab shares, in one dataclass each lab's spec extends, checked once and never changed afterwards.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/spec.html.md"""
 
@@ -113,7 +113,7 @@ class RunSpec:
 
 # %% ../nbs/01b_spec.ipynb #beeee436
 @patch
-def check(self:RunSpec, world_size:int=None): # processes that will run it (None: the mesh sizes are checked when it starts)
+def check(self:RunSpec, world_size:int=None): # processes that will run it (None: the mesh sizes are checked at launch)
     "Refuse shared settings that cannot run, naming the field; return the spec, unchanged."
     require_model("model", self.model), require_seed("seed", self.seed)
     for name in ("steps", "batch", "seq_len"): require_whole(name, getattr(self, name), 1)
@@ -157,7 +157,7 @@ def not_a_field(cls, name:str, value) -> KitError:
                     + ", ".join(f.name for f in fields(cls)))
 
 # %% ../nbs/01b_spec.ipynb #32f60a56
-def accelerate_precision(value, # what the user gave: no, bf16 or fp16 (old spellings: fp32, float32, bfloat16, float16, torch.bfloat16)
+def accelerate_precision(value, # no, bf16 or fp16 (old spellings: fp32, float32, bfloat16, float16, torch.bfloat16)
                          field:str="mixed_precision" # the field being read, named in the error
                         ) -> str:
     "accelerate's name (no, bf16, fp16) for a compute precision, reading the old spellings through `upstream.DTYPES`."
