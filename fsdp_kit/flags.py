@@ -1,4 +1,4 @@
-"""One declaration per setting: each command-line flag is made from a field of the spec's dataclasses, and the parsed flags are read back into one spec.
+"""One declaration per setting: each flag is made from a spec dataclass field, and parsed flags read back into one spec.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/flags.html.md"""
 
@@ -60,9 +60,10 @@ def _comments(cls) -> dict:
 def field_docs(cls) -> dict:
     "Each field of the dataclass `cls` -> (its type, its default, its comment), inherited fields included."
     docs = _comments(cls)
-    return {f.name: (f.type,
-                     f.default if f.default is not MISSING else f.default_factory() if f.default_factory is not MISSING else None,
-                     docs.get(f.name) or "") for f in fields(cls)}
+    def default(f):
+        if f.default is not MISSING: return f.default
+        return f.default_factory() if f.default_factory is not MISSING else None
+    return {f.name: (f.type, default(f), docs.get(f.name) or "") for f in fields(cls)}
 
 # %% ../nbs/01c_flags.ipynb #84523539
 def convert(name:str, kind, text):
@@ -132,8 +133,9 @@ def given(ns, cls, names) -> dict:
         if text is None: continue
         if (name, text) in OLD_VALUES:
             new = OLD_VALUES[name, text]
-            print(f"note: {flag_of(name)} {text} is the old spelling of " + " ".join(f"{flag_of(k)} {v}" for k, v in new.items())
-                  + "; it is read as such in this release", file=sys.stderr)
+            spelled = " ".join(f"{flag_of(k)} {v}" for k, v in new.items())
+            print(f"note: {flag_of(name)} {text} is the old spelling of {spelled}; it is read as such in this release",
+                  file=sys.stderr)
             out |= new
             continue
         out[name] = convert(name, field_docs(cls)[name][0], text)
@@ -141,9 +143,9 @@ def given(ns, cls, names) -> dict:
 
 # %% ../nbs/01c_flags.ipynb #e0aa9619
 def spec_from_flags(ns, base, reads:dict, sections:dict, fsdp_file:str=None, say=print):
-    """`base` (a spec) with the flags of `reads` (section -> field names; "" is `base`'s own fields) given in `ns` laid over it, each into
-    the section `sections` (section -> its dataclass) that holds the field; the fsdp section laid over `fsdp_file`'s config, each
-    replaced value said (`say`)."""
+    """`base` (a spec) with the flags of `reads` (section -> field names; "" is `base`'s own fields) given in `ns`
+    laid over it, each into the section `sections` (section -> its dataclass) that holds the field; the fsdp section
+    laid over `fsdp_file`'s config, each replaced value said (`say`)."""
     from fsdp_kit.config import load_fsdp_config, override
     flat = {}
     for section, names in reads.items(): flat |= given(ns, type(base) if section == "" else sections[section], names)
