@@ -1,4 +1,4 @@
-"""Evaluating with context parallelism through an unmodified `Trainer` on 2 CPU ranks as far as torch allows, and the GPU check.
+"""Context-parallel evaluation through an unmodified `Trainer` on 2 CPU ranks as far as torch allows, and the GPU check.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/cp_trainer.html.md"""
 
