@@ -131,8 +131,8 @@ def modules_to_save_round_trip(model, # the sharded PeftModel of method_run("mod
 # %% ../nbs/05b_peft.ipynb #f0f6dc93
 def adapter_weights(model) -> dict:
     "A copy of this rank's part of every LoRA weight."
-    return {n: (p.to_local() if hasattr(p,
-                                        "to_local") else p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p
+    return {n: local(p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 # %% ../nbs/05b_peft.ipynb #c5ba26e3
 def freeze_probe(reshard_after_forward:bool, seed:int=0, lr:float=1e-2) -> dict:
@@ -152,10 +152,12 @@ def freeze_probe(reshard_after_forward:bool, seed:int=0, lr:float=1e-2) -> dict:
     # an eval forward: with reshard_after_forward=False the layers stay gathered
     with torch.no_grad(): model(input_ids=rows(1))
     model.set_requires_grad("default", False)
-    at_call = sorted({f"{type(p).__name__} requires_grad={p.requires_grad}" for n, p in model.named_parameters() if "lora_" in n})
+    states = lambda: sorted({f"{type(p).__name__} requires_grad={p.requires_grad}"
+                             for n, p in model.named_parameters() if "lora_" in n})
+    at_call = states()
     for m in model.modules():
         if isinstance(m, FSDPModule): m.reshard()
-    after = sorted({f"{type(p).__name__} requires_grad={p.requires_grad}" for n, p in model.named_parameters() if "lora_" in n})
+    after = states()
     before, loss = adapter_weights(model), model(input_ids=rows(2), labels=rows(2)).loss
     if loss.requires_grad: loss.backward(); optim.step(); optim.zero_grad()
     moved = max((adapter_weights(model)[n] - w).abs().max().item() for n, w in before.items())
@@ -178,7 +180,7 @@ def trainer_failure(e:Exception) -> dict:
 # %% ../nbs/05b_peft.ipynb #6ff3e68e
 def paged_optimizer_probe(base:str, # a saved tiny Llama (hf_run.base_checkpoint)
                           folder:str, # where the Trainer would write its checkpoint
-                          settings:tuple=((2, 8), (2, 64), (1, 64)) # (FSDP version, LoRA rank): r x 64 values per lora_A, 512 or 4096
+                          settings:tuple=((2, 8), (2, 64), (1, 64)) # (FSDP version, LoRA rank): r x 64 values in lora_A
                          ) -> list:
     "The Trainer with optim='paged_adamw_8bit' on a 4-bit LoRA model under FSDP: how far it gets."
     import torch
@@ -404,7 +406,8 @@ def peft_worker(spec:PeftSpec) -> dict:
     out["qdora"]["storage"] = sorted(packed)
     out["paged"] = paged_optimizer_probe(base, folder)
     if rank == 0:
-        out["paged_one_process"], out["sft_lora_reading"] = paged_one_process(base), script_reading(SEED_COMMANDS["qlora"])
+        out["paged_one_process"] = paged_one_process(base)
+        out["sft_lora_reading"] = script_reading(SEED_COMMANDS["qlora"])
     out["best"] = [best_model_run(base, folder, t, spec.best_lr,
                                   spec.best_max_steps) for t in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
     barrier()
