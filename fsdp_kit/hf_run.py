@@ -1,4 +1,4 @@
-"""The four ways people shard a transformers model with FSDP2, run on two CPU ranks, each confirmed FSDP2, saved and loaded back.
+"""Four ways to shard a transformers model with FSDP2, run on two CPU ranks, each confirmed FSDP2, saved and reloaded.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/hf_run.html.md"""
 
@@ -278,8 +278,8 @@ def _resume(spec:HFRunSpec, base:str, folder:Path, straight:list) -> dict:
         trainer.train(resume_from_checkpoint=resume)
         # the log carries the checkpoint's history too
         runs.append(trainer_losses(trainer)[-(steps - (resume is not None) * half):])
-    files = sorted(str(p.relative_to(Path(out, f"checkpoint-{half}"))) for p in Path(out,
-                                                                                     f"checkpoint-{half}").rglob("*") if p.is_file())
+    saved = Path(out, f"checkpoint-{half}")
+    files = sorted(str(p.relative_to(saved)) for p in saved.rglob("*") if p.is_file())
     return dict(checkpoint=f"{out}/checkpoint-{half}", state_dict_type="SHARDED_STATE_DICT", files=files[:12],
                 first=runs[0],
                 resumed=runs[1], straight_tail=straight[half:],
@@ -296,7 +296,7 @@ def _reload_full(saved:str, trained:dict) -> dict:
 
 # %% ../nbs/09a_hf_run.ipynb #f8865ba6
 def trainer_worker(spec:HFRunSpec,
-                   progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
+                   progress_from:float=None # start time (`time.time()`): rank 0 prints a line per phase (None: silent)
                   ) -> HFRunResult:
     "An unmodified Trainer on `spec`'s fsdp_config JSON: train, evaluate, save, reload, resume; the kit beside it."
     import torch, torch.distributed as dist
@@ -375,7 +375,7 @@ def _model_order(units:list) -> list:
     return sorted(param_groups(units), key=lambda g: min(order.index(m) for m in g["modules"]))
 
 # %% ../nbs/09a_hf_run.ipynb #71b4b21a
-def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per FSDP unit: module, parameters, reshard_after_forward, group)
+def plot_unit_layouts(layouts:dict # label -> one run's `unit_table` (module, parameters, reshard_after_forward, group)
                      ):
     "One column per run: a block per unit with weights, as tall as its parameters, hatched if kept after forward."
     import matplotlib.pyplot as plt
@@ -395,9 +395,11 @@ def plot_unit_layouts(layouts:dict # label -> `unit_table` rows of one run (per 
     ax.set_xticks(range(len(layouts)), [f"{label}\n{len(units)} FSDP modules, {len(param_groups(units))} with weights"
                                         for label, units in layouts.items()], fontsize=9)
     first = next(iter(layouts.values()))
-    sizes, same = [g["parameters"] for g in _model_order(first)], all(param_groups(u) == param_groups(first) for u in layouts.values())
+    sizes = [g["parameters"] for g in _model_order(first)]
+    same = all(param_groups(u) == param_groups(first) for u in layouts.values())
+    in_all = f", the same in all {len(layouts)}" if same else ""
     ax.set(ylabel="parameters", title=f"the units each entry point made of one {sum(sizes):,}-parameter model:\n"
-                                      + " + ".join(f"{n:,}" for n in sizes) + (f", the same in all {len(layouts)}" if same else ""))
+                                      + " + ".join(f"{n:,}" for n in sizes) + in_all)
     ax.legend([Patch(edgecolor="black", **styles[True]), Patch(edgecolor="black", **styles[False])],
               ["freed after forward (reshard_after_forward=True)", "kept after forward (False)"], fontsize=9,
               loc="upper center",
@@ -505,21 +507,18 @@ def accelerate_file(path:str, folder:Path, nproc:int) -> tuple:
                      f"{nproc} on the command line")
     if (cfg.get("fsdp_config") or {}).get("fsdp_offload_params") and not torch.cuda.is_available():
         overrides += ["--fsdp_offload_params", "false"]
-        notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an "
-                     "accelerator; on CPU the parameters "
-                     "already live in host memory, so --fsdp_offload_params false")
+        notes.append("fsdp_offload_params=true: CPUOffloadPolicy pins host memory, which needs an accelerator; "
+                     "on CPU the parameters already live in host memory, so --fsdp_offload_params false")
     return str(source), overrides, notes
 
 # %% ../nbs/09a_hf_run.ipynb #ab83557e
 def sft_command(spec:HFRunSpec, config_file:str, overrides:list, base:str, data:str, out:str, port:int) -> list:
     "`accelerate launch --config_file FILE examples/sft_lora.py ...`, as a list of arguments."
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file,
-           *overrides,
-           "--main_process_port", str(port), str(EXAMPLES / "sft_lora.py"),
-           "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out, "--result_json",
-           f"{out}/result.json",
-           "--max_steps", str(spec.steps), "--per_device_train_batch_size", str(spec.batch), "--max_length",
-           str(spec.seq_len),
+           *overrides, "--main_process_port", str(port), str(EXAMPLES / "sft_lora.py"),
+           "--model_name_or_path", base, "--dataset_path", data, "--output_dir", out,
+           "--result_json", f"{out}/result.json", "--max_steps", str(spec.steps),
+           "--per_device_train_batch_size", str(spec.batch), "--max_length", str(spec.seq_len),
            "--learning_rate", str(spec.lr), "--seed", str(spec.seed), "--lora_r", "8", "--lora_alpha", "16",
            "--lora_target_modules", "all-linear"]
     if spec.workflow == "qlora":
@@ -547,7 +546,7 @@ def run_command(cmd:list, env:dict, log:Path, timeout:float, what:str) -> str:
 
 # %% ../nbs/09a_hf_run.ipynb #0c03120c
 def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
-            progress_from:float=None # the command's start (`time.time()`): a line on stderr per finished phase (None: no lines)
+            progress_from:float=None # start time (`time.time()`): a line on stderr per finished phase (None: silent)
            ) -> HFRunResult:
     """Run examples/sft_lora.py under `accelerate launch` with `spec`'s YAML (LoRA, or QLoRA for
     workflow qlora); its result."""
@@ -566,8 +565,8 @@ def run_sft(spec:HFRunSpec, nproc:int=2, timeout:float=600,
     cmd = sft_command(spec, config_file, overrides, base, data, str(folder / spec.workflow), free_port())
     (folder / "tmp").mkdir(exist_ok=True)  # torchrun's log folders stay in the run's folder
     # the script imports this kit
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-                        "TMPDIR": str(folder / "tmp")}
+    paths = [str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "TMPDIR": str(folder / "tmp")}
     run_command(cmd, env, folder / f"{spec.workflow}.log", timeout, "accelerate launch")
     done(2, "accelerate launch trained, saved and loaded back")
     result = HFRunResult(**json.loads((folder / spec.workflow / "result.json").read_text()))
@@ -582,7 +581,7 @@ def _native_plan(model) -> dict:
 
 # %% ../nbs/09a_hf_run.ipynb #f1a0aafd
 def native_worker(spec:HFRunSpec,
-                  progress_from:float=None # the command's start (`time.time()`): rank 0 prints a line per finished phase (None: no lines)
+                  progress_from:float=None # start time (`time.time()`): rank 0 prints a line per phase (None: silent)
                  ) -> HFRunResult:
     "transformers' own FSDP2: `from_pretrained(distributed_config=...)`, then the Trainer on that model."
     import torch.distributed as dist
@@ -613,8 +612,7 @@ def native_worker(spec:HFRunSpec,
                          distributed_type=str(trainer.accelerator.distributed_type))
     result.notes += [f"fsdp_plan: {json.dumps(_native_plan(model))}",
                      f"{Path(spec.config_path()).name} is not read: DistributedConfig(fsdp_size={world}) and "
-                     f"the model's fsdp_plan decide "
-                     "the units"]
+                     "the model's fsdp_plan decide the units"]
     if dist.get_rank() == 0: result.load_check = _reload_full(saved, trained)
     done(3, "saved and loaded back")
     return result
@@ -624,8 +622,8 @@ SFT_RUN_LIMIT = 600  # seconds an `accelerate launch` run may take in all (the k
 
 def run_workflow(spec:HFRunSpec, # which workflow, on which config file
                  nproc:int=2, # ranks
-                 timeout:float=120, # seconds a collective may wait (trainer, native); sft and qlora stop after SFT_RUN_LIMIT in all
-                 progress_from:float=None # the command's start (`time.time()`): a line per finished phase on stderr (None: no lines)
+                 timeout:float=120, # seconds a collective may wait (trainer, native); sft, qlora: SFT_RUN_LIMIT in all
+                 progress_from:float=None # start time (`time.time()`): a line on stderr per phase (None: silent)
                 ) -> HFRunResult:
     "Run one workflow on `nproc` processes: through the kit's torchrun launcher, or `accelerate launch`."
     from fsdp_kit.launch import launch
