@@ -1,4 +1,4 @@
-"""`launch()` runs a function on N real processes from a notebook cell or a script; `torchrun_command()` builds the job for torchrun.
+"""`launch()` runs a function on N real processes from a notebook or script; `torchrun_command()` builds torchrun's job.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/launch.html.md"""
 
@@ -13,7 +13,8 @@ __all__ = ['FORKED', 'STOP_SIGNALS', 'PRELOAD', 'JANITOR', 'default_backend', 'e
            'sweep_run_dirs', 'CommandScope']
 
 # %% ../nbs/10_launch.ipynb #60ef0adc
-import datetime, faulthandler, json, logging, os, pickle, re, shutil, signal, socket, subprocess, sys, tempfile, threading, time, traceback
+import datetime, faulthandler, json, logging, os, pickle, re, shutil, signal, socket, subprocess, sys, tempfile
+import threading, time, traceback
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from .errors import KitError, bad_value, require_whole, require_positive
@@ -92,21 +93,19 @@ def intra_op_threads(local_world:int) -> int:
 def _init_process_group(backend:str, timeout:float):
     "Bring up the default process group from the launcher's environment variables."
     import torch, torch.distributed as dist
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                                       os.environ["WORLD_SIZE"]))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if backend == "nccl": torch.cuda.set_device(local_rank)
     if backend != "nccl" or os.environ.get(FORKED) == "1": torch.set_num_threads(intra_op_threads(local_world))
     timeout = datetime.timedelta(seconds=timeout)
     if attempt() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps its store across restarts: the failed attempt's keys (its ranks' addresses) are still there,
-        # and a new
-        # rank could read a dead peer's address. Each attempt gets keys of its own.
-        store = dist.PrefixStore(f"fsdp_kit/attempt_{attempt()}",
-                                 dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                                               is_master=False, timeout=timeout))
+        # torchrun keeps its store across restarts: the failed attempt's keys (its ranks' addresses) are still
+        # there, and a new rank could read a dead peer's address. Each attempt gets keys of its own.
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                    timeout=timeout)
+        store = dist.PrefixStore(f"fsdp_kit/attempt_{attempt()}", agent_store)
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timeout)
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     else: dist.init_process_group(backend, timeout=timeout)
 
 # %% ../nbs/10_launch.ipynb #740602c1
@@ -146,15 +145,14 @@ def run_worker(fn, # the function each rank runs
         die_with_parent()
         import multiprocessing
         if multiprocessing.parent_process() is not None:  # forked: it inherited the launching process's signal handlers
-            # Ctrl-C (Kernel > Interrupt signals the whole process group) and the SIGINT or SIGTERM the launcher then
-            # sends end it at once,
-            # even inside a collective, without a traceback per rank: the launching process says what happened, in one
-            # line
+            # Ctrl-C (Kernel > Interrupt signals the whole process group) and the SIGINT or SIGTERM the launcher
+            # then sends end it at once, even inside a collective, without a traceback per rank: the launching
+            # process says what happened, in one line
             signal.signal(signal.SIGINT, signal.SIG_DFL), signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # the caller pointed its own at the run folder
         tempfile.tempdir = os.environ.get("FSDP_KIT_CALLER_TMPDIR") or None
-        # an empty file that only a rank which exits without an error or a result leaves empty; a SIGTERM fills it with
-        # the stacks
+        # an empty file that only a rank which exits without an error or a result leaves empty; a SIGTERM fills
+        # it with the stacks
         faulthandler.register(signal.SIGTERM, open(Path(run_dir)/f"terminated-{rank_tag()}", "w"), all_threads=True,
                               chain=True)
     try:
@@ -176,7 +174,8 @@ def run_worker(fn, # the function each rank runs
         else: os.environ["FSDP_KIT_RUN_DIR"] = saved_dir
 
 # %% ../nbs/10_launch.ipynb #8b651f81
-_COLLECTIVE = re.compile(r"all_gather|reduce_scatter|all_reduce|allreduce|broadcast|barrier|all_to_all|scatter|gather|\bsend\b|\brecv\b")
+_COLLECTIVE = re.compile(r"all_gather|reduce_scatter|all_reduce|allreduce|broadcast|barrier|"
+                         r"all_to_all|scatter|gather|\bsend\b|\brecv\b")
 
 def collective_in(stack:str) -> str:
     "The collective calls named in a Python stack (traceback or faulthandler text), outermost first; None if none."
@@ -216,11 +215,12 @@ class Heartbeat:
                  exit_code:int=124 # what the process exits with when the watchdog fires
                 ):
         self.timeout, self.exit_code, self.run_dir = timeout, exit_code, Path(run_dir or os.environ["FSDP_KIT_RUN_DIR"])
-        self.tag, self.main, self.stopped, self.lock = rank_tag(), threading.get_ident(), threading.Event(), threading.Lock()
-        # one small file, rewritten in place with a single pwrite: a few microseconds, where create-and-rename cost ~0.5
-        # ms a step
-        self.fd, self.width = os.open(self.run_dir/f"progress-{self.tag}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                      0o644), 0
+        self.tag, self.main = rank_tag(), threading.get_ident()
+        self.stopped, self.lock = threading.Event(), threading.Lock()
+        # one small file, rewritten in place with a single pwrite: a few microseconds, where create-and-rename
+        # cost ~0.5 ms a step
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.fd, self.width = os.open(self.run_dir/f"progress-{self.tag}.json", flags, 0o644), 0
         self.state = dict(rank=int(os.environ.get("RANK", 0)), attempt=attempt(), started=0, done=0, timeout=timeout)
         self.beat()
         threading.Thread(target=self._watch, daemon=True, name="fsdp_kit watchdog").start()
@@ -282,19 +282,18 @@ def rank_files(run_dir:Path, kind:str, attempt_no:int, read=json.loads) -> dict:
 def _hang(errors, stuck, progress, terminated) -> dict:
     "Name the rank the others waited for, where it was, and the collective they were stuck in."
     timed_out = {r for r, e in errors.items() if "timed out" in e["message"].lower() or "timeout" in e["type"].lower()}
-    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended with a
-    # stack outside any
-    # collective
-    silent = sorted(r for r, t in terminated.items() if r not in errors and r not in stuck and not collective_in(main_thread_stack(t)))
+    # without heartbeats: a rank whose collective timed out waited for one that reported nothing and was ended
+    # with a stack outside any collective
+    silent = sorted(r for r, t in terminated.items()
+                    if r not in errors and r not in stuck and not collective_in(main_thread_stack(t)))
     # otherwise the earliest error is all we know
     if not stuck and not (timed_out and (progress or silent)): return None
-    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r,
-                                                                                       "")) or (errors.get(r) or {}).get("traceback")
-              or ""
+    stacks = {r: (stuck.get(r) or {}).get("stack") or main_thread_stack(terminated.get(r, ""))
+                 or (errors.get(r) or {}).get("traceback") or ""
               for r in progress | stuck | errors | dict.fromkeys(silent)}
     most = max((p["started"] for p in progress.values()), default=0)
-    behind = (sorted(r for r, p in progress.items() if p["started"] < most) or sorted(r for r in stuck if not collective_in(stacks[r]))
-              or silent or sorted(stuck or timed_out))
+    behind = (sorted(r for r, p in progress.items() if p["started"] < most)
+              or sorted(r for r in stuck if not collective_in(stacks[r])) or silent or sorted(stuck or timed_out))
     hung, waiters = behind[0], sorted(r for r in stacks if r not in behind)
     waited_in = sorted({c for r in waiters if (c := collective_in(stacks[r]))})
     p = progress.get(hung, {})
@@ -303,7 +302,8 @@ def _hang(errors, stuck, progress, terminated) -> dict:
                f"step {p.get('done', 0) + 1}" if p
                else f"rank {hung} hung")
     if waiters:
-        message += f"; rank(s) {', '.join(map(str, waiters))} waited for it in {' / '.join(waited_in) or 'a collective'}"
+        ranks = ", ".join(map(str, waiters))
+        message += f"; rank(s) {ranks} waited for it in {' / '.join(waited_in) or 'a collective'}"
     timeout = next(iter(progress.values()), {}).get("timeout")
     message += f" (no progress for {timeout:g} s)" if timeout else ""
     if where:
@@ -325,9 +325,9 @@ def diagnose(run_dir, # the launch's run folder
         others = sorted(errors, key=lambda r: errors[r]["time"])
         return dict(rank=silent[0], kind="died", others=silent[1:] + others, traceback="",
                     message=f"rank {silent[0]} died without reporting an error (killed by a signal such as "
-                            f"SIGKILL, or the out-of-memory " "killer)"
-                            + (f"; step {progress[silent[0]]['done']} "
-                               f"was its last finished step" if silent[0] in progress else ""))
+                            "SIGKILL, or the out-of-memory killer)"
+                            + (f"; step {progress[silent[0]]['done']} was its last finished step"
+                               if silent[0] in progress else ""))
     if errors:
         first, *later = sorted(errors.values(), key=lambda e: e["time"])
         return dict(rank=first["rank"], message=f"{first['type']}: {first['message']}", traceback=first["traceback"],
@@ -513,7 +513,7 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
                      rdzv_id:str="fsdp_kit", # a name all nodes of one job share
                      max_restarts:int=0, # restarts of the whole worker group after a failure
                      python:str=None, # the interpreter; None runs `torchrun` itself
-                     rdzv_timeout:int=None # seconds the nodes wait for each other at the rendezvous (torchrun's default: 600)
+                     rdzv_timeout:int=None # seconds the nodes wait for one another at the rendezvous (torchrun: 600)
                     ) -> list:
     "The `torchrun` command line that runs `module` on `nnodes` x `nproc` processes."
     require_whole("nproc", nproc, 1), require_whole("nnodes", nnodes, 1), require_whole("max_restarts", max_restarts, 0)
@@ -537,8 +537,8 @@ def torchrun_command(module:str, # the module torchrun runs with `-m`
 # %% ../nbs/10_launch.ipynb #3118688d
 def _importable(fn) -> bool:
     "Could a fresh interpreter import `fn` (pickle stores a function by module and name)?"
-    return getattr(fn, "__module__", None) not in (None,
-                                                   "__main__") and "<locals>" not in getattr(fn, "__qualname__", "<locals>")
+    return (getattr(fn, "__module__", None) not in (None, "__main__")
+            and "<locals>" not in getattr(fn, "__qualname__", "<locals>"))
 
 def _check_importable(fn):
     "Refuse a function that worker processes started by torchrun could not import."
@@ -570,11 +570,10 @@ def _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir, **nodes):
     text = log.read_text()
     if "RendezvousTimeoutError" in text or "RendezvousClosedError" in text: raise _rendezvous_error(**nodes)
     lines = text.splitlines()
-    native = [l for l in lines if any(k in l for k in ("terminate called", "what()", "Fatal Python error",
-                                                       "Segmentation fault"))]
-    return (f"torchrun exited with code {proc.returncode}; native errors in its log: "
-            f"{native[:10]}; the end of its log:\n"
-            + "\n".join(lines[-30:]))
+    native = [l for l in lines
+              if any(k in l for k in ("terminate called", "what()", "Fatal Python error", "Segmentation fault"))]
+    return (f"torchrun exited with code {proc.returncode}; native errors in its log: {native[:10]}; "
+            "the end of its log:\n" + "\n".join(lines[-30:]))
 
 # %% ../nbs/10_launch.ipynb #e8a65d62
 def _stop(proc, grace:float=20):
@@ -623,9 +622,8 @@ def worker_main(run_dir:str):
     run_worker(fn, args, backend, timeout, run_dir)
 
 # %% ../nbs/10_launch.ipynb #b7c1e2a1
-# what every worker of the kit imports: torch's FSDP2, transformers and the kit's default model family (tiny / small
-# Llama). Not
-# transformers.trainer: it imports peft and bitsandbytes (transformers 5.25), fork traps
+# what every worker of the kit imports: torch's FSDP2, transformers and the kit's default model family (tiny /
+# small Llama). Not transformers.trainer: it imports peft and bitsandbytes (transformers 5.25), fork traps
 PRELOAD = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "transformers",
            "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
 
@@ -660,8 +658,8 @@ def agent_main(argv:list):
     except SystemExit as e: status = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:  # torchrun's own failure (a rank that failed, a signal): its report goes to the log as before
         traceback.print_exc(); status = 1
-    # no interpreter shutdown: with transformers loaded it took 1.9-2.4 s on 2 cores, and the command names a failed
-    # rank only once we exit
+    # no interpreter shutdown: with transformers loaded it took 1.9-2.4 s on 2 cores, and the command names a
+    # failed rank only once we exit
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(status)
 
@@ -669,28 +667,24 @@ def agent_main(argv:list):
 def _launch_unforked(fn, args, nprocs, backend, timeout, run_dir, threads:int):
     """Where autograd's `threads` already run here, so no fork could run a backward: one rank in this
     process, more under torchrun."""
-    why = (f"autograd's threads already run in this process ({threads} pt_autograd_* threads, "
-           f"started by a backward here), "
-           "and a forked rank could not run a backward")
+    why = (f"autograd's threads already run in this process ({threads} pt_autograd_* threads, started by a "
+           "backward here), and a forked rank could not run a backward")
     if nprocs == 1:
         print(f"launch: running the 1 rank in this process, not a forked one: {why}", file=sys.stderr, flush=True)
         return _launch_here(fn, args, backend, timeout, run_dir)
     name = getattr(fn, "__qualname__", repr(fn))
     if not _importable(fn):
         raise KitError(f"launch() cannot start {nprocs} ranks of {name}: {why}; and fresh interpreters "
-                       f"cannot import {name} (it is "
-                       "defined in the notebook, in __main__ or inside a function). Restart the kernel and "
-                       "keep every backward inside "
-                       f"launched functions, or move {name} to the top level of a module (launch then "
-                       f"starts fresh interpreters with " "launcher='torchrun')")
+                       f"cannot import {name} (it is defined in the notebook, in __main__ or inside a function). "
+                       f"Restart the kernel and keep every backward inside launched functions, or move {name} to "
+                       "the top level of a module (launch then starts fresh interpreters with launcher='torchrun')")
     print(f"launch: starting the {nprocs} ranks with launcher='torchrun' (fresh interpreters), not by fork: {why}",
-          file=sys.stderr,
-          flush=True)
+          file=sys.stderr, flush=True)
     return _launch_torchrun(fn, args, nprocs, backend, timeout, run_dir)
 
 # %% ../nbs/10_launch.ipynb #33444cf7
 def launch(fn, # the function every rank runs; rank 0's return value (this node's first rank's) is returned
-           *args, # positional arguments for `fn`; a spec with a `check()` method is checked here, before anything starts
+           *args, # positional arguments for `fn`; a spec with a `check()` method is checked before anything starts
            nprocs:int=2, # number of processes
            backend:str=None, # "gloo" or "nccl"; None picks by device
            timeout:float=120, # seconds a collective may wait before the run fails
@@ -700,7 +694,7 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
            rdzv_endpoint:str=None, # HOST:PORT of the c10d rendezvous, needed when nnodes > 1
            rdzv_id:str="fsdp_kit", # a name every node of one job shares
            max_restarts:int=0, # times torchrun may restart the whole worker group after a failure (torchrun only)
-           rdzv_timeout:int=None # seconds this node waits at the rendezvous for the others (torchrun only; torchrun's default 600)
+           rdzv_timeout:int=None # seconds this node waits at the rendezvous for the others (torchrun only; default 600)
           ):
     """Run `fn(*args)` on `nprocs` processes (per node) in a fresh process group and return this
     node's first rank's result."""
@@ -715,14 +709,13 @@ def launch(fn, # the function every rank runs; rank 0's return value (this node'
         raise bad_value("backend", backend, "'gloo' or None on a machine without a CUDA GPU (NCCL needs one)")
     check_arg_types(fn, args)
     nodes = dict(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                 max_restarts=max_restarts,
-                 rdzv_timeout=rdzv_timeout)
+                 max_restarts=max_restarts, rdzv_timeout=rdzv_timeout)
     torchrun_command("fsdp_kit", **nodes)  # refuse bad node settings before starting anything
     if rdzv_endpoint is not None: _check_endpoint(rdzv_endpoint)
     check_specs(args, nprocs * nnodes)
     if under_torchrun(): return _launch_in_this_rank(fn, args, backend, timeout)
-    # under torchrun the workers pick the default backend themselves: this process need not import torch (2 s on a small
-    # machine)
+    # under torchrun the workers pick the default backend themselves: this process need not import torch (2 s on a
+    # small machine)
     if launcher == "notebook": backend = backend or default_backend()
     sweep_run_dirs()
     run_dir = tempfile.mkdtemp(prefix="fsdp_kit_run_")
@@ -823,14 +816,11 @@ def _alive(pid:int) -> bool:
 
 # %% ../nbs/10_launch.ipynb #c5f8db4e
 # Everything a command starts (torchrun's agent and its workers, `accelerate launch`, the TrainingArguments helper)
-# inherits TMPDIR
-# pointing into the command's own temporary folder, which also holds every temporary file of the command. A small
-# janitor process,
-# started first, waits for the command to end, however it ends (SIGKILL included: the pipe it reads closes), then
-# SIGKILLs every
-# process whose environment names that folder and removes it. Processes left to themselves took up to 8.6 s to die
-# (torchrun's agent
-# waiting on its workers), and a helper reparented to PID 1 outlived the command.
+# inherits TMPDIR pointing into the command's own temporary folder, which also holds every temporary file of the
+# command. A small janitor process, started first, waits for the command to end, however it ends (SIGKILL
+# included: the pipe it reads closes), then SIGKILLs every process whose environment names that folder and removes
+# it. Processes left to themselves took up to 8.6 s to die (torchrun's agent waiting on its workers), and a helper
+# reparented to PID 1 outlived the command.
 JANITOR = """import os, shutil, signal, sys, time
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)
 sys.stdin.buffer.read()  # returns when the command ends, by any means
@@ -862,8 +852,7 @@ class CommandScope:
         # the janitor reads `read` until every copy of `self.pipe` is closed: this process's, at its end
         read, self.pipe = os.pipe()
         self.janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", JANITOR, self.folder], stdin=read,
-                                        stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env={k: v for k, v in os.environ.items() if k != "TMPDIR"},
                                         # a signal to the command's process group leaves it to clean up
                                         start_new_session=True)
