@@ -3,7 +3,8 @@ command runs), old spellings read as the new ones with a note, and a flag for a 
 import argparse
 from dataclasses import asdict
 import pytest
-from fsdp_kit.cli import parser, train_spec, command_spec, READS, CKPT_READS, GROUPS
+from fsdp_kit.cli import parser
+from fsdp_kit.commands import train_spec, command_spec, READS, CKPT_READS, GROUPS
 from fsdp_kit.flags import flag_of
 
 FSDP = {"--reshard-after-forward": "false", "--auto-wrap-policy": "SIZE_BASED_WRAP", "--transformer-layer-cls-to-wrap": "LlamaDecoderLayer",
