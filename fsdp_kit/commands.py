@@ -12,8 +12,8 @@ __all__ = ['OUTPUT_ERRNOS', 'LIST_OPTIONS', 'FSDP_SETTINGS', 'NOT_READ', 'TRAIN_
            'DOCS_OPTIONS', 'SEARCHED', 'RECOMMEND_SEARCHES', 'RECOMMEND_IGNORES', 'COMMANDS', 'dumps',
            'check_json_dest', 'check_output_file', 'check_out_dir', 'emit', 'OutputError', 'output_why', 'CheckFailed',
            'refuse_blank_lists', 'base_spec', 'command_spec', 'spec_flags', 'options', 'check_before_launch',
-           'fits_then', 'example_path', 'train_spec', 'check_upstream_can_run', 'hf_run_spec', 'doctor_spec',
-           'compare_spec', 'qlora_spec', 'cp_eval_spec', 'plan_spec']
+           'fits_then', 'example_path', 'train_spec', 'train_summary', 'check_upstream_can_run', 'hf_run_spec',
+           'doctor_spec', 'compare_spec', 'qlora_spec', 'cp_eval_spec', 'plan_spec']
 
 # %% ../nbs/14_commands.ipynb #d8d34f28
 import argparse, errno, json, math, os, re, sys, tempfile
@@ -433,6 +433,13 @@ def _cmd_train(a):
                         node_rank=a.node_rank, rdzv_endpoint=a.rdzv_endpoint, rdzv_id=a.rdzv_id,
                         max_restarts=a.max_restarts,
                         rdzv_timeout=a.rdzv_timeout if a.nnodes > 1 else None)
+    mesh = spec.mesh.resolve(result.world_size)
+    text = train_summary(result, mesh)
+    emit(asdict(result) | dict(mesh=asdict(mesh)), a.json, text)  # the mesh sizes it ran on, -1 filled in
+
+# %% ../nbs/14_commands.ipynb #a70e4c1e
+def train_summary(result, mesh) -> str:
+    "What `fsdp-kit train` prints of a run: ranks, losses, step time, units, memory, checkpoints, adapter."
     s = result.scale
     text = f"{s['nodes']} node(s) x {s['ranks_per_node']} = " if s["nodes"] > 1 else ""
     for r in s["restarts"]:
@@ -440,7 +447,6 @@ def _cmd_train(a):
                  f"{s['attempts'][r['attempt']]['last_step']} (rank "
                  f"{r['rank']} {r['kind']})\n")
     if s["attempt"]: text += f"the last attempt resumed from step {result.first_step}\n"
-    mesh = spec.mesh.resolve(result.world_size)
     if mesh.dp_replicate > 1:
         text += (f"HSDP: {mesh.dp_replicate} replicas x {mesh.dp_shard} shards (parameters sharded over "
                  f"{mesh.dp_shard} ranks, gradients "
@@ -482,7 +488,7 @@ def _cmd_train(a):
         text += (f"\nLoRA adapter: {d['tensors']} tensors, every rank's rows saved: {d['every_rank_share_saved']}, "
                  f"reloaded with peft: loss diff "
                  f"{d['reload_loss_diff']:.1e}" + (f", in {d['path']}" if d["path"] else ""))
-    emit(asdict(result) | dict(mesh=asdict(mesh)), a.json, text)  # the mesh sizes it ran on, -1 filled in
+    return text
 
 # %% ../nbs/14_commands.ipynb #5c2d33c5
 def _cmd_hf(a):
