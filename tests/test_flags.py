@@ -97,3 +97,24 @@ def test_old_spellings_give_the_same_spec(tmp_path, capsys):
                  "--edges-in-root is the old spelling of --layout layers", "--no-gather is the old spelling of --gather false",
                  "--mixed-precision bfloat16 is the old spelling of --mixed-precision bf16"):
         assert note in err, err
+
+
+def test_each_setting_is_declared_once():
+    """A spec field is a flag only through fsdp_kit.flags (made from its declaration): no command's own options table declares it
+    again, and the package has few add_argument call sites left (one per table-reading loop)."""
+    import ast, re
+    from pathlib import Path
+    from fsdp_kit.commands import COMMANDS, COMMON, LAUNCHES, base_spec
+    from fsdp_kit.flags import field_docs
+    from fsdp_kit.spec import SECTIONS
+    for name, _, _, _, table in COMMANDS:
+        if name not in READS: continue
+        base = base_spec(name)
+        fields = set(field_docs(type(base))) | {f for kind in SECTIONS.values() for f in field_docs(kind)}
+        spec_flags = {flag_of(f) for f in fields}
+        given = {"--fsdp-config"} | ({"--nproc", "--timeout"} if name == "doctor" else set())  # the launch's, copied in
+        twice = [flag for flag, _ in (*COMMON, *LAUNCHES, *table) if flag in spec_flags and flag not in given]
+        assert not twice, f"fsdp-kit {name}: {twice} declared beside the spec field that makes them"
+    pkg = Path(__file__).resolve().parent.parent / "fsdp_kit"
+    calls = sum(len(re.findall(r"\.add_argument\(", p.read_text())) for p in pkg.glob("*.py"))
+    assert calls <= 40, calls
