@@ -1,4 +1,4 @@
-"""`fsdp-kit doctor`: a small twin of your own model, run with your FSDP config on two CPU ranks; twelve checks for silent failures.
+"""`fsdp-kit doctor`: your model's small twin, run on two CPU ranks with your FSDP config; twelve silent-failure checks.
 
 Docs: https://fsdp-kit.github.io/fsdp_kit/doctor.html.md"""
 
@@ -171,8 +171,8 @@ def _float_params(model, trainable:bool=None) -> dict:
     "dtype name -> [tensors, bytes on this rank] of the model's floating-point parameters that are (not) trained."
     out = {}
     for p in model.parameters():
-        if type(p).__name__ == "Params4bit" or (trainable is not None and p.requires_grad != trainable) or not p.is_floating_point():
-            continue
+        skipped = type(p).__name__ == "Params4bit" or not p.is_floating_point()
+        if skipped or (trainable is not None and p.requires_grad != trainable): continue
         local = p.to_local() if hasattr(p, "to_local") else p
         row = out.setdefault(str(p.dtype).removeprefix("torch."), [0, 0])
         row[0] += 1; row[1] += local.numel() * local.element_size()
@@ -184,15 +184,14 @@ def _codes(model) -> dict:
     import hashlib, torch
     out = {}
     for name, p in model.named_parameters():
-        if type(p).__name__ != "Params4bit" and not (hasattr(p,
-                                                             "_local_tensor") and type(p._local_tensor).__name__ == "Params4bit"):
+        if "Params4bit" not in (type(p).__name__, type(getattr(p, "_local_tensor", None)).__name__):
             continue
         sharded = hasattr(p, "full_tensor")
         whole = (p.full_tensor() if sharded else p.data).detach().contiguous()
         local = p.to_local() if sharded else p
+        digest = hashlib.sha256(whole.view(torch.uint8).numpy().tobytes()).hexdigest()
         out[name.replace("_fsdp_wrapped_module.", "")] = (str(p.dtype).removeprefix("torch."), sharded,
-                                                          local.numel() * local.element_size(),
-                                                          hashlib.sha256(whole.view(torch.uint8).numpy().tobytes()).hexdigest())
+                                                          local.numel() * local.element_size(), digest)
     return out
 
 # %% ../nbs/12_doctor.ipynb #34e15f4f
@@ -432,8 +431,8 @@ def run_twin(spec:DoctorSpec, folder:str, say=print, variant=None) -> dict:
     say(f"twin of {type(config).__name__.removesuffix('Config')}: {small}; "
         f"running it on {spec.nproc} CPU ranks: {' '.join(cmd[2:5])} ...")
     # the script imports this kit
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-                        "OMP_NUM_THREADS": "1", "TMPDIR": folder}
+    paths = [str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "TMPDIR": folder}
     start = time.time()
     try: run_command(cmd, env, Path(folder) / "twin.log", spec.timeout, "the twin's run")
     except KitError as e:
@@ -479,8 +478,8 @@ def check_fsdp_version(ctx) -> Check:
         return Check("fsdp_version", "FAIL", f"{up['entry_point']} refuses the file: {up['refused']}",
                      "fix the key the message names")
     if up.get("fsdp") is False:
-        return Check("fsdp_version", "FAIL", f"{up['entry_point']} does not run FSDP with this file",
-                     "distributed_type: FSDP")
+        said = f"{up['entry_point']} does not run FSDP with this file"
+        return Check("fsdp_version", "FAIL", said, "distributed_type: FSDP")
     if up["fsdp_version"] == 1:
         key = "fsdp_version: 2 under fsdp_config" if ctx["spec"].is_yaml() else '"version": 2'
         return Check("fsdp_version", "FAIL",
@@ -517,15 +516,14 @@ def check_wrap(ctx) -> Check:
                      f"({layer:,} parameters) is above it "
                      "(the twin's smaller layers cannot show it; judged on your model's sizes)")
     root = {u["module"] for u in p["units"] if u["module"] == ""}
-    wrapped = [l for l in p["layers"]
-               if any(u["module"].replace("._checkpoint_wrapped_module", "") in (l,
-                                                                                 ) for u in p["units"] if u["module"] not in root)]
+    wrapped = [l for l in p["layers"] if any(u["module"].replace("._checkpoint_wrapped_module", "") == l
+                                             for u in p["units"] if u["module"] not in root)]
     if not wrapped:
         why = "NO_WRAP" if policy == "NO_WRAP" else f"{policy} wraps none of the {len(p['layers'])} decoder layers"
+        fix = "TRANSFORMER_BASED_WRAP with the layer class"
+        if policy == "SIZE_BASED_WRAP": fix += " (or a min_num_params below one layer's parameters)"
         return Check("wrap", "WARN" if policy == "NO_WRAP" else "FAIL",
-                     f"{why}: every layer's weights are gathered at once, in the root unit",
-                     "TRANSFORMER_BASED_WRAP with the layer class" + (" (or a min_num_params below one layer's parameters)"
-                                                                      if policy == "SIZE_BASED_WRAP" else ""))
+                     f"{why}: every layer's weights are gathered at once, in the root unit", fix)
     return Check("wrap", "PASS",
                  f"{len(wrapped)} of {len(p['layers'])} decoder layers are FSDP units of their own "
                  f"({len(p['groups'])} units hold weights)")
@@ -656,12 +654,14 @@ def check_loading(ctx) -> Check:
     seen, up = ctx["seen"], ctx["upstream"]
     load = seen.get("load")
     if not load: return Check("loading", "SKIP", _stopped(seen))
-    read, on, gb, spec = load["read_checkpoint"], up.get("cpu_ram_efficient_loading"), ctx["user_bytes"] / 1e9, ctx["spec"]
+    read, on, spec = load["read_checkpoint"], up.get("cpu_ram_efficient_loading"), ctx["spec"]
+    gb = ctx["user_bytes"] / 1e9
     private, mapped = load["private_bytes"], load["mapped_bytes"]
     # ranks that hold (some of) the weights in memory of their own
     copies = sum(p > 0.1 * (private[0] + mapped[0]) for p in private)
     held = ", ".join(f"rank {r}: {_mib(p)} own, {_mib(m)} mapped" for r, (p, m) in enumerate(zip(private, mapped)))
-    said = f"cpu_ram_efficient_loading {'on' if on else 'off'}, {sum(read)} of {len(read)} ranks read the checkpoint ({held})"
+    state = "on" if on else "off"
+    said = f"cpu_ram_efficient_loading {state}, {sum(read)} of {len(read)} ranks read the checkpoint ({held})"
     if copies <= 1:
         return Check("loading", "PASS",
                      f"{said}: " + ("no rank copies the weights: they are pages of the checkpoint file, which "
@@ -673,11 +673,13 @@ def check_loading(ctx) -> Check:
     if spec.method == "qlora":
         # 4 bits per parameter, nearly all of them in the quantized Linear layers
         gb = ctx["scale"]["parameters"] * 0.5 / 1e9
-        why = "quantizing to 4 bits makes a copy of the quantized weights on every rank (accelerate's broadcast skips 4-bit models)"
+        why = ("quantizing to 4 bits makes a copy of the quantized weights on every rank "
+               "(accelerate's broadcast skips 4-bit models)")
         fix = "budget host memory for one 4-bit copy per rank"
     elif stored != dtype:
         why = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank"
-        fix = f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: then every rank maps the file"
+        fix = (f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: "
+               "then every rank maps the file")
     else: why, fix = "each rank holds its own copy", "cpu_ram_efficient_loading: true"
     user = (f"; for your model ({gb:.1f} GB per copy) on {s['gpus']} GPUs the planner puts host memory at load at "
             f"{s['host_load_gb']['every_process_loads']:.1f} GB per node"
@@ -769,9 +771,8 @@ def check_saving(ctx) -> Check:
 # %% ../nbs/12_doctor.ipynb #96549127
 def check_keys(ctx) -> Check:
     "11. Keys the entry point ignores, or that the kit and upstream read differently."
-    notes = [n for n in ctx["notes"]
-             if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply", "refuses", "not applied",
-                                     "runs FSDP1"))]
+    notes = [n for n in ctx["notes"] if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply",
+                                                             "refuses", "not applied", "runs FSDP1"))]
     if ctx.get("read_error"):
         return Check("keys", "FAIL", f"the kit cannot read the file as upstream does: {ctx['read_error']}", "")
     if notes:
@@ -916,10 +917,10 @@ def _container_crash(ctx) -> Check:
     box = (f"{sizes['container']} ({sizes['container_class']}, {sizes['container_params']:,} parameters in your model)"
            if sizes["container"] else "a container")
     reason = (f"the run stopped in accelerate's prepare: {seen['error'][:110]}...; cause: accelerate's FSDP2 "
-              f"size policy calls fully_shard " "on every "
-              f"module above min_num_params {n:,}, and {box} is one, but a container has no "
-              f"forward for fully_shard to hook")
-    key = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" if ctx["spec"].is_yaml() else '"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"'
+              f"size policy calls fully_shard on every module above min_num_params {n:,}, and {box} is one, "
+              "but a container has no forward for fully_shard to hook")
+    is_yaml = ctx["spec"].is_yaml()
+    key = "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" if is_yaml else '"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"'
     if fix and fix["ok"]:
         losses = fix["losses"] or [0]
         return Check("wrap", "FAIL", reason,
@@ -932,7 +933,7 @@ def _container_crash(ctx) -> Check:
 
 # %% ../nbs/12_doctor.ipynb #d0c70014
 def doctor(spec:DoctorSpec, say=print,
-           progress_from:float=None # the command's start (`time.time()`): a line through `say` per finished unit of work (None: no lines)
+           progress_from:float=None # start time (`time.time()`): `say`s a line per unit of work done (None: silent)
           ) -> dict:
     "Check `spec`, run the twin through the file's entry point, run every check; {checks, twin, versions, scale, seen}."
     from fsdp_kit.config import load_fsdp_config
@@ -979,19 +980,19 @@ def doctor(spec:DoctorSpec, say=print,
 # %% ../nbs/12_doctor.ipynb #2a74d714
 def report_text(result:dict) -> str:
     "The doctor's findings as lines: one per check (status, name, reason, fix), then the user's scale."
+    def line(c:dict) -> str:  # status, name and reason; the fix unless it passed
+        fix = f"\n      fix: {c['fix']}" if c["fix"] and c["status"] != "PASS" else ""
+        return f"{c['status']:4}  {c['name']:24} {c['reason']}{fix}"
     stopped, skipped = result.get("stopped_by"), [c["name"] for c in result["checks"] if c["status"] == "SKIP"]
-    lines = [f"{c['status']:4}  {c['name']:24} {c['reason']}" + (f"\n      fix: {c['fix']}" if c["fix"] and c["status"] != "PASS" else "")
-             + (f"\n      not reached, the run stopped "
-                f"here: {', '.join(skipped)}" if c["name"] == stopped and skipped else "")
+    not_reached = f"\n      not reached, the run stopped here: {', '.join(skipped)}" if skipped else ""
+    lines = [line(c) + (not_reached if c["name"] == stopped else "")
              for c in result["checks"] if c["status"] != "SKIP" or not stopped]
     counts = {s: sum(c["status"] == s for c in result["checks"]) for s in STATUSES}
     s = result.get("scale") or {}
     if s.get("line"):
         lines.append(f"your scale: {s['parameters'] / 1e9:.2f} B parameters on {s['gpus']} GPUs: {s['line']}")
     v = result.get("versions_verdict")
-    if v:
-        lines.append(f"{v['status']:4}  {'versions':24} {v['reason']}" + (f"\n      fix: {v['fix']}" if v["fix"] and v["status"] != "PASS"
-                                                                          else ""))
-    lines.append(", ".join(f"{n} {'not reached' if s_ == 'SKIP' else s_}" for s_, n in counts.items() if n
-                           or s_ != "SKIP") + f" (doctor: {result['seconds']:.0f} s)")
+    if v: lines.append(line(dict(v, name="versions")))
+    said = [f"{n} {'not reached' if s_ == 'SKIP' else s_}" for s_, n in counts.items() if n or s_ != "SKIP"]
+    lines.append(", ".join(said) + f" (doctor: {result['seconds']:.0f} s)")
     return "\n".join(lines)
