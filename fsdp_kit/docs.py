@@ -24,8 +24,8 @@ def find_nbs(start: Path = None) -> Path:
     beside = Path(__file__).resolve().parents[1] / "nbs"
     if beside.is_dir():
         return beside
-    raise KitError("no nbs/ folder found: run `fsdp-kit docs` inside a checkout of fsdp_kit (the "
-                   "notebooks are the docs' source)")
+    raise KitError("no nbs/ folder found: run `fsdp-kit docs` inside a checkout of fsdp_kit "
+                   "(the notebooks are the docs' source)")
 
 
 def page_name(notebook: Path) -> str:
@@ -37,8 +37,7 @@ def page_name(notebook: Path) -> str:
 def course_key(notebook: Path) -> tuple:
     "Where a notebook sits in the course."
     # the landing page, then the lessons by number and letter (`01_train`, `01a_models`, `02_mesh`, ...), then the
-    # unnumbered pages (the
-    # benchmark report) by name.
+    # unnumbered pages (the benchmark report) by name.
     m = re.match(r"^(\d+)([a-z]?)_", notebook.stem)
     if notebook.stem == "index": return (0, 0, "", notebook.name)
     return (1, int(m.group(1)), m.group(2), notebook.name) if m else (2, 0, "", notebook.name)
@@ -62,8 +61,8 @@ def _clean(nb):
             if not cell.source:
                 continue
             for out in cell.get("outputs", []):
-                # a page has no kernel: say so instead of the widget's Python repr; the lesson shows its default state
-                # next
+                # a page has no kernel: say so instead of the widget's Python repr;
+                # the lesson shows its default state next
                 if WIDGET_MIME in out.get("data", {}):
                     out["data"] = {"text/plain": "[an interactive widget: run the notebook to use it; its "
                                                  "default state is shown below]"}
@@ -111,20 +110,18 @@ def render_notebook(path: Path) -> dict:
                   if not any(HIDDEN.match(l) for l in c.source.splitlines()))
     nb = _clean(nb)
     # the template passes every code cell's pygments HTML through bleach (`clean_html`), which leaves it unchanged
-    # (pygments
-    # escapes the source) and took most of the rendering time: skipped; markdown and HTML outputs are not sanitized
-    # either way
+    # (pygments escapes the source) and took most of the rendering time: skipped; markdown and HTML outputs are not
+    # sanitized either way
     body, _ = HTMLExporter(template_name="basic", filters={"clean_html": lambda html: html}).from_notebook_node(nb)
     body = re.sub(r'<div class="prompt[^"]*">.*?</div>', "", body, flags=re.S)  # no In [ ]: prompts
     # nbconvert writes "No description has been provided for this image" on each
     alts = iter(figure_alts(nb, _title(nb, path.stem)))
     body = re.sub(r'alt="No description has been provided for this image"',
                   lambda m: f'alt="{html.escape(next(alts, "a figure"))}"', body)
-    toc = [(int(level), anchor, re.sub("<[^>]+>", "", text)) for level, anchor,
-           text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
+    toc = [(int(level), anchor, re.sub("<[^>]+>", "", text))
+           for level, anchor, text in re.findall(r'<h([23]) id="([^"]+)">(.*?)<a class="anchor-link"', body)]
     return dict(title=_title(nb, path.stem), body=body, toc=toc, figures=figures, errors=errors,
-                figure_errors=figure_errors,
-                page=page_name(path), source=path.name)
+                figure_errors=figure_errors, page=page_name(path), source=path.name)
 
 
 def _signature_comments(obj) -> dict:
@@ -135,7 +132,8 @@ def _signature_comments(obj) -> dict:
         return {}
     found = {}
     for line in lines[:60]:
-        m = re.match(r"^\s*(?:def \w+\()?\s*\**(\w+)\s*(?::[^#=]+)?(?:=[^#]*)?,?\s*(?:\)\s*(?:->[^#]*)?:?)?\s*#\s*(.+)$", line)
+        m = re.match(r"^\s*(?:def \w+\()?\s*\**(\w+)\s*(?::[^#=]+)?(?:=[^#]*)?,?"
+                     r"\s*(?:\)\s*(?:->[^#]*)?:?)?\s*#\s*(.+)$", line)
         if m and m.group(1) not in ("return", "if", "for", "else"):
             found.setdefault(m.group(1), m.group(2).strip())
     return found
@@ -163,7 +161,8 @@ def api_reference(modules: list) -> str:
             mod = importlib.import_module(f"fsdp_kit.{name}")
         except ImportError:
             continue
-        parts.append(f'<h2 id="{name}">fsdp_kit.{name}</h2><p>{_code((mod.__doc__ or "").splitlines()[0] if mod.__doc__ else "")}</p>')
+        summary = mod.__doc__.splitlines()[0] if mod.__doc__ else ""
+        parts.append(f'<h2 id="{name}">fsdp_kit.{name}</h2><p>{_code(summary)}</p>')
         for attr in getattr(mod, "__all__", []):
             obj = getattr(mod, attr)
             if not (inspect.isfunction(obj) or inspect.isclass(obj)):
@@ -172,11 +171,11 @@ def api_reference(modules: list) -> str:
                 sig = str(inspect.signature(obj))
             except (TypeError, ValueError):
                 sig = "()"
-            comments = _signature_comments(obj)
-            rows = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{_code(v)}</td></tr>" for k, v in comments.items())
+            rows = "".join(f"<tr><td><code>{html.escape(k)}</code></td><td>{_code(v)}</td></tr>"
+                           for k, v in _signature_comments(obj).items())
+            table = f'<table class="params">{rows}</table>' if rows else ""
             parts.append(f'<div class="api"><h3 id="{name}.{attr}"><code>{attr}{html.escape(sig)}</code></h3>'
-                         f"<p>{_code(inspect.getdoc(obj) or '')}</p>" + (f'<table class="params">{rows}</table>' if rows
-                                                                         else "") + "</div>")
+                         f"<p>{_code(inspect.getdoc(obj) or '')}</p>{table}</div>")
     return "\n".join(parts)
 
 
@@ -184,7 +183,8 @@ CSS = """
 body { margin: 0; font: 15px/1.55 -apple-system, 'Segoe UI', Roboto, sans-serif; color: #1d2330; }
 nav.side { position: fixed; top: 0; left: 0; bottom: 0; width: 230px; overflow-y: auto; background: #f4f6fa;
            border-right: 1px solid #dde3ee; padding: 16px; box-sizing: border-box; }
-nav.side a { display: block; color: #23395b; text-decoration: none; padding: 3px 6px; border-radius: 4px; font-size: 14px; }
+nav.side a { display: block; color: #23395b; text-decoration: none; padding: 3px 6px; border-radius: 4px;
+             font-size: 14px; }
 nav.side a.here { background: #dbe6f7; font-weight: 600; }
 nav.side .brand { font-weight: 700; font-size: 17px; margin-bottom: 10px; }
 main { margin-left: 250px; margin-right: 250px; padding: 10px 28px 60px; max-width: 980px; }
@@ -195,7 +195,8 @@ pre { background: #f7f8fa; padding: 8px 10px; overflow-x: auto; border-radius: 4
 .output_area pre, .jp-OutputArea pre { background: none; border-left: 2px solid #f0a57a; border-radius: 0; }
 img { max-width: 100%; }
 table { border-collapse: collapse; } td, th { border: 1px solid #dde3ee; padding: 3px 8px; }
-.pager { display: flex; justify-content: space-between; margin-top: 40px; border-top: 1px solid #dde3ee; padding-top: 10px; }
+.pager { display: flex; justify-content: space-between; margin-top: 40px; border-top: 1px solid #dde3ee;
+         padding-top: 10px; }
 .anchor-link { display: none; }
 .api { border-top: 1px solid #eef1f6; padding-top: 4px; }
 #planner label { display: inline-block; margin: 0 10px 6px 0; }
@@ -218,13 +219,17 @@ IMAGE_CHECK = """<script>window.addEventListener('load', () => {
 
 PLANNER_JS = """
 const T = JSON.parse(document.getElementById('table').textContent), axes = Object.keys(T.grid);
-function show() {  // the plan of the chosen setting: its row-major index over the grid's axes, as planner_table wrote them
+// the plan of the chosen setting: its row-major index over the grid's axes, as planner_table wrote them
+function show() {
   let i = 0;
   for (const a of axes) i = i * T.grid[a].length + T.grid[a].map(String).indexOf(document.getElementById(a).value);
-  const box = document.getElementById('gpu_mem_gb'), text = box.value.trim(), mem = Number(text), out = document.getElementById('plan');
-  if (text === '' || !Number.isFinite(mem) || mem <= 0) {  // an empty box, -5 or 'abc': say what is allowed, never NaN GB
+  const box = document.getElementById('gpu_mem_gb'), text = box.value.trim(), mem = Number(text);
+  const out = document.getElementById('plan');
+  // an empty box, -5 or 'abc': say what is allowed, never NaN GB
+  if (text === '' || !Number.isFinite(mem) || mem <= 0) {
     box.setCustomValidity('a number of GB above 0');
-    out.textContent = `gpu_mem_gb=${JSON.stringify(box.value)} is not allowed: the memory of one GPU in GB, a number above 0`;
+    out.textContent = `gpu_mem_gb=${JSON.stringify(box.value)} is not allowed: `
+      + 'the memory of one GPU in GB, a number above 0';
     return;
   }
   box.setCustomValidity('');
@@ -232,7 +237,8 @@ function show() {  // the plan of the chosen setting: its row-major index over t
   if (typeof p === 'string') { out.textContent = p; return; }  // the planner's own one-line refusal
   const [peak, allocated, moment] = p, gb = (b) => (b / T.gb).toFixed(2);
   const fits = peak <= mem * T.gb ? 'fits' : 'does NOT fit';
-  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${fits} in ${mem} GB (allocated ${gb(allocated)} GB)`;
+  out.textContent = `per-GPU peak ${gb(peak)} GB at '${T.moments[moment]}': ${fits} in ${mem} GB `
+    + `(allocated ${gb(allocated)} GB)`;
 }
 document.getElementById('planner').addEventListener('input', show);
 show();
@@ -247,38 +253,38 @@ def planner_page() -> dict:
     # the table is what `fsdp-kit plan --export-table` writes
     from fsdp_kit.config import EXAMPLES
     stored = (EXAMPLES / "plan" / "planner_table.json").read_text()
-    grid = json.loads(stored)["grid"]
+    table = json.loads(stored)
     option = lambda a, v: f'<option{" selected" if v == DEFAULTS.get(a) else ""}>{html.escape(str(v))}</option>'
     fields = "".join(f'<label>{a} <select id="{a}">' + "".join(option(a, v) for v in vals)
-                     + "</select></label> " for a, vals in grid.items())
-    fields += '<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" value="80" min="0.001" step="any" required></label>'
+                     + "</select></label> " for a, vals in table["grid"].items())
+    fields += ('<label>gpu_mem_gb <input id="gpu_mem_gb" type="number" '
+               'value="80" min="0.001" step="any" required></label>')
     body = ("<h1>The planner, without a kernel</h1><p>Per-GPU memory of one FSDP2 training step, as "
-            "<code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, "
-            f"for {len(json.loads(stored)['plans']):,} settings planned ahead (<code>fsdp-kit plan "
-            f"--export-table</code>); change a field " "and the plan changes. "
+            f"<code>fsdp_kit.plan_gpu.plan_gpu</code> predicts it, for {len(table['plans']):,} settings planned "
+            "ahead (<code>fsdp-kit plan --export-table</code>); change a field and the plan changes. "
             "The lesson <a href=\"plan_gpu.html\">plan_gpu</a> explains each term; the command and the notebook "
             "plan any other setting.</p>"
-            f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form><h2 id="the-plan">The '
-            f'plan</h2><pre id="plan"></pre>'
+            f'<h2 id="settings">The setting</h2><form id="planner">{fields}</form>'
+            '<h2 id="the-plan">The plan</h2><pre id="plan"></pre>'
             f'<script type="application/json" id="table">{stored}</script><script>{PLANNER_JS}</script>')
     return dict(title="Planner (no kernel)", body=body,
-                toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")], figures=0,
-                errors=0,
-                figure_errors=0, page="planner.html", source=None)
+                toc=[(2, "settings", "The setting"), (2, "the-plan", "The plan")],
+                figures=0, errors=0, figure_errors=0, page="planner.html", source=None)
 
 
 def _page(page: dict, pages: list) -> str:
     "A whole HTML page: sidebar, content, table of contents, previous / next."
     from pygments.formatters import HtmlFormatter
-    links = "".join(f'<a href="{p["page"]}" class="{"here" if p["page"] == page["page"] else ""}">{html.escape(p["title"])}</a>'
-                    for p in pages)
-    toc = "".join(f'<a class="l{level}" href="#{anchor}">{html.escape(html.unescape(text))}</a>' for level, anchor,
-                  text in page.get("toc", []))
+    links = "".join(f'<a href="{p["page"]}" class="{"here" if p["page"] == page["page"] else ""}">'
+                    f'{html.escape(p["title"])}</a>' for p in pages)
+    toc = "".join(f'<a class="l{level}" href="#{anchor}">{html.escape(html.unescape(text))}</a>'
+                  for level, anchor, text in page.get("toc", []))
     i = [p["page"] for p in pages].index(page["page"])
-    prev = f'<a href="{pages[i - 1]["page"]}">&larr; {html.escape(pages[i - 1]["title"])}</a>' if i > 0 else "<span></span>"
-    nxt = f'<a href="{pages[i + 1]["page"]}">{html.escape(pages[i + 1]["title"])} &rarr;</a>' if i + 1 < len(pages) else "<span></span>"
-    return (f'<!doctype html><html lang="en"><head><meta '
-            f'charset="utf-8"><title>{html.escape(page["title"])} | fsdp_kit</title>'
+    before, after = pages[i - 1] if i > 0 else None, pages[i + 1] if i + 1 < len(pages) else None
+    prev = f'<a href="{before["page"]}">&larr; {html.escape(before["title"])}</a>' if before else "<span></span>"
+    nxt = f'<a href="{after["page"]}">{html.escape(after["title"])} &rarr;</a>' if after else "<span></span>"
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<title>{html.escape(page["title"])} | fsdp_kit</title>'
             f'<style>{CSS}{HtmlFormatter().get_style_defs(".highlight")}</style></head><body>'
             f'<nav class="side"><div class="brand">fsdp_kit</div>{links}</nav>'
             f'<aside class="toc"><b>On this page</b>{toc}</aside>'
@@ -302,9 +308,8 @@ def build_site(out: str, nbs: str = None) -> dict:
                       figures=0, errors=0, figure_errors=0, page="api.html", source=None))
     for page in pages:
         (out / page["page"]).write_text(_page(page, pages))
-    manifest = dict(builder="nbconvert",
-                    pages=[{k: p[k] for k in ("page", "title", "figures", "errors", "figure_errors",
-                                              "source")} for p in pages])
+    keys = ("page", "title", "figures", "errors", "figure_errors", "source")
+    manifest = dict(builder="nbconvert", pages=[{k: p[k] for k in keys} for p in pages])
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 
@@ -325,7 +330,6 @@ def docs(out: str = "site", nbs: str = None, quarto: bool = None) -> dict:
                        "build offline without --quarto")
     import importlib.util
     if not use_quarto and importlib.util.find_spec("nbconvert") is None:
-        raise KitError("the offline build renders the notebooks with nbconvert, which is not "
-                       "installed: pip install -e '.[dev]' "
-                       "(the dev extra) or pip install nbconvert")
+        raise KitError("the offline build renders the notebooks with nbconvert, which is not installed: "
+                       "pip install -e '.[dev]' (the dev extra) or pip install nbconvert")
     return build_with_quarto(out) if use_quarto else build_site(out, nbs)
