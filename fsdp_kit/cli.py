@@ -1,4 +1,4 @@
-"""The `fsdp-kit` command line: the parser made from `commands.COMMANDS`, one-line errors and the exit codes.
+"""The `fsdp-kit` command line: the parser made from `commands.COMMANDS`, errors, exit codes.
 
     fsdp-kit env --json
     fsdp-kit mesh --nproc 4 --dp-replicate 2 --dp-shard 2 --json
@@ -56,11 +56,11 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, help, launches, table in COMMANDS:
         s = sub.add_parser(name, help=help, description=help, formatter_class=_Help, epilog=EXIT_CODES)
-        # the doctor's twin runs the Trainer's whole stack
-        s.set_defaults(fn=fn, **({"timeout": 300} if name == "doctor" else {}))
         options(s, COMMON + LAUNCHES * launches)
         if name in READS: spec_flags(s, name)
         options(s, table)
+        # after the options, to win over --timeout's own default: the doctor's twin runs the Trainer's whole stack
+        s.set_defaults(fn=fn, **({"timeout": 300} if name == "doctor" else {}))
     return p
 
 

@@ -1,11 +1,11 @@
-"""`fsdp-kit tour`: run what the kit can show on this machine, on its built-in defaults, and write a report.
+"""`fsdp-kit tour`: run what the kit can show on this machine, on its defaults, and write a report.
 
-Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run on
-`nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single `torchrun` launch
-(`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds a launch. Rank 0 prints each
-shared step's one-line result as that step ends, so the terminal shows progress while the launch runs. Every step's lines are progress,
-on stderr (a worker's stdout reaches the command's stderr through the launch); the ten results, one line each, are printed on stdout at
-the end.
+Each lab adds a step here; every step calls the same library functions the notebooks and tests call. The steps that run
+on `nproc` ranks (train, compare, qlora, cp_eval, checkpoint, hf_trainer) run one after another inside a single
+`torchrun` launch (`labs_worker`): starting fresh interpreters that import torch and transformers costs several seconds
+a launch. Rank 0 prints each shared step's one-line result as that step ends, so the terminal shows progress while the
+launch runs. Every step's lines are progress, on stderr (a worker's stdout reaches the command's stderr through the
+launch); the ten results, one line each, are printed on stdout at the end.
 """
 import json, time
 from dataclasses import asdict
@@ -19,13 +19,14 @@ def _train_line(r) -> str:
 
 
 def _compare_line(runs) -> str:
+    per_linear = next(r for r in runs if r.policy == "PER_LINEAR" and r.reshard_after_forward is True)
     peak = {(r.policy, r.reshard_after_forward): r.peak_bytes["total"] / 2**20 for r in runs}
     return (f"small Llama on {runs[0].world_size} ranks, peak MiB per rank: TRANSFORMER_BASED_WRAP "
             f"{peak[('TRANSFORMER_BASED_WRAP', True)]:.1f} "
             f"(reshard_after_forward=True) / {peak[('TRANSFORMER_BASED_WRAP', False)]:.1f} (False), NO_WRAP "
             f"{peak[('NO_WRAP', True)]:.1f}; "
             f"all-gathers per step TRANSFORMER_BASED_WRAP {runs[0].collectives['all_gather']['count']}, PER_LINEAR "
-            f"{next(r for r in runs if r.policy == 'PER_LINEAR' and r.reshard_after_forward is True).collectives['all_gather']['count']}")
+            f"{per_linear.collectives['all_gather']['count']}")
 
 
 def _qlora_line(r) -> str:
@@ -171,7 +172,8 @@ def _steps(nproc: int, progress: bool = True):
         counts = ", ".join(f"{n} {'not reached' if s == 'SKIP' else s}" for s in STATUSES
                            if (n := sum(c["status"] == s for c in r["checks"])) or s != "SKIP")
         fails = [c["name"] for c in r["checks"] if c["status"] == "FAIL"]
-        return r, None, f"the seeds' QLoRA YAML on a Qwen2 twin (accelerate launch, 2 ranks): {counts}; FAIL: {', '.join(fails)}"
+        return r, None, (f"the seeds' QLoRA YAML on a Qwen2 twin (accelerate launch, 2 ranks): {counts}; "
+                         f"FAIL: {', '.join(fails)}")
 
     def plan():
         from dataclasses import replace

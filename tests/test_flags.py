@@ -102,7 +102,7 @@ def test_old_spellings_give_the_same_spec(tmp_path, capsys):
 def test_each_setting_is_declared_once():
     """A spec field is a flag only through fsdp_kit.flags (made from its declaration): no command's own options table declares it
     again, and the package has few add_argument call sites left (one per table-reading loop)."""
-    import ast, re
+    import re
     from pathlib import Path
     from fsdp_kit.commands import COMMANDS, COMMON, LAUNCHES, base_spec
     from fsdp_kit.flags import field_docs
@@ -118,3 +118,4 @@ def test_each_setting_is_declared_once():
     pkg = Path(__file__).resolve().parent.parent / "fsdp_kit"
     calls = sum(len(re.findall(r"\.add_argument\(", p.read_text())) for p in pkg.glob("*.py"))
     assert calls <= 40, calls
+    assert parser().parse_args(["doctor", *NEEDS["doctor"]]).timeout == 300  # the doctor's own default beside --timeout's

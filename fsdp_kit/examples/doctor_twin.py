@@ -1,4 +1,4 @@
-"""The script `fsdp-kit doctor` runs on the twin of the user's model, through the user's entry point.
+"""The script `fsdp-kit doctor` runs on the twin of a model, through its entry point.
 
 It runs through the entry point the user's FSDP file belongs to, `accelerate launch` for a YAML file and `torchrun` for
 a transformers fsdp_config JSON:

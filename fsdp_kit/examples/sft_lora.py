@@ -1,4 +1,4 @@
-"""Supervised fine-tuning with LoRA or QLoRA under FSDP2, after PEFT's examples/sft/train.py.
+"""LoRA or QLoRA supervised fine-tuning under FSDP2, after PEFT's examples/sft/train.py.
 
 TRL's SFTTrainer, LoRA on all-linear:
 
