@@ -119,3 +119,18 @@ def test_each_setting_is_declared_once():
     calls = sum(len(re.findall(r"\.add_argument\(", p.read_text())) for p in pkg.glob("*.py"))
     assert calls <= 40, calls
     assert parser().parse_args(["doctor", *NEEDS["doctor"]]).timeout == 300  # the doctor's own default beside --timeout's
+
+
+def test_every_other_option_is_read():
+    "An option that is no field of the command's spec (launch, output, what to run) is read by the code that runs the command."
+    import inspect
+    import fsdp_kit.cli, fsdp_kit.commands
+    from fsdp_kit.commands import COMMANDS, COMMON, LAUNCHES
+    code = inspect.getsource(fsdp_kit.commands) + inspect.getsource(fsdp_kit.cli)
+    for name, _, _, launches, table in COMMANDS:
+        sub = parser()._subparsers._group_actions[0].choices[name]
+        dests = {a.dest for a in sub._actions if a.option_strings and a.dest != "help"} - {"version"}
+        for flag, kw in (*COMMON, *(LAUNCHES if launches else ()), *table):
+            dest = kw.get("dest", flag.lstrip("-").replace("-", "_"))
+            assert dest in dests or not flag.startswith("-"), (name, flag)
+            assert f"a.{dest}" in code or f'"{dest}"' in code, f"fsdp-kit {name} {flag}: nothing reads a.{dest}"
