@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 from .errors import KitError, bad_value
-from .flags import add_flags, field_docs, flag_of, given, spec_from_flags
+from .flags import add_flags, field_docs, flag_of, given, spec_from_flags, typed
 from .spec import SECTIONS
 
 # %% ../nbs/14_commands.ipynb #c36834d5
@@ -161,9 +161,7 @@ def refuse_blank_lists(a, command:str):
     from fsdp_kit.config import FSDPConfig
     lists = [*LIST_OPTIONS, *(name for name, (kind, _, _) in field_docs(FSDPConfig).items() if kind is list)]
     for dest in lists:
-        value = getattr(a, dest, None)
-        # an old spelling's value too
-        value = (getattr(a, f"old_{dest}", None) or (None, None))[1] if value is None else value
+        value = typed(a, dest)  # an old spelling's value too
         if isinstance(value, str) and any(not part.strip() for part in value.split(",")):
             raise bad_value(dest, value, "one or more values joined by commas, none of them empty")
 
@@ -843,10 +841,8 @@ def plan_spec(a):
     for names, why in ((RECOMMEND_SEARCHES, "searches this setting itself"),
                        (RECOMMEND_IGNORES, "does not plan with it")):
         for name in names if a.recommend else ():
-            value = getattr(a, name) if getattr(a,
-                                                name) is not None else (getattr(a, f"old_{name}",
-                                                                                None) or (None, None))[1]
-            if value is not None: raise bad_value(name, value, f"left out with --recommend: --recommend {why}")
+            if (value := typed(a, name)) is not None:
+                raise bad_value(name, value, f"left out with --recommend: --recommend {why}")
     spec = command_spec("plan", a)
     # --precision's compute dtype: none mixed
     mixed, words = spec.config.mixed_precision, {"fp32": "no", "pure-bf16": "no"}
