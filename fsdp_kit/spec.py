@@ -70,6 +70,12 @@ class LoraSpec:
         return self
 
 # %% ../nbs/01b_spec.ipynb #133d8d6e
+def _fields_only(cls, *args, **kwargs):
+    "A spec's `__new__`: refuse a keyword that is not a field of `cls` as a KitError (`not_a_field`)."
+    names = {f.name for f in fields(cls)}  # once, not once per keyword
+    if unknown := [k for k in kwargs if k not in names]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
+    return object.__new__(cls)
+
 @dataclass(frozen=True)
 class RunSpec:
     """The settings every lab shares: the model, its data, the steps, the mesh it shards over and the
@@ -85,12 +91,7 @@ class RunSpec:
     step:StepSpec=field(default_factory=StepSpec) # how one optimizer step runs: lr, warm-up, precision, memory savers
     lora:LoraSpec=None # adapters on a frozen base (None: every parameter trains)
 
-    def __new__(cls, *args, **kwargs):
-        """Refuse a keyword that is not a field as a KitError, naming the section a setting moved to
-        (mixed_precision -> fsdp)."""
-        names = {f.name for f in fields(cls)}  # once, not once per keyword
-        if unknown := [k for k in kwargs if k not in names]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
-        return super().__new__(cls)
+    __new__ = _fields_only  # a keyword that is no field: a KitError naming where it went (mixed_precision -> fsdp)
 
     @property
     def config(self) -> FSDPConfig:
@@ -177,11 +178,7 @@ class EntrySpec:
     _:KW_ONLY
     seed:int=0 # seed for weights and data
 
-    def __new__(cls, *args, **kwargs):
-        "Refuse a keyword that is not a field as a KitError naming the fields there are (a section: not one of them)."
-        names = {f.name for f in fields(cls)}
-        if unknown := [k for k in kwargs if k not in names]: raise not_a_field(cls, unknown[0], kwargs[unknown[0]])
-        return super().__new__(cls)
+    __new__ = _fields_only  # a keyword that is no field: a KitError naming the fields there are
 
     def check(self, world_size:int=None): # processes that will run it (upstream's entry point checks its own sizes)
         "Refuse a model or seed that cannot run, naming the field; return the spec, unchanged."
