@@ -209,3 +209,75 @@ def test_every_sentence_on_a_changed_behaviour_names_its_versions():
     bad = [(nb, s[:160]) for nb, s in sentences() for c in changed if any(w in s for w in c["words"]) and c["lib"] in s
            and not VERSION.search(s)]
     assert not bad, bad
+
+
+# A release range a sentence states for a library: `accelerate <= 1.15`, `>= 1.16` (the library named last before it), `before 1.16`,
+# `since 1.16`. The side it speaks of: `<=`, `<` and `before` the old behaviour, `>=`, `>` and `since` the new one.
+RANGE = re.compile(r"(<=|>=|<|>|≤|≥|\bbefore\b|\bsince\b)\s*(\d+\.\d+)")
+LIB = re.compile(r"\b(accelerate|transformers|peft|trl|bitsandbytes)\b")
+minor = lambda v: tuple(int(x) for x in v.split(".")[:2])
+
+
+def measured_sides(ch: dict, matrix: dict) -> tuple:
+    """The minor releases of `ch`'s library the matrix measured with the old behaviour (a probe differs from the newest on a key `ch`
+    explains at that release) and with the new one (no probe differs on a key of `ch`), on the rows that vary that library alone. A
+    release that differs on the key for another entry's reason is on neither side."""
+    base = matrix["combos"][0]["versions"]
+    rows = [c for c in matrix["combos"] if all(c["versions"][k] == base[k] for k in LIBS if k != ch["lib"])]
+    old, new = set(), set()
+    for c in rows:
+        keys = [(name, k) for name, p in c["probes"].items() for k, _, _ in p.get("diff", [])]
+        if any(change_of(k, name, c["versions"]) is ch for name, k in keys): old.add(minor(c["versions"][ch["lib"]]))
+        elif not any(change_of(k, name) is ch for name, k in keys): new.add(minor(c["versions"][ch["lib"]]))
+    return old, new
+
+
+def contradicted_ranges(sentence: str, ch: dict, old: set, new: set) -> list:
+    "Each range `sentence` states for `ch`'s library that a measured release contradicts: (the range, the releases against it)."
+    bad = []
+    for m in RANGE.finditer(sentence):
+        libs = LIB.findall(sentence[:m.start()])
+        if not libs or libs[-1] != ch["lib"]: continue
+        op, v = m.group(1), minor(m.group(2))
+        inside = {"<=": lambda r: r <= v, "≤": lambda r: r <= v, "<": lambda r: r < v, "before": lambda r: r < v,
+                  ">=": lambda r: r >= v, "≥": lambda r: r >= v, ">": lambda r: r > v, "since": lambda r: r >= v}[op]
+        claims_old = op in ("<=", "≤", "<", "before")
+        against = sorted(r for r in (new if claims_old else old) if inside(r))
+        if against: bad.append((m.group(0), [".".join(map(str, r)) for r in against]))
+    return bad
+
+
+def lesson_ranges(matrix: dict):
+    "(notebook, sentence, change, contradicted ranges) for every lesson sentence on a changed behaviour that states a release range."
+    for ch in CHANGES:
+        old, new = measured_sides(ch, matrix)
+        if not old: continue
+        for nb, s in sentences():
+            if ch["lib"] in s and any(w in s for w in ch["words"]) and RANGE.search(s):
+                yield nb, s, ch, contradicted_ranges(s, ch, old, new)
+
+
+def test_each_change_carries_the_releases_the_matrix_measured():
+    "No release an entry names as `old` was measured behaving like the newest, and every measured release from its `since` on was."
+    for ch in CHANGES:
+        old, new = measured_sides(ch, M)
+        assert not ({minor(r) for r in ch["old"]} & new), (ch["key"], ch["old"], sorted(new))
+        assert not any(r >= minor(ch["since"]) for r in old), (ch["key"], ch["since"], sorted(old))
+
+
+def test_every_release_range_in_the_lessons_agrees_with_the_matrix():
+    checked = list(lesson_ranges(M))
+    assert len(checked) >= 3  # the lessons state ranges for several changes
+    assert [(nb, s[:160], bad) for nb, s, _, bad in checked if bad] == []
+
+
+def test_a_range_the_matrix_contradicts_is_caught():
+    "A planted sentence that says `<= 1.15` for a behaviour the matrix measured on 1.15 and 1.14 but not 1.13 fails; its true range passes."
+    ch = {"lib": "accelerate", "key": "k", "words": ["w"]}
+    old, new = {(1, 14), (1, 15)}, {(1, 13), (1, 16)}
+    assert contradicted_ranges("With w, accelerate <= 1.15 upcasts the model; >= 1.16 does not.", ch, old, new) == [("<= 1.15", ["1.13"])]
+    assert contradicted_ranges("With w, accelerate 1.14 and 1.15 upcast the model; >= 1.16 does not.", ch, old, new) == []
+    assert contradicted_ranges("With w, accelerate >= 1.14 keeps the model in bf16.", ch, old, new) == [(">= 1.14", ["1.14", "1.15"])]
+    # a range of another library in the same sentence is not this change's
+    assert contradicted_ranges("With w on torch >= 2.13, accelerate before 1.16 upcasts.", ch, old, new) == [("before 1.16", ["1.13"])]
+    assert contradicted_ranges("transformers >= 5.0 with w", ch, old, new) == []
