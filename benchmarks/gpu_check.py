@@ -1,7 +1,7 @@
 """One GPU check: every CUDA path of fsdp_kit in one command, each step with its own time limit and one line of result.
 
     python benchmarks/gpu_check.py                # on a GPU machine: writes fsdp_kit/examples/gpu/<gpu-name>-<date>.json
-    python benchmarks/gpu_check.py --cpu --out check.json --only env,train,hf-native   # the same harness on CPU: gloo, tiny model
+    python benchmarks/gpu_check.py --cpu --out check.json     # the same harness on CPU: gloo, tiny model, every step on 2 ranks
 
 Steps: env, train --check-parity (and on 2+ GPUs an HSDP mesh), train with CPU offload (04c_ac's GPU cell: pinned host memory),
 qlora (bitsandbytes' CUDA 4-bit kernels, bf16 storage), hf --check (09_hf's GPU cell), hf --run trainer|sft|qlora|native (09a_hf_run's;
@@ -43,7 +43,7 @@ def plan(cpu: bool, ranks: int) -> list:
              dict(name="train-hsdp", argv=["train", "--nproc", "2", "--dp-replicate", "2", "--dp-shard", "1", *size, "--check-parity"],
                   limit_s=150, ranks=2, why="an HSDP mesh (2 replicas) needs 2 ranks"),
              dict(name="doctor", argv=["doctor", "--model", str(EXAMPLES / "configs" / "qwen2-tiny"), "--fsdp-config",
-                                       str(EXAMPLES / "doctor" / "healthy.yaml"), *n], limit_s=240)]
+                                       str(EXAMPLES / "doctor" / "healthy.yaml"), "--nproc", "2"], limit_s=240)]  # a twin on CPU ranks
     if ranks < 2: steps = [s for s in steps if s["name"] != "cp-eval-alltoall"]  # one rank: cp=1, no rotation to choose
     return steps
 
@@ -156,7 +156,7 @@ def check(cpu: bool = False, ranks: int = None, only: list = None, limits: dict 
     record = dict(mode="cpu" if cpu else "gpu", date=datetime.date.today().isoformat(),
                   started=datetime.datetime.now().isoformat(timespec="seconds"))
     record |= device_info(cpu)
-    ranks = ranks or (1 if cpu else record["device"]["gpu_count"])
+    ranks = ranks or (2 if cpu else record["device"]["gpu_count"])  # CPU mode: 2 ranks, so that every step runs
     steps = plan(cpu, ranks)
     known = [s["name"] for s in steps]
     for name in [*(only or []), *(limits or {})]:
@@ -185,7 +185,7 @@ def default_out(record: dict) -> Path:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="CPU mode: gloo, the tiny model, a few steps (the harness's own test)")
-    p.add_argument("--nproc", type=int, help="ranks per step (default: every GPU; 1 in CPU mode)")
+    p.add_argument("--nproc", type=int, help="ranks per step (default: every GPU; 2 in CPU mode, where every step then runs)")
     p.add_argument("--only", help="run only these steps, comma-separated")
     p.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS", help="another time limit for one step")
     p.add_argument("--budget", type=float, default=480, help="seconds for all steps together")

@@ -7,10 +7,10 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/doctor.html.md"""
 # %% auto #0
 __all__ = ['METHODS', 'STORAGE_DTYPES', 'STATUSES', 'SHRINK', 'REQUIRED', 'DROP', 'CHECKS', 'STAGE_CHECK', 'CONTAINER_ERROR',
            'FIXES', 'DoctorSpec', 'twin_config', 'Stage', 'twin_worker', 'main', 'twin_command', 'file_variant',
-           'run_twin', 'Check', 'check_fsdp_version', 'check_wrap', 'check_tied', 'check_quant_storage',
-           'check_base_upcast', 'check_precision', 'check_loading', 'check_checkpointing', 'check_context_parallel',
-           'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks', 'exit_status', 'scale',
-           'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
+           'run_twin', 'Check', 'cured_by_upgrade', 'check_fsdp_version', 'check_wrap', 'check_tied',
+           'check_quant_storage', 'check_base_upcast', 'check_precision', 'check_loading', 'check_checkpointing',
+           'check_context_parallel', 'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks',
+           'exit_status', 'scale', 'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
 
 # %% ../nbs/12_doctor.ipynb #d0c70001
 import json, os, sys, tempfile, time
@@ -272,14 +272,17 @@ def _after_prepare(model, trainer) -> dict:
     units = unit_table(model) if report["sharded"] else []
     names = {id(m): n.replace("._checkpoint_wrapped_module", "").replace("_fsdp_wrapped_module.",
                                                                          "") for n, m in model.named_modules()}
-    layers = [names[id(m)] for m in decoder_layers(model.get_base_model() if hasattr(model,
-                                                                                     "get_base_model") else model)]
+    blocks = decoder_layers(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    layers = [names[id(m)] for m in blocks]
+    # the modules a CheckpointWrapper holds: a decoder layer among them is checkpointed whole
+    inner = {id(m._checkpoint_wrapped_module) for m in model.modules() if isinstance(m, CheckpointWrapper)}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     return dict(report=report, units=units, groups=param_groups(units), layers=layers,
                 mixed_precision_policy=facts.get("mixed_precision_policy"),
                 embed=names.get(id(emb)), head=names.get(id(head)), tied=head is not None and emb.weight is head.weight,
                 checkpoint_wrapped=sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+                checkpointed_layers=sum(id(m) in inner for m in blocks),
                 gradient_checkpointing=model_checkpointing(model),
                 trained=_float_params(model, True), frozen=_float_params(model, False), codes=_codes(model),
                 distributed_type=str(trainer.accelerator.distributed_type),
@@ -470,6 +473,17 @@ def _failed_at(seen:dict, *stages) -> bool:
     "Whether the run stopped with an error at one of `stages`."
     return "error" in seen and (not stages or seen.get("stage") in stages)
 
+# %% ../nbs/12_doctor.ipynb #c0e1d2f3
+def cured_by_upgrade(ctx, key:str) -> str:
+    """'upgrade LIB to >= SINCE (...)' where the versions matrix (`versions.CHANGES`, entry `key`) measured the failure on
+    the installed release and its cure from SINCE on; '' where it did not."""
+    from fsdp_kit.versions import CHANGES
+    ch = next((c for c in CHANGES if c["key"] == key), None)
+    v = (ctx.get("versions") or {}).get(ch["lib"], "") if ch else ""
+    if not ch or ".".join(v.split(".")[:2]) not in ch["old"]: return ""
+    return (f"upgrade {ch['lib']} to >= {ch['since']}: the versions matrix measured this on {ch['lib']} "
+            f"{', '.join(ch['old'])} and not from {ch['since']} on")
+
 # %% ../nbs/12_doctor.ipynb #a1646958
 def check_fsdp_version(ctx) -> Check:
     "1. The file runs FSDP1 under its entry point."
@@ -534,10 +548,12 @@ def check_tied(ctx) -> Check:
     seen, tied = ctx["seen"], ctx["twin"]["tied"]
     if "error" in seen and tied and any(w in seen["error"].lower() for w in ("shared", "tied", "same parameter",
                                                                              "already")):
+        named = [c for c in ctx["upstream"].get("transformer_layer_cls_to_wrap") or [] if "Embedding" in c]
+        fix = (f"take {', '.join(named)} out of transformer_layer_cls_to_wrap: accelerate puts tied embeddings in one "
+               "unit with lm_head" if named else cured_by_upgrade(ctx, "tied_embeddings")
+               or "put embed_tokens and lm_head in one unit (accelerate's FSDP2 path does)")
         return Check("tied_embeddings", "FAIL",
-                     f"the model ties embed_tokens and lm_head and the wrap fails on it: {seen['error']}",
-                     "keep the embedding out of transformer_layer_cls_to_wrap: accelerate puts tied "
-                     "embeddings in one unit with lm_head")
+                     f"the model ties embed_tokens and lm_head and the wrap fails on it: {seen['error']}", fix)
     p = seen.get("prepared")
     if not p and tied: return Check("tied_embeddings", "SKIP", _stopped(seen))
     if not p or not p["report"]["sharded"]:
@@ -680,6 +696,9 @@ def check_loading(ctx) -> Check:
         why = f"from_pretrained converts the {stored} checkpoint to {dtype} on every rank"
         fix = (f"load in the checkpoint's dtype ({stored}), or store the checkpoint in {dtype}: "
                "then every rank maps the file")
+    elif on:
+        why = "each rank holds its own copy although cpu_ram_efficient_loading is on"
+        fix = cured_by_upgrade(ctx, "whole_fp32_copy") or "budget host memory for one copy per rank"
     else: why, fix = "each rank holds its own copy", "cpu_ram_efficient_loading: true"
     user = (f"; for your model ({gb:.1f} GB per copy) on {s['gpus']} GPUs the planner puts host memory at load at "
             f"{s['host_load_gb']['every_process_loads']:.1f} GB per node"
@@ -696,16 +715,20 @@ def check_checkpointing(ctx) -> Check:
                      "gradient_checkpointing from TrainingArguments")
     p = seen.get("prepared")
     if not p: return Check("activation_checkpointing", "SKIP", _stopped(seen))
-    n, wrapped = len(p["layers"]), p["checkpoint_wrapped"]
+    n, wrapped, whole = len(p["layers"]), p["checkpoint_wrapped"], p["checkpointed_layers"]
     if wrapped and p["gradient_checkpointing"]:
         return Check("activation_checkpointing", "FAIL",
                      f"set twice: {wrapped} layers in CheckpointWrapper and the model's gradient checkpointing on",
                                                              "keep one: activation_checkpointing in the FSDP config")
-    if up.get("activation_checkpointing") and wrapped != n:
+    if up.get("activation_checkpointing") and (whole != n or wrapped != n):
+        named = up.get("auto_wrap_policy") == "TRANSFORMER_BASED_WRAP" and up.get("transformer_layer_cls_to_wrap")
         return Check("activation_checkpointing", "WARN",
-                     f"activation_checkpointing is on, {wrapped} of {n} decoder layers are checkpointed",
-                     "name the decoder layer class in the wrap policy")
-    how = (f"FSDP's, on {wrapped} of {n} decoder layers" if wrapped else "the model's gradient checkpointing"
+                     f"activation_checkpointing is on: {whole} of {n} decoder layers are checkpointed whole, in "
+                     f"{wrapped} CheckpointWrapper(s)" + (" (the others wrap parts of a layer: more activations kept)"
+                                                          if wrapped > whole else ""),
+                     cured_by_upgrade(ctx, "activation_checkpointing") or ("" if named else
+                                                                     "name the decoder layer class in the wrap policy"))
+    how = (f"FSDP's, on {whole} of {n} decoder layers" if wrapped else "the model's gradient checkpointing"
            if p["gradient_checkpointing"] else "off")
     return Check("activation_checkpointing", "PASS", f"activation checkpointing: {how}")
 
@@ -771,8 +794,9 @@ def check_saving(ctx) -> Check:
 # %% ../nbs/12_doctor.ipynb #96549127
 def check_keys(ctx) -> Check:
     "11. Keys the entry point ignores, or that the kit and upstream read differently."
+    # the notes on what the kit's own recipe would not apply (parallelism_config, a no-op key) are not the entry point's
     notes = [n for n in ctx["notes"] if any(w in n for w in ("IGNORED", "not read", "is not what", "does not apply",
-                                                             "refuses", "not applied", "runs FSDP1"))]
+                                                             "refuses", "runs FSDP1"))]
     if ctx.get("read_error"):
         return Check("keys", "FAIL", f"the kit cannot read the file as upstream does: {ctx['read_error']}", "")
     if notes:
@@ -965,10 +989,10 @@ def doctor(spec:DoctorSpec, say=print,
                 twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
                 others_dtype=spec.load_dtype(),
                 user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
+    from fsdp_kit.versions import installed, versions_verdict
+    ctx["versions"] = versions = installed()
     checks = run_checks(ctx)
     progress(3 + fixing, 3 + fixing, "the checks")
-    from fsdp_kit.versions import installed, versions_verdict
-    versions = installed()
     return dict(checks=[asdict(c) for c in checks], stopped_by=stopped_by(ctx["seen"], checks),
                 fix_run=ctx["fix_run"], twin=ran["twin"],
                 versions=versions, versions_verdict=versions_verdict(versions), scale=ctx["scale"],

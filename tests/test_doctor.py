@@ -114,3 +114,32 @@ def test_ddp_fallback_fails():
     v = r["versions_verdict"]  # the installed releases against the stored versions matrix
     assert (v["status"] in ("PASS", "WARN", "FAIL") and v["installed"] == {k: r["versions"][k] for k in LIBS}
             and f"{v['status']:4}  versions" in res.stderr)
+
+
+def test_keys_speak_of_the_entry_point_not_of_the_kit():
+    "accelerate launch applies parallelism_config; the kit's own reader notes that its recipe does not, which is no finding of the doctor."
+    from fsdp_kit.config import load_fsdp_config
+    from fsdp_kit.doctor import check_keys
+    notes = load_fsdp_config(str(EXAMPLES / "upstream_configs" / "accelerate_v2_parallelism.yaml")).notes
+    assert any(n.startswith("parallelism_config: dp_replicate_size=1, dp_shard_size=2") and "not applied" in n for n in notes)
+    assert check_keys(dict(notes=notes, upstream=dict(entry_point="accelerate launch"))).status == "PASS"
+    ignored = notes + ["fsdp_sync_module_states=True is IGNORED under FSDP2"]
+    assert check_keys(dict(notes=ignored, upstream={})).reason.startswith("1 key(s) do not do what they say: fsdp_sync_module_states")
+
+
+def test_on_accelerate_1_14_the_fixes_name_the_release_that_cures_them(tmp_path):
+    """accelerate 1.14 in a throwaway environment (the versions matrix's own `make_env`): the tied-embedding FAIL and the activation
+    checkpointing WARN (a wrapper per child of a layer) name accelerate >= 1.15, not a config change the file already makes."""
+    from fsdp_kit.versions import installed, make_env
+    py, _, error, _ = make_env(tmp_path / "env", {k: installed()[k] for k in LIBS} | dict(accelerate="1.14.0"))
+    assert error is None, error
+    res = subprocess.run([str(py), "-m", "fsdp_kit", "doctor", "--model", QWEN, "--fsdp-config", HEALTHY, "--steps", "1", "--json", "-"],
+                         capture_output=True, text=True, timeout=380)
+    r = json.loads(res.stdout)
+    assert r["versions"]["accelerate"] == "1.14.0"
+    checks = {c["name"]: c for c in r["checks"]}
+    tied, ac = checks["tied_embeddings"], checks["activation_checkpointing"]
+    assert tied["status"] == "FAIL" and tied["fix"].startswith("upgrade accelerate to >= 1.15.0"), tied
+    assert "transformer_layer_cls_to_wrap" not in tied["fix"]
+    assert ac["status"] == "WARN" and ac["fix"].startswith("upgrade accelerate to >= 1.15.0"), ac
+    assert "0 of 2 decoder layers are checkpointed whole, in 8 CheckpointWrapper(s)" in ac["reason"]

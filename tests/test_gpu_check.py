@@ -27,9 +27,9 @@ def run(tmp_path, *args) -> tuple:
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    "One CPU-mode check: env, train, qlora and hf-trainer on 1 rank, plan-validate stopped at a 4 s limit, hf-native skipped."
+    "One CPU-mode check on 1 rank, as on one GPU: env, train, qlora and hf-trainer; plan-validate stopped at a 4 s limit; hf-native skipped."
     tmp, start = tmp_path_factory.mktemp("gpu_check"), time.perf_counter()
-    rc, record, steps = run(tmp, "--only", "env,train,plan-validate,qlora,hf-trainer,hf-native", "--limit", "plan-validate=4")
+    rc, record, steps = run(tmp, "--nproc", "1", "--only", "env,train,plan-validate,qlora,hf-trainer,hf-native", "--limit", "plan-validate=4")
     return tmp, rc, record, steps, time.perf_counter() - start
 
 
@@ -66,6 +66,15 @@ def test_one_rank_runs_fsdp2(checked):
     q, t = steps["qlora"]["result"], steps["hf-trainer"]["result"]
     assert q["world_size"] == 1 and q["sharded_vs_unsharded_loss_diff"] < 1e-5 and q["adapter"]["every_rank_share_saved"]
     assert t["world_size"] == 1 and t["sharded"] and t["fsdp_units"] > 1 and t["parity"]["max_loss_diff"] < 1e-5
+
+
+def test_cpu_mode_plans_every_step_on_two_ranks():
+    "By default CPU mode runs 2 ranks, so no step is left out for want of ranks (the doctor's twin always runs on 2 CPU ranks)."
+    one, two = gpu_check.plan(True, 1), gpu_check.plan(True, 2)
+    assert [s for s in two if s.get("ranks", 1) > 2] == [] and {s["name"] for s in one} < {s["name"] for s in two}
+    assert {"hf-native", "train-hsdp", "cp-eval-alltoall", "doctor"} <= {s["name"] for s in two}
+    doctor = next(s for s in one if s["name"] == "doctor")
+    assert doctor["argv"][-2:] == ["--nproc", "2"]
 
 
 def test_a_step_name_is_checked(tmp_path, capsys):
