@@ -155,3 +155,23 @@ def test_a_closed_stdout_ends_the_command_without_a_traceback():
     proc.stdout.close()  # before the command writes: its first write finds no reader
     err = proc.stderr.read()
     assert proc.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+
+
+def test_ctrl_c_is_answered_where_the_parent_ignored_and_blocked_sigint(tmp_path):
+    "A parent that ignores and blocks SIGINT (a service, a test runner's thread) passes both on: the command still stops at a SIGINT."
+    def deaf():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    out = open(tmp_path / "err", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, [*RUN, "--steps", 100_000, "--ckpt", tmp_path / "ck"])], cwd=ROOT,
+                            stdout=out, stderr=out, start_new_session=True, preexec_fn=deaf)
+    try:
+        start = time.monotonic()
+        while not (tmp_path / "ck" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() - start < 120, (tmp_path / "err").read_text()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL)
+    assert "interrupted (SIGINT): the workers were stopped" in (tmp_path / "err").read_text()
