@@ -8,8 +8,8 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/plan_gpu.html.md"""
 __all__ = ['ALLOCATOR_OVERHEAD', 'CUDA_CONTEXT_BYTES', 'GB', 'PRECISIONS', 'RESERVED_RANGE', 'PLAN_OPTIONS', 'RECOMPUTE',
            'EXTRAS', 'RECOMMEND_LINES', 'SAVERS', 'ORDER', 'PUBLISHED', 'PLANNER_GRID', 'GPUPlan', 'load_high_water',
            'gpu_peak', 'offloaded_activations', 'gpu_communication', 'gpu_notes', 'savers_off', 'gpu_settings',
-           'plan_gpu', 'plan_text', 'search', 'recommend', 'published_figures', 'published_table', 'grid_spec',
-           'planner_table', 'plan_line']
+           'sharded_states', 'plan_gpu', 'plan_text', 'search', 'recommend', 'published_figures', 'published_table',
+           'grid_spec', 'planner_table', 'plan_line']
 
 # %% ../nbs/08b_plan_gpu.ipynb #7fdf3993
 import itertools, json, math
@@ -18,7 +18,7 @@ from .errors import bad_value
 from .config import EXAMPLES, FSDPConfig
 from .spec import accelerate_precision
 from .lora import LINEARS
-from .plan import PlanSpec, METHODS, layer_index, meta_shapes, model_tensors, units
+from .plan import PlanSpec, METHODS, layer_index, meta_shapes, model_tensors, units, step_context
 from .plan import dims, moments, activation_bytes, comm_per_unit, predict_comm, plan_config, MODEL_PRESETS
 
 # %% ../nbs/08b_plan_gpu.ipynb #7a280d94
@@ -65,6 +65,7 @@ class GPUPlan:
     communication:dict # per GPU per step: all_gather, reduce_scatter, per_unit, context_parallel, host_device, total
     notes:list=field(default_factory=list) # what the model assumes
     terms:dict=field(default_factory=dict) # each memory saver that is on -> the allocated bytes it takes off
+    sharded:dict=field(default_factory=dict) # per GPU, where they live: sharded_params, sharded_grads, optimizer_state
 
 PLAN_OPTIONS = dict(gpus="gpus", batch="batch", seq_len="seq-len", cp="cp", lora_r="lora-r")  # field -> plan's option
 
@@ -217,6 +218,13 @@ def gpu_settings(spec:PlanSpec) -> dict:
                 reshard=cfg.reshard_after_forward, cp=spec.mesh.cp, base_dtype=base_dtype, ac=spec.policy_ac,
                 compile=spec.compile, layout=cfg.layout, cpu_ram_efficient_loading=spec.loading)
 
+# %% ../nbs/08b_plan_gpu.ipynb #5e85c4af
+def sharded_states(config, spec:PlanSpec) -> dict:
+    "What a GPU holds through the step, wherever it lives: parameter and gradient shards, AdamW's state."
+    states, us = step_context(config, spec).states, units(model_tensors(config, spec), spec).values()
+    return dict(sharded_params=states["sharded_params"], sharded_grads=sum(u.sharded_grads for u in us),
+                optimizer_state=states["optimizer_state"])
+
 # %% ../nbs/08b_plan_gpu.ipynb #f25faec1
 def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, mesh (cp), fsdp, step, lora, fp8, compile, loading
              gpu_mem_gb:float=80, # memory per GPU, GB
@@ -244,7 +252,7 @@ def plan_gpu(spec:PlanSpec, # the setting: model, batch, seq_len, mesh (cp), fsd
     loads = dict(cpu_ram_efficient_loading=load, every_process_loads=min(gpus, 8) * load)
     return GPUPlan(spec.model, parameters, gpus, gpu_mem_gb, gpu_settings(spec), per_gpu, allocated, reserved,
                    breakdown, name, host, loads, per_gpu <= gpu_mem_gb * GB, gpu_communication(config, spec),
-                   gpu_notes(spec, high_water), terms)
+                   gpu_notes(spec, high_water), terms, sharded_states(config, spec))
 
 # %% ../nbs/08b_plan_gpu.ipynb #6ebaa85a
 def _describe(p:GPUPlan) -> str:
