@@ -143,3 +143,19 @@ def test_on_accelerate_1_14_the_fixes_name_the_release_that_cures_them(tmp_path)
     assert "transformer_layer_cls_to_wrap" not in tied["fix"]
     assert ac["status"] == "WARN" and ac["fix"].startswith("upgrade accelerate to >= 1.15.0"), ac
     assert "0 of 2 decoder layers are checkpointed whole, in 8 CheckpointWrapper(s)" in ac["reason"]
+
+
+def test_loading_never_advises_what_is_already_on():
+    """Every rank copies the weights in the checkpoint's own dtype: with cpu_ram_efficient_loading off the fix is to turn it on; with
+    it on, never that key: on accelerate 1.14 and 1.15 the upgrade the versions matrix measured, on 1.16 a budget."""
+    from fsdp_kit.doctor import check_loading
+    mib = 2**20
+    def loading(on, accelerate):
+        ctx = dict(spec=DoctorSpec(model=QWEN, fsdp_config=HEALTHY), upstream=dict(cpu_ram_efficient_loading=on), user_bytes=4e9,
+                   seen=dict(load=dict(read_checkpoint=[True, True], private_bytes=[8 * mib, 8 * mib], mapped_bytes=[0, 0])),
+                   twin=dict(checkpoint_dtype="float32"), scale={}, versions=dict(accelerate=accelerate))
+        return check_loading(ctx)
+    off, on14, on16 = loading(False, "1.16.0"), loading(True, "1.14.0"), loading(True, "1.16.0")
+    assert (off.status, off.fix) == ("WARN", "cpu_ram_efficient_loading: true")
+    assert on14.status == "WARN" and "although cpu_ram_efficient_loading is on" in on14.reason
+    assert on14.fix.startswith("upgrade accelerate to >= 1.16.0") and on16.fix == "budget host memory for one copy per rank"
