@@ -189,8 +189,10 @@ HF_READS = {"": ("workflow", "model", "steps", "batch", "seq_len", "lr", "seed",
 # the user's file is --fsdp-config; nproc and timeout are the launch's
 DOCTOR_READS = {"": ("model", "method", "quant_storage", "mixed_precision", "dtype", "gradient_checkpointing",
                      "kbit_prepare", "steps", "gpus", "gpu_mem_gb", "seed", "out")}
-# the GPU planner models a unit per decoder layer: no wrap policy, no checkpoint format, no loading path
-PLAN_READS = {"": ("model", "world_size", "batch", "seq_len", "fp8_all_gather", "compile", "loading"), "mesh": ("cp",),
+# the GPU planner models a unit per decoder layer: no wrap policy, no checkpoint format, no loading path; dp_replicate
+# is --build's (an HSDP mesh of fake ranks), which the planner refuses
+PLAN_READS = {"": ("model", "world_size", "batch", "seq_len", "fp8_all_gather", "compile", "loading"),
+              "mesh": ("dp_replicate", "cp"),
               "fsdp": ("reshard_after_forward", "cpu_offload", "mixed_precision", "reduce_dtype", "ac", "layout"),
               "step": ("precision", "ce_chunks", "optimizer_in_backward", "offload_activations"),
               "lora": ("r", "targets", "base_dtype")}
@@ -274,6 +276,9 @@ PLAN_OPTIONS = (
     ("--method", dict(default="full", help="full (every weight trains), lora (a bf16 base) or qlora (an NF4 base)")),
     ("--recommend", dict(action="store_true",
                          help="search reshard, checkpointing, offload, QLoRA, batch and GPUs; explain the choice")),
+    ("--build", dict(action="store_true",
+                     help="build the model on the meta device and shard it with apply_fsdp over --gpus fake ranks; "
+                          "print its units and the bytes each rank holds (fsdp_kit.build)")),
     ("--list-models", dict(action="store_true", help="list the model presets with exact parameter counts")),
     ("--validate", dict(action="store_true",
                         help="run the validation matrix for real (world sizes up to --nproc) beside its predictions")),
@@ -811,6 +816,10 @@ def _cmd_plan(a):
         return
     if not a.model: raise KitError("plan needs --model NAME|PATH (or --list-models, or --validate)")
     spec = plan_spec(a)
+    if a.build: return _build_plan(spec, a)
+    if spec.mesh.dp_replicate != 1:
+        raise bad_value("dp_replicate", spec.mesh.dp_replicate, "1 without --build: the planner models one shard "
+                        "group of --gpus ranks; --build shards over dp_replicate x dp_shard fake ranks")
     if a.recommend:
         r = plan_gpu.recommend(spec, gpus=spec.world_size, gpu_mem_gb=a.gpu_mem_gb)
         emit(r, a.json, "\n".join(r["explanation"]) if isinstance(r["explanation"], list) else r["explanation"])
@@ -818,6 +827,16 @@ def _cmd_plan(a):
     p = plan_gpu.plan_gpu(spec, gpu_mem_gb=a.gpu_mem_gb)
     # what the model assumes, in the text too
     emit(p, a.json, plan_gpu.plan_text(p) + "".join(f"\nnote: {n}" for n in p.notes))
+
+
+def _build_plan(spec, a):
+    "fsdp-kit plan --build: the setting built on --gpus fake ranks (`build.build`); exit 1 if something refused it."
+    from fsdp_kit.build import build, build_text
+    if a.recommend: raise KitError("--build is not allowed with --recommend: --build builds the setting given, "
+                                   "--recommend searches for one; pass one of them")
+    b = build(spec)
+    emit(b, a.json, build_text(b))
+    if b.refused: raise CheckFailed("the build was refused (exit 1)")
 
 # %% ../nbs/14_commands.ipynb #8c4895eb
 SEARCHED = ("cpu_offload", "reshard_after_forward", "ce_chunks", "optimizer_in_backward", "offload_activations")

@@ -29,7 +29,7 @@ VALUES |= {"hf": {"--run": "sft", "--model": "small", "--steps": "3", "--batch":
                       "--dtype": "bfloat16", "--gradient-checkpointing": None, "--kbit-prepare": None, "--steps": "3", "--gpus": "8",
                       "--gpu-mem-gb": "80", "--seed": "1", "--out": "o"}}
 VALUES["plan"] = {"--model": "tiny", "--gpus": "4", "--batch": "2", "--seq-len": "512", "--fp8-all-gather": None, "--compile": None,
-                  "--loading": "whole-model", "--cp": "2", "--reshard-after-forward": "false", "--cpu-offload": None,
+                  "--loading": "whole-model", "--dp-replicate": "2", "--cp": "2", "--reshard-after-forward": "false", "--cpu-offload": None,
                   "--mixed-precision": "no", "--reduce-dtype": "fp32", "--ac": "full", "--layout": "layers", "--precision": "pure-bf16",
                   "--chunked-ce": "4", "--optimizer-in-backward": None, "--offload-activations": None, "--lora-r": "4",
                   "--lora-targets": "q_proj", "--base-dtype": "fp32"}

@@ -11,7 +11,7 @@ LAYERS = [
     # foundations (upstream: what accelerate and transformers read), the run spec and the process-group helpers
     ("errors", "upstream", "config", "models", "mesh", "spec", "flags", "launch", "ranks"),
     ("measure", "ac", "wrap", "lora"),  # instruments, activation checkpointing, the sharding recipe, adapters
-    ("train", "qlora", "cp", "checkpoint", "plan", "plan_validate", "plan_gpu", "hf", "hf_run", "peft_guide", "cp_trainer", "moe",
+    ("train", "qlora", "cp", "checkpoint", "plan", "plan_validate", "plan_gpu", "build", "hf", "hf_run", "peft_guide", "cp_trainer", "moe",
      "versions", "doctor",
      "scale"),  # the labs
     ("seeds", "commands", "cli", "tour", "docs", "__main__"),  # the front
