@@ -143,7 +143,7 @@ def main(argv=None):
     sub = p._subparsers._group_actions[0].choices[args.command]
     from fsdp_kit.launch import WorkerError, CommandScope
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    # Ctrl-C is the command's to answer even where its parent ignored or blocked SIGINT (a test runner's thread, a service)
+    # Ctrl-C is the command's to answer, even where its parent ignored or blocked SIGINT (a service, a test runner)
     old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     try:

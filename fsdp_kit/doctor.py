@@ -475,8 +475,8 @@ def _failed_at(seen:dict, *stages) -> bool:
 
 # %% ../nbs/12_doctor.ipynb #c0e1d2f3
 def cured_by_upgrade(ctx, key:str) -> str:
-    """'upgrade LIB to >= SINCE (...)' where the versions matrix (`versions.CHANGES`, entry `key`) measured the failure on
-    the installed release and its cure from SINCE on; '' where it did not."""
+    """'upgrade LIB to >= SINCE (...)' where the versions matrix (`versions.CHANGES`, entry `key`) measured the
+    failure on the installed release and its cure from SINCE on; '' where it did not."""
     from fsdp_kit.versions import CHANGES
     ch = next((c for c in CHANGES if c["key"] == key), None)
     v = (ctx.get("versions") or {}).get(ch["lib"], "") if ch else ""

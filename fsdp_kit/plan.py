@@ -596,9 +596,10 @@ def backward_moments(c:SimpleNamespace) -> list:
                 # stepped and freed in backward
                 0 if spec.step.optimizer_in_backward else _sum(current, "sharded_grads"))
         else: done_unsharded_grads += layer_grads[j]
-    # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient (vocab
-    # x hidden) computed. In backward FSDP2 frees an all-gather's buffer once it is copied out, before the gradient is made
-    # (FSDPParamGroup.wait_for_unshard): none is alive here (measured on gloo, and on Llama-3-8B by 08c_plan_build)
+    # the embeddings' backward, last: their weights gathered again (prefetched during layer 0's), their gradient
+    # (vocab x hidden) computed. In backward FSDP2 frees an all-gather's buffer once it is copied out, before the
+    # gradient is made (FSDPParamGroup.wait_for_unshard): none is alive here (measured on gloo, and on Llama-3-8B by
+    # 08c_plan_build)
     embed_grad = _grad_bytes(tensors, lambda t: "embed_tokens" in t.name, grad_b)
     out.append(("embeddings backward",
                 dict(states, activations=8 * d["T"],

@@ -27,9 +27,10 @@ def run(tmp_path, *args) -> tuple:
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    "One CPU-mode check on 1 rank, as on one GPU: env, train, qlora and hf-trainer; plan-validate stopped at a 4 s limit; hf-native skipped."
+    "One CPU-mode check on 1 rank, as on one GPU: env, train, qlora, hf-trainer; plan-validate stopped at 4 s; hf-native skipped."
     tmp, start = tmp_path_factory.mktemp("gpu_check"), time.perf_counter()
-    rc, record, steps = run(tmp, "--nproc", "1", "--only", "env,train,plan-validate,qlora,hf-trainer,hf-native", "--limit", "plan-validate=4")
+    rc, record, steps = run(tmp, "--nproc", "1", "--only", "env,train,plan-validate,qlora,hf-trainer,hf-native",
+                            "--limit", "plan-validate=4")
     return tmp, rc, record, steps, time.perf_counter() - start
 
 
