@@ -108,28 +108,37 @@ def test_plan_validate_reports_fitted_and_held_out_settings_apart(validate_1_7):
     assert "qwen2-tiny w1 full layer reshard fp32 s48" in res.stdout
 
 
+def here(*args, tmp):
+    "`fsdp-kit ARGS` in this process (the same main(); these commands launch nothing): (exit code, stdout, stderr)."
+    from tests.badinput import Case, run_case
+    return run_case(Case(" ".join(map(str, args))[:60], [str(a) for a in args], 0, ""), tmp)
+
+
 @pytest.mark.parametrize("value", ["0", "1-99", "x"])
-def test_a_bad_settings_list_is_refused_in_one_line(value):
-    res = run("plan", "--validate", "--nproc", 1, "--settings", value, timeout=60)
-    assert res.returncode == 2 and f"--settings={value!r} is not allowed: settings numbered 1 to" in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+def test_a_bad_settings_list_is_refused_in_one_line(value, tmp_path):
+    "Refused before any setting runs: in this process."
+    code, _, err = here("plan", "--validate", "--nproc", 1, "--settings", value, tmp=tmp_path)
+    assert code == 2 and f"--settings={value!r} is not allowed: settings numbered 1 to" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_examples_paths_work_from_another_folder(tmp_path):
-    res = run("plan", "--model", "examples/configs/qwen2-tiny/config.json", "--gpus", 2, "--gpu-mem-gb", 24, cwd=tmp_path, timeout=120)
-    assert res.returncode == 0 and "(119,360 parameters)" in res.stdout, res.stderr
-    assert f"reading the packaged example {EXAMPLES / 'configs' / 'qwen2-tiny' / 'config.json'}" in res.stderr
-    gone = run("plan", "--model", "examples/configs/nope/config.json", cwd=tmp_path, timeout=60)
-    assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1, gone.stderr
-    assert ("--model='examples/configs/nope/config.json' is not allowed" in gone.stderr
-            and f"the packaged examples are in {EXAMPLES}" in gone.stderr)
+def test_examples_paths_work_from_another_folder(tmp_path, monkeypatch):
+    "In this process, from another folder (its working folder is tmp_path): the packaged example is read, a missing one refused."
+    monkeypatch.chdir(tmp_path)
+    code, out, err = here("plan", "--model", "examples/configs/qwen2-tiny/config.json", "--gpus", 2, "--gpu-mem-gb", 24, tmp=tmp_path)
+    assert code == 0 and "(119,360 parameters)" in out, err
+    assert f"reading the packaged example {EXAMPLES / 'configs' / 'qwen2-tiny' / 'config.json'}" in err
+    code, _, gone = here("plan", "--model", "examples/configs/nope/config.json", tmp=tmp_path)
+    assert code == 2 and len(gone.strip().splitlines()) == 1 and "Traceback" not in gone, gone
+    assert ("--model='examples/configs/nope/config.json' is not allowed" in gone
+            and f"the packaged examples are in {EXAMPLES}" in gone)
 
 
-def test_plan_prints_its_notes_in_the_text():
-    "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON."
-    res = run("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", timeout=120)
-    assert (res.returncode == 0 and "\nnote: torch.compile is not modelled" in res.stdout
-            and "note: allocator overhead modelled" in res.stdout), res.stderr
+def test_plan_prints_its_notes_in_the_text(tmp_path):
+    "--compile is accepted and not modelled: the plan says so in the text output, not only in its JSON (in this process)."
+    code, out, err = here("plan", "--model", "llama-3-8b", "--gpus", 8, "--compile", tmp=tmp_path)
+    assert (code == 0 and "\nnote: torch.compile is not modelled" in out
+            and "note: allocator overhead modelled" in out), err
 
 
 def test_units_are_fsdp_units_with_the_root_and_policies_keep_their_config_names(typed_paths):
