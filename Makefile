@@ -1,7 +1,16 @@
 # The checks CI runs (.ci/run calls `make test`). Each target is one step, runnable alone.
 .PHONY: test test-torch-newest export sync nbdev-test pytest nbval tour
 
-test: sync pytest nbval
+# One pytest session, two workers (pytest-xdist), each file whole on one worker (--dist loadfile) in the order tests/schedule.py
+# gives (longest first, --no-loadscope-reorder); the notebooks run from a copy outside the checkout, so that they may read only
+# what the installed package ships, and nbval compares the outputs marked NBVAL_CHECK_OUTPUT. --rootdir=/ keeps the copy's
+# notebooks and tests/ apart in the test ids; -c reads pyproject.toml's settings (timeout) all the same.
+RUN = python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -p tests.schedule -p no:cacheprovider --rootdir=/ \
+      -c pyproject.toml --nbval-lax --nbval-cell-timeout=300 --durations=15
+COPY_NBS = copy=$$(mktemp -d) && cp -r nbs $$copy/ && echo "notebooks run from $$copy/nbs"
+
+test: sync         ## what CI runs: the sync check, then tests/ and every notebook together in one session (two files at a time)
+	@$(COPY_NBS) && $(RUN) tests --ignore=tests/test_sync.py $$copy/nbs; rc=$$?; rm -rf $$copy; exit $$rc
 
 test-torch-newest: ## the whole suite again on the newest torch pip installs here (2.14.1 on 2026-12-07), in a virtual environment of its own
 	python3 -m venv .venv-torch-newest
@@ -19,13 +28,11 @@ nbdev-test:        ## nbdev's own runner over every notebook (cells flagged note
 	nbdev-test --n-workers 1 --timing --cell-timeout 300 --file-re '^(0[1-5]|10[ab]_|benchmarks|index)'  # the cheap ones in one process
 	@for nb in nbs/0[6-9]*.ipynb nbs/10_*.ipynb nbs/11*.ipynb; do nbdev-test --n-workers 1 --timing --cell-timeout 300 $$nb || exit 1; done  # the heavy ones (cp, checkpoint, plan*, hf, launch, scale), a fresh process each
 
-pytest:            ## the test suite: real multi-process runs and bad-input cases (pytest-xdist: two files at a time, each file in one process)
-	python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests --ignore=tests/test_sync.py  # two test files at a time: their launches wait as much as they compute
+pytest:            ## tests/ alone: real multi-process runs and bad-input cases
+	$(RUN) tests --ignore=tests/test_sync.py
 
-nbval:             ## run every notebook again, from a copy outside the checkout (so they may read only what the installed package ships), and compare the outputs marked NBVAL_CHECK_OUTPUT
-	@copy=$$(mktemp -d) && cp -r nbs $$copy/ && cd $$copy && echo "nbval in $$copy/nbs" && \
-	python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --nbval-lax --nbval-cell-timeout=300 --timeout=300 -p no:cacheprovider nbs; \
-	rc=$$?; rm -rf $$copy; exit $$rc  # two notebooks at a time, each in its own kernel
+nbval:             ## every notebook alone, run again from a copy and compared where marked
+	@$(COPY_NBS) && $(RUN) $$copy/nbs; rc=$$?; rm -rf $$copy; exit $$rc
 
 tour:
 	fsdp-kit tour --out tour
