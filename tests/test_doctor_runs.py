@@ -3,7 +3,6 @@ input refused in one line with exit 2. The seeds' QLoRA YAML (fsdp_version 1, ui
 run and asserted by nbs/12_doctor.ipynb and by the tour (tests/test_cli.py); the command's JSON by test_doctor.test_ddp_fallback_fails.
 SIZE_BASED_WRAP above every layer, a bf16 load without mixed precision and the ignored cp_size key are 12_doctor's "Four FAILs" run;
 SIZE_BASED_WRAP selecting model.layers (the crash, its cause, the fix the doctor ran, the progress lines) is 12_doctor's crash run."""
-import subprocess, sys
 import pytest
 from tests.test_doctor import statuses, QWEN, LLAMA, HERE
 
@@ -43,7 +42,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, args, message):
     swap = {"MISSING": str(tmp_path / "missing.json"), "UNKNOWN": str(tmp_path / "unknown.json"), "BROKEN": str(tmp_path / "broken.yaml")}
     given = dict(zip(args[::2], [swap.get(v, v) for v in args[1::2]]))
     cmd = {"--model": QWEN, "--fsdp-config": str(HERE / "ddp.yaml")} | given
-    res = subprocess.run([sys.executable, "-m", "fsdp_kit", "doctor", *[x for kv in cmd.items() for x in kv]], capture_output=True,
-                         text=True, timeout=120)
-    assert (res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1
-            and "Traceback" not in res.stderr), res.stderr
+    # refused before the twin is launched: the command's main() in this process
+    from tests.badinput import Case, run_case
+    code, _, err = run_case(Case("doctor", ["doctor", *[x for kv in cmd.items() for x in kv]], 2, message), tmp_path)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
