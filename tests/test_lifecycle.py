@@ -14,9 +14,16 @@ pytestmark = pytest.mark.timeout(300)
 RUN = ("train", "--model", "tiny", "--seq-len", 32, "--save-every", 4, "--keep", 3)
 
 
-def _start(args, tmp, name):
+def _deaf():
+    "Ignore and block SIGINT, as a service or a test runner's thread does; a child inherits both."
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _start(args, tmp, name, preexec_fn=None):
     out = open(tmp / f"{name}.err", "w")
-    return subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, args)], cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
+                            preexec_fn=preexec_fn)
 
 
 def _alive(procs):
@@ -29,7 +36,7 @@ def _snapshot(folder: Path) -> dict:
 
 def _kill_mid_training(proc, folder: Path, how: str, deadline=120, before=lambda: None) -> dict:
     "Wait for a checkpoint, call `before()`, send `how`, and return what was seen."
-    # workers, seconds until they were gone, writes after that.
+    # workers, seconds until they were gone, the checkpoint folder then (`_no_writes_since` compares it a while later).
     start, seen = time.monotonic(), set()
     while not (folder / "latest").exists() or len(seen) < 3:  # torchrun and its two workers, and a first checkpoint
         assert proc.poll() is None and time.monotonic() - start < deadline, f"{how}: the run ended or stalled before its first checkpoint"
@@ -43,13 +50,17 @@ def _kill_mid_training(proc, folder: Path, how: str, deadline=120, before=lambda
     killed = time.monotonic()
     while _alive(seen) and time.monotonic() - killed < 10: time.sleep(0.1)
     gone_after, alive = time.monotonic() - killed, _alive(seen)
-    files = _snapshot(folder)
-    time.sleep(3)
-    return dict(workers=len(seen), gone_after=gone_after, alive=alive, writes=files != _snapshot(folder), code=proc.wait(30))
+    return dict(workers=len(seen), gone_after=gone_after, alive=alive, files=_snapshot(folder), code=proc.wait(30))
 
 
-def test_killing_the_launcher_stops_every_worker_and_a_second_run_is_refused_meanwhile(tmp_path):
-    runs = {how: _start([*RUN, "--steps", 100_000, "--ckpt", tmp_path / how], tmp_path, how) for how in ("SIGKILL", "SIGTERM", "SIGINT")}
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Three runs of `fsdp-kit train` side by side, each stopped once it has a checkpoint: SIGKILL, SIGTERM, and SIGINT from a parent
+    that ignored and blocked SIGINT (test_ctrl_c_is_answered_where_the_parent_ignored_and_blocked_sigint); during the SIGTERM one a
+    second run on its folder. Then 3 s with every worker gone, and whether anything wrote to a checkpoint folder meanwhile."""
+    tmp_path = tmp_path_factory.mktemp("killed")
+    runs = {how: _start([*RUN, "--steps", 100_000, "--ckpt", tmp_path / how], tmp_path, how, _deaf if how == "SIGINT" else None)
+            for how in ("SIGKILL", "SIGTERM", "SIGINT")}
 
     def second_run():
         "Two runs writing one folder would delete each other's checkpoints: the second is refused with the first one's pid."
@@ -62,6 +73,13 @@ def test_killing_the_launcher_stops_every_worker_and_a_second_run_is_refused_mea
     finally:
         for proc in runs.values():
             if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(3)  # one wait for all three: each folder was read as its workers were gone, at least 3 s ago
+    for how, s in seen.items(): s["writes"] = s.pop("files") != _snapshot(tmp_path / how)
+    return tmp_path, seen
+
+
+def test_killing_the_launcher_stops_every_worker_and_a_second_run_is_refused_meanwhile(killed):
+    tmp_path, seen = killed
     for how, s in seen.items():
         assert s["alive"] == [] and s["gone_after"] < 10, f"{how}: {s}"
         assert not s["writes"], f"{how}: the checkpoint folder changed after the workers were gone"
@@ -157,21 +175,9 @@ def test_a_closed_stdout_ends_the_command_without_a_traceback():
     assert proc.wait(60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
 
 
-def test_ctrl_c_is_answered_where_the_parent_ignored_and_blocked_sigint(tmp_path):
+def test_ctrl_c_is_answered_where_the_parent_ignored_and_blocked_sigint(killed):
     "A parent that ignores and blocks SIGINT (a service, a test runner's thread) passes both on: the command still stops at a SIGINT."
-    def deaf():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    out = open(tmp_path / "err", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_kit", *map(str, [*RUN, "--steps", 100_000, "--ckpt", tmp_path / "ck"])], cwd=ROOT,
-                            stdout=out, stderr=out, start_new_session=True, preexec_fn=deaf)
-    try:
-        start = time.monotonic()
-        while not (tmp_path / "ck" / "latest").exists():
-            assert proc.poll() is None and time.monotonic() - start < 120, (tmp_path / "err").read_text()[-2000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130
-    finally:
-        if proc.poll() is None: os.killpg(proc.pid, signal.SIGKILL)
-    assert "interrupted (SIGINT): the workers were stopped" in (tmp_path / "err").read_text()
+    # the fixture's SIGINT run was started by such a parent (_deaf), and sent SIGINT once it had a checkpoint
+    tmp_path, seen = killed
+    assert seen["SIGINT"]["code"] == 130, seen["SIGINT"]
+    assert "interrupted (SIGINT): the workers were stopped" in (tmp_path / "SIGINT.err").read_text()
