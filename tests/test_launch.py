@@ -48,14 +48,28 @@ def test_torchrun_forks_workers_that_start_with_torch_and_transformers_imported(
     assert _children() == []
 
 
-def test_the_agent_starts_fresh_workers_when_a_fork_would_be_unsafe(tmp_path):
+_PEFT_FIRST = ("import sys, peft\nfrom fsdp_kit.launch import launch, fork_traps, agent_main\nfrom fsdp_kit.errors import KitError\n"
+               "print(len(fork_traps()), flush=True)\n"
+               "try: launch(print, nprocs=2)\nexcept KitError as e: print('REFUSED', e, flush=True)\n"
+               "agent_main(sys.argv[1:])\n")
+
+
+@pytest.fixture(scope="module")
+def peft_first(tmp_path_factory):
+    """One process that imported peft (which imports bitsandbytes), for two tests: a forked launch() there, then torchrun's agent
+    there (as `launch(launcher='torchrun')` runs it) starting 2 workers running started_with: (its stdout, the agent's result)."""
+    tmp = tmp_path_factory.mktemp("agent")
+    (tmp/"call.pkl").write_bytes(pickle.dumps((started_with, (), "gloo", 60)))
+    cmd = agent_command(str(tmp), 2)
+    out = subprocess.run([sys.executable, "-c", _PEFT_FIRST, *cmd[4:]], timeout=150, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout, pickle.loads((tmp/"result.pkl").read_bytes())
+
+
+def test_the_agent_starts_fresh_workers_when_a_fork_would_be_unsafe(peft_first):
     "peft imported in torchrun's process is a fork trap: the agent spawns fresh interpreters, which have imported none of PRELOAD."
-    (tmp_path/"call.pkl").write_bytes(pickle.dumps((started_with, (), "gloo", 60)))
-    cmd = agent_command(str(tmp_path), 2)
-    code = "import sys, peft; from fsdp_kit.launch import agent_main; agent_main(sys.argv[1:])"
-    subprocess.run([sys.executable, "-c", code, *cmd[4:]], timeout=150, check=True, capture_output=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert pickle.loads((tmp_path/"result.pkl").read_bytes()) == dict(forked=True, preloaded=[], session_leaders=2)
+    assert peft_first[1] == dict(forked=True, preloaded=[], session_leaders=2)
 
 
 @pytest.mark.parametrize("launcher", ["notebook", "torchrun"])
@@ -160,15 +174,12 @@ def test_torchrun_launcher_refuses_a_function_workers_cannot_import():
         launch(local, launcher="torchrun")
 
 
-def test_fork_traps_are_named_before_forking():
+def test_fork_traps_are_named_before_forking(peft_first):
     "Importing peft (which imports bitsandbytes) in the launching process makes a forked launch refuse, saying what to do."
-    code = ("import peft\nfrom fsdp_kit.launch import launch, fork_traps\nfrom fsdp_kit.errors import KitError\n"
-            "print(len(fork_traps()))\n"
-            "try: launch(print, nprocs=2)\nexcept KitError as e: print('REFUSED', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "REFUSED launch() cannot fork this process safely" in out.stdout
-    assert "`peft` is already imported" in out.stdout and "`bitsandbytes` is already imported" in out.stdout
-    assert "import peft inside the launched function" in out.stdout
+    out = peft_first[0]  # what the process that imported peft printed before it ran torchrun's agent
+    assert "REFUSED launch() cannot fork this process safely" in out
+    assert "`peft` is already imported" in out and "`bitsandbytes` is already imported" in out
+    assert "import peft inside the launched function" in out
     assert fork_traps() == []  # this test process stays clean
 
 
@@ -277,12 +288,22 @@ def test_an_interrupted_wait_kills_the_forked_workers():
     import multiprocessing, signal
     from tests.helpers import hangs_on_rank_0
 
+    import threading
+
     class Interrupted(BaseException): pass
 
     def interrupt(*_): raise Interrupted()
+
+    def once_forked(caller=threading.get_ident()):
+        "SIGALRM to the caller 1 s after both workers are forked (rank 0 then waits in its all_reduce, rank 1 sleeps)."
+        deadline = time.monotonic() + 60
+        while len(_children()) < 2 and time.monotonic() < deadline: time.sleep(0.05)
+        time.sleep(1)
+        signal.pthread_kill(caller, signal.SIGALRM)
     old = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(8)
+    signal.alarm(60)  # the caller is interrupted even if the workers never show
     try:
+        threading.Thread(target=once_forked, daemon=True).start()
         with pytest.raises(Interrupted): launch(hangs_on_rank_0, nprocs=2, launcher="notebook", timeout=100)
     finally:
         signal.alarm(0); signal.signal(signal.SIGALRM, old)
