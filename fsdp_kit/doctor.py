@@ -10,10 +10,14 @@ __all__ = ['METHODS', 'STORAGE_DTYPES', 'STATUSES', 'SHRINK', 'REQUIRED', 'DROP'
            'run_twin', 'Check', 'cured_by_upgrade', 'check_fsdp_version', 'check_wrap', 'check_tied',
            'check_quant_storage', 'check_base_upcast', 'check_precision', 'check_loading', 'check_checkpointing',
            'check_context_parallel', 'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks',
-           'exit_status', 'scale', 'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text']
+           'exit_status', 'scale', 'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text',
+           'upstream_plugin', 'meta_user_model', 'policy_modules', 'upstream_accelerator', 'prepare_at_scale',
+           'upstream_units', 'accelerate_line', 'full_scale_build', 'full_scale_main', 'not_built', 'full_scale_result',
+           'building_beside', 'built_line', 'check_full_scale']
 
 # %% ../nbs/12_doctor.ipynb #d0c70001
-import json, os, sys, tempfile, time
+import json, os, subprocess, sys, tempfile, time, traceback
+from contextlib import contextmanager
 from fastcore.basics import patch
 from dataclasses import dataclass, asdict, replace, KW_ONLY
 from pathlib import Path
@@ -978,12 +982,13 @@ def doctor(spec:DoctorSpec, say=print,
     size_based = up.get("auto_wrap_policy") == "SIZE_BASED_WRAP" and up.get("min_num_params")
     ctx["sizes"] = wrap_sizes(spec.model, up.get("min_num_params") if size_based else None)
     ctx["layer_params"] = ctx["sizes"]["layer"]
-    ran = run_twin(spec, folder, say,
-                   variant=lambda twin: scaled_file(spec, up, ctx["sizes"], twin, folder) if size_based else (None, []))
-    # a run that stopped on a known error runs again with the fix
-    fixing = any(k in (ran["seen"].get("error") or "") for k in FIXES)
-    progress(2, 3 + fixing, "the twin's run")
-    ctx["fix_run"] = try_fix(spec, folder, ran["seen"], say)
+    with building_beside(spec, up, folder) as built:  # your model at full size, while the twin runs
+        ran = run_twin(spec, folder, say, variant=lambda twin: scaled_file(spec, up, ctx["sizes"], twin, folder)
+                       if size_based else (None, []))
+        # a run that stopped on a known error runs again with the fix
+        fixing = any(k in (ran["seen"].get("error") or "") for k in FIXES)
+        progress(2, 3 + fixing, "the twin's run")
+        ctx["fix_run"], ctx["full_scale"] = try_fix(spec, folder, ran["seen"], say), built()
     if fixing: progress(3, 4, "the twin's run with the fix")
     ctx |= dict(twin=ran["twin"], seen=ran["seen"],
                 twin_keys=json.loads((Path(folder) / "twin" / "config.json").read_text()),
@@ -991,10 +996,10 @@ def doctor(spec:DoctorSpec, say=print,
                 user_bytes=ctx["scale"]["parameters"] * (2 if spec.load_dtype() != "float32" else 4))
     from fsdp_kit.versions import installed, versions_verdict
     ctx["versions"] = versions = installed()
-    checks = run_checks(ctx)
+    checks = run_checks(ctx) + ([check_full_scale(ctx)] if spec.gpus else [])
     progress(3 + fixing, 3 + fixing, "the checks")
     return dict(checks=[asdict(c) for c in checks], stopped_by=stopped_by(ctx["seen"], checks),
-                fix_run=ctx["fix_run"], twin=ran["twin"],
+                fix_run=ctx["fix_run"], twin=ran["twin"], full_scale=ctx["full_scale"],
                 versions=versions, versions_verdict=versions_verdict(versions), scale=ctx["scale"],
                 upstream=ctx["upstream"],
                 seen={k: v for k, v in ran["seen"].items() if k in ("error", "stage", "losses", "world_size",
@@ -1020,3 +1025,203 @@ def report_text(result:dict) -> str:
     said = [f"{n} {'not reached' if s_ == 'SKIP' else s_}" for s_, n in counts.items() if n or s_ != "SKIP"]
     lines.append(", ".join(said) + f" (doctor: {result['seconds']:.0f} s)")
     return "\n".join(lines)
+
+# %% ../nbs/12_doctor.ipynb #27b72729
+def upstream_plugin(spec:DoctorSpec, folder:str) -> tuple:
+    "(accelerate's FSDP plugin, mixed precision, ParallelismConfig or None) as the file's entry point gives them."
+    from fsdp_kit.hf_run import accelerate_file
+    from fsdp_kit.upstream import fsdp_plugin, launch_env, plugin_args_here, clean_environ, environ, quiet
+    with quiet():
+        if not spec.is_yaml():
+            args, mixed = plugin_args_here(spec.fsdp_config, spec.precision())
+            return fsdp_plugin(clean_environ(), **args), mixed, None
+        env = launch_env(*accelerate_file(spec.fsdp_config, Path(folder), spec.gpus)[:2])
+        from accelerate.parallelism_config import ParallelismConfig
+        with environ(env):  # a parallelism_config section: its sizes, read as accelerate's workers read them
+            pc = ParallelismConfig() if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true" else None
+        return fsdp_plugin(env), env["ACCELERATE_MIXED_PRECISION"], pc
+
+# %% ../nbs/12_doctor.ipynb #d5e77d16
+def meta_user_model(spec:DoctorSpec):
+    "Your model on the meta device as your script loads it: in the load dtype, with LoRA (`_adapt`) for method lora."
+    import torch
+    from fsdp_kit.models import model_config, build_model
+    model = build_model(model_config(spec.model), device="meta").to(getattr(torch, spec.load_dtype()))
+    return _adapt(spec, model) if spec.method == "lora" else model
+
+# %% ../nbs/12_doctor.ipynb #811f55b2
+def policy_modules(model, plugin) -> dict:
+    "What accelerate's wrap policy calls fully_shard on below the root: decoder layers counted, other modules named."
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+    from fsdp_kit.models import decoder_layers
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    layers = {id(m) for m in decoder_layers(model.get_base_model() if hasattr(model, "get_base_model") else model)}
+    chosen = [(n, m) for n, m in get_module_children_bottom_up(model, return_fqns=True)[:-1] if policy and policy(m)]
+    return dict(layers=sum(id(m) in layers for _, m in chosen),
+                others=[(n, type(m).__name__, sum(p.numel() for p in m.parameters())) for n, m in chosen
+                        if id(m) not in layers])
+
+# %% ../nbs/12_doctor.ipynb #7baf2c37
+def upstream_accelerator(plugin, mixed:str, pc, gpus:int):
+    "What accelerate's `fsdp2_prepare_model` reads of an Accelerator on `gpus` ranks; a ParallelismConfig checked."
+    import torch
+    from types import SimpleNamespace
+    from accelerate.utils import DistributedType
+    plugin.cpu_ram_efficient_loading = False  # weights on the meta device: nothing for rank 0 to broadcast
+    if mixed != "no": plugin.set_mixed_precision(mixed)
+    acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed, parallelism_config=pc,
+                          torch_device_mesh=None, device=torch.device("cpu"), is_main_process=True, num_processes=gpus,
+                          multi_device=True, is_fsdp2=True, distributed_type=DistributedType.FSDP)
+    if pc is not None: pc._validate_accelerator(acc); acc.torch_device_mesh = pc.get_device_mesh("cpu")
+    return acc
+
+# %% ../nbs/12_doctor.ipynb #23de129e
+def prepare_at_scale(model, acc) -> tuple:
+    "(model, its FakeTensorMode): accelerate's FSDP2 prepare of `model`, then torch's checks before a first forward."
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
+    if acc.state.fsdp_plugin.activation_checkpointing: model = fsdp2_apply_ac(acc, model)
+    model = fsdp2_prepare_model(acc, model)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model.to_empty(device="cpu")  # sharded meta parameters become fake ones: sizes, no memory
+        model._get_fsdp_state()._lazy_init()  # the root's, before its first forward: each weight in one FSDP group
+    return model, fake
+
+# %% ../nbs/12_doctor.ipynb #2418b95b
+def _unit_name(names:list, edges:tuple) -> str:
+    "The planner's name for a unit of modules `names`: layers.N, embed, tail, root, or the first module's."
+    import re
+    layer = re.fullmatch(r"(?:.*\.)?layers\.(\d+)", names[0])
+    if names == [""]: return "root"
+    if edges[1] in names: return "tail"
+    return "embed" if names == [edges[0]] else f"layers.{layer[1]}" if layer else names[0]
+
+def upstream_units(model, optim) -> list:
+    "A `build.BuiltUnit` per FSDP group of `model`, in the model's order: modules, parameters, bytes on this rank."
+    from fsdp_kit.build import BuiltUnit, unit_params, unit_bytes
+    groups, names = {}, {id(m): n for n, m in model.named_modules()}
+    for n, m in model.named_modules():
+        if hasattr(m, "_get_fsdp_state"): groups.setdefault(id(m._get_fsdp_state()), []).append(n)
+    edges = tuple(names.get(id(getattr(model, f"get_{k}_embeddings")())) for k in ("input", "output"))
+    out = []
+    for group in groups.values():
+        first, params = model.get_submodule(group[0]), unit_params(model.get_submodule(group[0]))
+        cls = type(getattr(first, "_checkpoint_wrapped_module", first)).__name__.removeprefix("FSDP")
+        out.append(BuiltUnit(_unit_name(group, edges), "+".join(group), cls,
+                             sum(fp.sharded_param.numel() for fp in params), **unit_bytes(params, optim)))
+    return out
+
+# %% ../nbs/12_doctor.ipynb #7db0b461
+def _holder(name:str, units:list) -> str:
+    "The unit holding parameter `name`: the one of the longest module name containing it."
+    return max((len(m), u.name) for u in units for m in u.modules.split("+") if m == "" or name.startswith(m + "."))[1]
+
+def accelerate_line(e:Exception) -> str:
+    "The line of accelerate's that called what torch refused with `e` (None: torch was not called from accelerate)."
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or "torch" not in Path(frames[-1].filename).parts: return None
+    return next((f.line for f in reversed(frames) if "accelerate" in Path(f.filename).parts), None)
+
+# %% ../nbs/12_doctor.ipynb #1a465b8c
+def _fill_full_scale(b, extra:dict, spec:DoctorSpec, folder:str):
+    "Prepare `spec`'s model as accelerate does on this fake world: units and bytes into `b`, the policy's into `extra`."
+    import torch
+    from fsdp_kit.build import warm_optimizer, tied_groups
+    plugin, mixed, pc = upstream_plugin(spec, folder)
+    model = meta_user_model(spec)
+    tied = tied_groups(model)
+    b.parameters, b.tied = sum(p.numel() for p in model.parameters()), [dict(names=g, unit=None) for g in tied]
+    acc, extra["selected"] = upstream_accelerator(plugin, mixed, pc, spec.gpus), policy_modules(model, plugin)
+    mesh = acc.torch_device_mesh
+    b.mesh = dict(zip(mesh.mesh_dim_names, mesh.shape)) if mesh is not None else dict(dp_shard=spec.gpus)
+    model, fake = prepare_at_scale(model, acc)
+    with fake: optim = warm_optimizer(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    b.units = upstream_units(model, optim)
+    b.tied = [dict(names=g, unit=_holder(g[0], b.units)) for g in tied]
+
+# %% ../nbs/12_doctor.ipynb #85c06a60
+def full_scale_build(spec:DoctorSpec, folder:str) -> dict:
+    "Your model at full size, prepared by accelerate on `spec.gpus` fake ranks: a `build.Build` as a dict, and more."
+    from fsdp_kit.build import Build, fake_world, refusal, STATES
+    began, b, extra = time.perf_counter(), Build(spec.model, spec.gpus), dict(selected=None, at=None)
+    with fake_world(spec.gpus):
+        try: _fill_full_scale(b, extra, spec, folder)
+        except Exception as e: b.refused, extra["at"] = refusal(e), accelerate_line(e)
+    b.states = {k: sum(getattr(u, k) for u in b.units) for k in STATES}
+    b.seconds = time.perf_counter() - began
+    return asdict(b) | extra
+
+def full_scale_main():
+    "The build's process: `python -c ... FOLDER` with FOLDER/spec.json (a DoctorSpec); it writes FOLDER/build.json."
+    folder = Path(sys.argv[1])
+    spec = DoctorSpec.from_dict(json.loads((folder / "spec.json").read_text()))
+    (folder / "build.json").write_text(json.dumps(full_scale_build(spec, str(folder)), default=str))
+
+# %% ../nbs/12_doctor.ipynb #0c9a022f
+def not_built(spec:DoctorSpec, up:dict) -> str:
+    "Why your model is not built at full size ('' where it is): no `gpus`, QLoRA, or a file that runs no FSDP2."
+    if spec.gpus is None: return "no --gpus given"
+    if spec.method == "qlora": return "a QLoRA base is 4-bit; bitsandbytes quantizes no fake tensor (08c_plan_build)"
+    if "refused" in up or up.get("fsdp") is False: return "the entry point runs no FSDP with this file"
+    if up.get("fsdp_version") == 1 and not spec.is_yaml(): return "the file runs FSDP1 (see fsdp_version)"
+    return ""
+
+def full_scale_result(proc, out:Path, timeout:float) -> dict:
+    "What the build's process wrote to `out`/build.json, waited for up to `timeout` s; or why it wrote nothing."
+    try: proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9); proc.wait()
+        return dict(error=f"the build ran past {timeout:.0f} s and was stopped ({out / 'build.log'})")
+    if (out / "build.json").exists(): return json.loads((out / "build.json").read_text())
+    log = (out / "build.log").read_text()
+    return dict(error=f"the build's process failed (exit {proc.returncode}): ...{log[-300:]}")
+
+# %% ../nbs/12_doctor.ipynb #68d147ad
+@contextmanager
+def building_beside(spec:DoctorSpec, up:dict, folder:str):
+    "Your model's full-size build in a process of its own while the block runs; yields a function that waits for it."
+    from fsdp_kit.config import EXAMPLES
+    why, out = not_built(spec, up), Path(folder) / "full_scale"
+    if why: yield lambda: dict(skipped=why); return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(asdict(spec)))
+    paths = [str(EXAMPLES.parent.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]  # it imports this kit
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
+    with open(out / "build.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", "from fsdp_kit.doctor import full_scale_main; full_scale_main()",
+                                 str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try: yield lambda: full_scale_result(proc, out, spec.timeout)
+    finally:
+        if proc.poll() is None: os.killpg(proc.pid, 9); proc.wait()  # the block raised: no build outlives it
+
+# %% ../nbs/12_doctor.ipynb #b38f1927
+def built_line(b:dict) -> str:
+    "A full-size build in one line: ranks and mesh, units, what rank 0 holds, where the tied weight is, the seconds."
+    gb = lambda k: f"{b['states'][k] / 1e9:.3f} GB"
+    layers = sum(u["name"].startswith("layers.") for u in b["units"])
+    mesh = ", ".join(f"{k}={v}" for k, v in b["mesh"].items())
+    tied = "".join(f"; {' = '.join(t['names'])}: one tensor, in {t['unit']}" for t in b["tied"])
+    return (f"{b['parameters']:,} parameters prepared by accelerate on {b['world_size']} fake ranks ({mesh}) in "
+            f"{b['seconds']:.1f} s: {len(b['units'])} units ({layers} decoder layers); rank 0 holds parameters "
+            f"{gb('sharded_params')}, gradients {gb('sharded_grads')}, AdamW state {gb('optimizer_state')}{tied}")
+
+def _selected(b:dict) -> str:
+    "The modules other than decoder layers the wrap policy selects in your model, with their sizes ('' where none)."
+    said = ", ".join(f"{n} ({cls}, {p:,} parameters)" for n, cls, p in (b.get("selected") or {}).get("others", []))
+    return f"; at your model's sizes the wrap policy selects {said}" if said else ""
+
+# %% ../nbs/12_doctor.ipynb #21ca7978
+def check_full_scale(ctx) -> Check:
+    "13. Your model at full size on `gpus` fake ranks: what accelerate's prepare builds there, or what refused it."
+    b, gpus = ctx["full_scale"], ctx["spec"].gpus
+    if "skipped" in b: return Check("full_scale", "SKIP", f"not built: {b['skipped']}")
+    if "error" in b: return Check("full_scale", "WARN", f"your model was not built at full size: {b['error']}", "")
+    if not b["refused"]: return Check("full_scale", "PASS", built_line(b))
+    at = f" (at accelerate's `{b['at']}`)" if b["at"] else ""
+    size_based = ctx["upstream"].get("auto_wrap_policy") == "SIZE_BASED_WRAP"
+    said = f"on {gpus} ranks your model's prepare is refused: {b['refused']}{at}{_selected(b)}"
+    fix = ("TRANSFORMER_BASED_WRAP with the decoder layer class: a size threshold selects by your model's sizes"
+           if size_based else "what the error names: the twin, at its sizes on 2 ranks, may not meet it")
+    return Check("full_scale", "FAIL", said, fix)
