@@ -333,13 +333,22 @@ def test_a_file_size_limit_is_not_called_a_full_disk(tmp_path):
     assert "no space" not in message and [c["name"] for c in list_checkpoints(ck)] == ["step-000002"], message
 
 
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    "`train --steps 4 --save-every 2` into a folder: checkpoints step-000002 and step-000004 of one run, which each test below copies."
+    from tests.conftest import run_cli
+    ck = tmp_path_factory.mktemp("four") / "ck"
+    res = run_cli(*TRAIN[:-2], "--quiet", "--steps", 4, "--save-every", 2, "--ckpt", ck)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return ck
+
+
 @pytest.mark.timeout(180)
-def test_rotation_keeps_the_checkpoint_that_loads(cli, tmp_path):
+def test_rotation_keeps_the_checkpoint_that_loads(cli, four_steps, tmp_path):
     "Resumed past a damaged newest checkpoint, keep=2 removes the damaged one and keeps the good one."
     # it used to remove the good one and keep the damaged
     ck = tmp_path / "ck"
-    res = cli(*TRAIN[:-2], "--steps", 4, "--save-every", 2, "--ckpt", ck)
-    assert res.returncode == 0, res.stderr[-2000:]
+    shutil.copytree(four_steps, ck, symlinks=True)  # a 4-step run that saved steps 2 and 4
     shard = next((ck / "step-000004" / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])  # damaged: its manifest's size and hash no longer hold
     res = cli(*TRAIN[:-2], "--steps", 5, "--save-every", 5, "--ckpt", ck, "--resume")  # resumes from step 2, saves step 5 alone
@@ -348,21 +357,20 @@ def test_rotation_keeps_the_checkpoint_that_loads(cli, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_new_run_never_deletes_another_runs_checkpoints(cli, tmp_path):
+def test_a_new_run_never_deletes_another_runs_checkpoints(cli, four_steps, tmp_path):
     """`train --steps 4 --save-every 2` then, without --resume and with another seed, `train --steps 2 --save-every 1` into the same
     folder deleted the first run's step-000004. Now the second run is refused before launch; rotation removes only the saving run's
     own checkpoints (another run's, put beside them, stays); --overwrite-ckpt replaces the other run's once it publishes its first."""
     from fsdp_kit.checkpoint import list_checkpoints, verify
     ck, other = tmp_path / "ck", tmp_path / "other"
     base = ["train", "--nproc", 2, "--model", "tiny", "--quiet"]
-    res = cli(*base, "--steps", 4, "--ckpt", ck, "--save-every", 2)
-    assert res.returncode == 0, res.stderr[-2000:]
+    shutil.copytree(four_steps, ck, symlinks=True)  # `train --steps 4 --save-every 2`'s folder
     first = {c["name"]: c["run"] for c in list_checkpoints(ck)}
     assert sorted(first) == ["step-000002", "step-000004"] and len(set(first.values())) == 1 and None not in first.values()
-    res = cli(*base, "--steps", 2, "--ckpt", ck, "--save-every", 1, "--seed", 3)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr[-2000:]
-    assert ("holds 2 checkpoint(s) of another run (step-000002, step-000004)" in res.stderr and "--resume" in res.stderr
-            and "--overwrite-ckpt" in res.stderr)
+    # refused before launch: the command's main() in this process
+    code, _, err = run_case(Case("another-run", [*base, "--steps", 2, "--ckpt", ck, "--save-every", 1, "--seed", 3], 2, ""), tmp_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err[-2000:]
+    assert "holds 2 checkpoint(s) of another run (step-000002, step-000004)" in err and "--resume" in err and "--overwrite-ckpt" in err
     assert {c["name"]: c["run"] for c in list_checkpoints(ck)} == first and all(verify(ck / n) == [] for n in first)
     # another run's checkpoint beside this run's: resuming this run rotates its own away (keep 2), never the other's
     res = cli(*base, "--steps", 1, "--ckpt", other, "--seed", 5)
