@@ -66,15 +66,39 @@ def test_plan_spec_embeds_the_fsdp_config():
     assert PlanSpec.from_dict(json.loads(json.dumps(asdict(spec)))) == spec
 
 
-@pytest.mark.timeout(240)
-def test_train_runs_the_step_savers_the_planner_models(tmp_path):
-    "fsdp-kit train with pure bf16, chunked cross-entropy, the optimizer in backward and activations on the host, on 2 gloo ranks."
-    out = tmp_path / "r.json"
+SITE = '''
+import os
+from fsdp_kit.config import FSDPConfig
+_check = FSDPConfig.check
+def counted(self):
+    with open(os.environ["CHECK_COUNT_FILE"], "a") as f: f.write(f"{os.getpid()}\\n")
+    return _check(self)
+FSDPConfig.check = counted
+'''
+
+
+@pytest.fixture(scope="module")
+def savers_run(tmp_path_factory):
+    """One `fsdp-kit train --fsdp-config F` with pure bf16, chunked cross-entropy, the optimizer in backward and activations on the
+    host, on 2 gloo ranks, every process of it (launcher, torchrun, ranks) counting its FSDPConfig.check calls: (process, result, pids)."""
+    tmp_path = tmp_path_factory.mktemp("savers")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITE)
+    count, out = tmp_path / "checks.txt", tmp_path / "r.json"
+    config = PKG / "examples" / "fsdp_configs" / "transformers_fsdp_config.json"
+    path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, CHECK_COUNT_FILE=str(count))
     cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "2", "--seq-len", "32", "--precision", "pure-bf16",
-           "--chunked-ce", "4", "--optimizer-in-backward", "--offload-activations", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220)
+           "--chunked-ce", "4", "--optimizer-in-backward", "--offload-activations", "--fsdp-config", str(config), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    return proc, json.loads(out.read_text()), count.read_text().split()
+
+
+@pytest.mark.timeout(240)
+def test_train_runs_the_step_savers_the_planner_models(savers_run):
+    "fsdp-kit train with pure bf16, chunked cross-entropy, the optimizer in backward and activations on the host, on 2 gloo ranks."
+    proc, r, _ = savers_run
     assert len(r["losses"]) == 2 and all(math.isfinite(l) for l in r["losses"])
     assert r["step"] == dict(lr=3e-3, warmup=0, precision="pure-bf16", ce_chunks=4, optimizer_in_backward=True, offload_activations=True,
                              gradient_checkpointing=False)
@@ -91,29 +115,10 @@ def test_train_and_the_wrap_lab_share_one_step_function():
         assert "train_step(" in src and ".backward()" not in src and "labels=tokens" not in src, fn.__name__
 
 
-SITE = '''
-import os
-from fsdp_kit.config import FSDPConfig
-_check = FSDPConfig.check
-def counted(self):
-    with open(os.environ["CHECK_COUNT_FILE"], "a") as f: f.write(f"{os.getpid()}\\n")
-    return _check(self)
-FSDPConfig.check = counted
-'''
-
 @pytest.mark.timeout(240)
-def test_a_train_run_checks_its_fsdp_config_once(tmp_path):
+def test_a_train_run_checks_its_fsdp_config_once(savers_run):
     "One `fsdp-kit train --fsdp-config F`: FSDPConfig.check runs once, in the launching process; no worker checks again."
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(SITE)  # every process of the run (launcher, torchrun, ranks) counts its calls
-    count = tmp_path / "checks.txt"
-    config = Path(__file__).resolve().parent.parent / "fsdp_kit" / "examples" / "fsdp_configs" / "transformers_fsdp_config.json"
-    path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, CHECK_COUNT_FILE=str(count))
-    cmd = [sys.executable, "-m", "fsdp_kit", "train", "--nproc", "2", "--steps", "1", "--seq-len", "32", "--fsdp-config", str(config)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    pids = count.read_text().split()
+    pids = savers_run[2]
     assert len(pids) == 1, pids
 
 
