@@ -66,3 +66,23 @@ def _run_limited(argv:list, fsize:int, tmp) -> tuple:
         res = subprocess.run([sys.executable, "-m", "fsdp_kit", *argv], stdout=out, stderr=subprocess.PIPE, text=True, timeout=120,
                              preexec_fn=limit)
     return res.returncode, (tmp / "stdout").read_text(), res.stderr
+
+
+_APART = """
+import json, sys
+from pathlib import Path
+from tests.badinput import Case, run_case
+tmp, argvs = Path(sys.argv[1]), json.loads(sys.argv[2])
+print(json.dumps([run_case(Case(str(i), argv, 0, ""), tmp) for i, argv in enumerate(argvs)]))
+"""
+
+
+def run_apart(argvs:list, tmp, timeout:float=240) -> list:
+    """`fsdp-kit ARGV` for each ARGV in turn, as `run_case` runs it, in one fresh interpreter (one that may import peft and
+    bitsandbytes, which this process must not): [(exit code, stdout, stderr)], one per ARGV. For commands that launch nothing."""
+    import subprocess, sys
+    from pathlib import Path
+    res = subprocess.run([sys.executable, "-c", _APART, str(tmp), json.dumps([[str(a) for a in argv] for argv in argvs])],
+                         capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [tuple(r) for r in json.loads(res.stdout.strip().splitlines()[-1])]
