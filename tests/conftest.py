@@ -87,9 +87,10 @@ def pytest_sessionfinish(session, exitstatus):
 # rest
 # follow in name order and fill in around them. The files whose tests mostly wait (for a rendezvous timeout, a hang's timeout, a
 # killed launcher: test_lifecycle, test_launch, test_scale_out) sit between files that compute, so the two workers rarely wait at once.
-LONGEST_FIRST = ("test_cli", "test_fsdp_config_runs", "test_hf", "test_lifecycle", "test_checkpoint", "test_doctor", "test_launch",
-                 "test_cli_contract", "test_docs", "test_scale_out", "test_doctor_runs", "test_gpu_check", "test_leftovers", "test_wrap",
-                 "test_bad_input", "test_plan", "test_qlora", "test_upstream")
+LONGEST_FIRST = ("test_cli", "test_leftovers", "test_doctor", "test_cli_contract", "test_docs", "test_fsdp_config_runs",
+                 "test_checkpoint", "test_hf", "test_launch", "test_lifecycle", "test_checkpoint_faults", "test_doctor_runs",
+                 "test_gpu_check", "test_bad_input", "test_plan", "test_qlora", "test_scale_out", "test_build", "test_wrap",
+                 "test_spec_tree", "test_upstream")
 
 
 def pytest_collection_modifyitems(items):
