@@ -918,7 +918,8 @@ COMMANDS = (
      True, HF_OPTIONS),
     ("doctor", _cmd_doctor,
      "run a small twin of your model with your FSDP config through its real entry point (accelerate launch or "
-     "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures: PASS, WARN or FAIL, "
+     "TrainingArguments) on --nproc CPU ranks, and check it for twelve silent failures (a thirteenth with --gpus: "
+     "your model built at full size on that many fake ranks): PASS, WARN or FAIL, "
      "each with its reason and fix",
      True, DOCTOR_OPTIONS),
     ("ckpt", _cmd_ckpt, "list the checkpoints in a folder and verify each against its manifest", False, CKPT_OPTIONS),

@@ -45,7 +45,7 @@ class DoctorSpec(EntrySpec):
     dtype:str=None # from_pretrained's dtype (float32, bfloat16, float16); None: bfloat16 for lora/qlora, else float32
     kbit_prepare:bool=False # the user's script calls peft's prepare_model_for_kbit_training on the 4-bit model
     nproc:int=2 # ranks the twin runs on
-    gpus:int=None # the user's GPUs (all ranks), for the planner
+    gpus:int=None # the user's GPUs (all ranks): the planner's scale and the full-size build (full_scale)
     gpu_mem_gb:float=None # memory of one of the user's GPUs, GB
     timeout:float=300 # seconds the twin's run may take in all (a hang at the save is a finding, not a wait)
     out:str=None # folder for the twin, its run and its log (None: a temporary one)
