@@ -79,20 +79,3 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\nFAILED: launches left their folders behind in {TESTS_TMP}: {left}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-# `make pytest` gives each xdist worker whole files (--dist loadfile) in the order collected (--no-loadscope-reorder: xdist would
-# otherwise start the files with the most tests first, which put the few long multi-process files last and left one core idle
-# while the other finished them). The longest files first, in the order of their measured wall time on 2 cores (pytest's --durations); the
-# rest
-# follow in name order and fill in around them. The files whose tests mostly wait (for a rendezvous timeout, a hang's timeout, a
-# killed launcher: test_lifecycle, test_launch, test_scale_out) sit between files that compute, so the two workers rarely wait at once.
-LONGEST_FIRST = ("test_cli", "test_leftovers", "test_doctor", "test_cli_contract", "test_docs", "test_fsdp_config_runs",
-                 "test_checkpoint", "test_hf", "test_launch", "test_lifecycle", "test_checkpoint_faults", "test_doctor_runs",
-                 "test_gpu_check", "test_bad_input", "test_plan", "test_qlora", "test_scale_out", "test_build", "test_wrap",
-                 "test_spec_tree", "test_upstream")
-
-
-def pytest_collection_modifyitems(items):
-    rank = lambda item: LONGEST_FIRST.index(item.path.stem) if item.path.stem in LONGEST_FIRST else len(LONGEST_FIRST)
-    items.sort(key=rank)  # a stable sort: the tests of a file keep their order

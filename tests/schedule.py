@@ -9,18 +9,19 @@ import re, sys
 from collections import Counter
 import pytest
 
-SECONDS = {"test_cli": 105, "test_cli_contract": 105, "08c_plan_build": 96, "12_doctor": 92, "test_leftovers": 89,
-           "test_doctor": 86, "test_docs": 74, "03b_versions": 73, "test_fsdp_config_runs": 71, "test_checkpoint": 71,
-           "test_hf": 71, "04c_ac": 69, "test_launch": 69, "04_wrap": 68, "test_lifecycle": 65, "05_qlora": 56, "11_scale": 54,
-           "07_checkpoint": 53, "05b_peft": 50, "test_gpu_check": 48, "test_checkpoint_faults": 47, "test_bad_input": 44,
-           "08a_plan_validate": 44, "test_plan": 41, "test_doctor_runs": 40, "05a_lora": 38, "test_qlora": 38, "10_launch": 38,
-           "test_scale_out": 37, "09_hf": 37, "test_build": 36, "09a_hf_run": 35, "01_train": 32, "08_plan": 32,
-           "03a_upstream": 32, "04b_reshard": 31, "test_wrap": 26, "09b_moe": 25, "06a_cp_trainer": 25, "06_cp": 24,
-           "08b_plan_gpu": 21, "test_spec_tree": 19, "04a_measure": 18, "test_upstream": 17, "03_config": 15, "10a_ranks": 15,
-           "test_benchmarks": 13, "index": 12, "01a_models": 12, "01b_spec": 11, "02_mesh": 9, "test_structure": 8,
-           "test_train": 7, "benchmarks": 6, "test_lora_merge": 6, "test_mesh": 5, "test_bad_models": 5, "14_commands": 4,
-           "test_versions": 3, "test_cp": 3, "13_seeds": 2, "10b_errors": 2, "test_unit_map": 1, "01c_flags": 1,
-           "test_flags": 1, "test_figures": 1}
+SECONDS = {"12_doctor": 116, "08c_plan_build": 95, "test_doctor": 90, "test_leftovers": 84, "test_cli": 75,
+           "test_cli_contract": 70, "test_docs": 67, "test_checkpoint": 64, "test_launch": 61, "test_fsdp_config_runs": 56,
+           "test_hf": 55, "test_checkpoint_faults": 55, "test_lifecycle": 47, "test_gpu_check": 45, "07_checkpoint": 44,
+           "03b_versions": 42, "04_wrap": 41, "04c_ac": 39, "test_bad_input": 38, "test_wrap": 37, "test_qlora": 36,
+           "test_scale_out": 35, "test_doctor_runs": 34, "09a_hf_run": 33, "test_plan": 33, "test_build": 32, "05_qlora": 29,
+           "05b_peft": 29, "08a_plan_validate": 28, "10_launch": 26, "04b_reshard": 25, "11_scale": 24, "test_upstream": 20,
+           "08_plan": 18, "05a_lora": 17, "09_hf": 17, "01_train": 17, "test_spec_tree": 15, "03a_upstream": 14,
+           "test_benchmarks": 14, "06_cp": 14, "09b_moe": 13, "06a_cp_trainer": 12, "03_config": 10, "test_doctor_build": 10,
+           "test_structure": 9, "04a_measure": 9, "index": 9, "08b_plan_gpu": 8, "test_train": 8, "02_mesh": 6,
+           "test_lora_merge": 6, "01b_spec": 6, "10a_ranks": 5, "test_bad_models": 5, "01a_models": 5, "test_mesh": 5,
+           "test_cp": 3, "test_versions": 3, "benchmarks": 2, "test_stored_outputs": 2, "14_commands": 1, "test_unit_map": 1,
+           "test_figures": 1, "test_config": 1, "test_flags": 1, "13_seeds": 1, "10b_errors": 1, "01c_flags": 1,
+           "test_measure": 1}
 
 
 @pytest.hookimpl(trylast=True)  # after the conftests' own hooks (nbs/conftest.py gives cells their execution counts)
