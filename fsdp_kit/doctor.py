@@ -12,8 +12,8 @@ __all__ = ['METHODS', 'STORAGE_DTYPES', 'STATUSES', 'SHRINK', 'REQUIRED', 'DROP'
            'check_context_parallel', 'check_saving', 'check_keys', 'check_ddp_fallback', 'stopped_by', 'run_checks',
            'exit_status', 'scale', 'wrap_sizes', 'twin_threshold', 'scaled_file', 'try_fix', 'doctor', 'report_text',
            'upstream_plugin', 'meta_user_model', 'policy_modules', 'upstream_accelerator', 'prepare_at_scale',
-           'upstream_units', 'accelerate_line', 'full_scale_build', 'full_scale_main', 'not_built', 'full_scale_result',
-           'building_beside', 'built_line', 'check_full_scale']
+           'upstream_units', 'accelerate_line', 'kept_whole', 'full_scale_build', 'full_scale_main', 'not_built',
+           'full_scale_result', 'building_beside', 'built_line', 'check_full_scale']
 
 # %% ../nbs/12_doctor.ipynb #d0c70001
 import json, os, subprocess, sys, tempfile, time, traceback
@@ -1124,6 +1124,17 @@ def accelerate_line(e:Exception) -> str:
     if not frames or "torch" not in Path(frames[-1].filename).parts: return None
     return next((f.line for f in reversed(frames) if "accelerate" in Path(f.filename).parts), None)
 
+# %% ../nbs/12_doctor.ipynb #a7e3c5d1
+def kept_whole(model, units:list) -> list:
+    "The units of `model` that keep their parameters whole after forward: unit name, bytes on every rank."
+    out = []
+    for u in units:
+        group = model.get_submodule(u.modules.split("+")[0])._get_fsdp_state()._fsdp_param_group
+        if group is not None and not group._reshard_after_forward:  # torch's root; accelerate's tail
+            whole = lambda fp: fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize  # as all-gathered
+            out.append(dict(unit=u.name, bytes=sum(map(whole, group.fsdp_params))))
+    return out
+
 # %% ../nbs/12_doctor.ipynb #1a465b8c
 def _fill_full_scale(b, extra:dict, spec:DoctorSpec, folder:str):
     "Prepare `spec`'s model as accelerate does on this fake world: units and bytes into `b`, the policy's into `extra`."
@@ -1139,13 +1150,14 @@ def _fill_full_scale(b, extra:dict, spec:DoctorSpec, folder:str):
     model, fake = prepare_at_scale(model, acc)
     with fake: optim = warm_optimizer(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
     b.units = upstream_units(model, optim)
+    extra["kept"] = kept_whole(model, b.units)
     b.tied = [dict(names=g, unit=_holder(g[0], b.units)) for g in tied]
 
 # %% ../nbs/12_doctor.ipynb #85c06a60
 def full_scale_build(spec:DoctorSpec, folder:str) -> dict:
     "Your model at full size, prepared by accelerate on `spec.gpus` fake ranks: a `build.Build` as a dict, and more."
     from fsdp_kit.build import Build, fake_world, refusal, STATES
-    began, b, extra = time.perf_counter(), Build(spec.model, spec.gpus), dict(selected=None, at=None)
+    began, b, extra = time.perf_counter(), Build(spec.model, spec.gpus), dict(selected=None, at=None, kept=[])
     with fake_world(spec.gpus):
         try: _fill_full_scale(b, extra, spec, folder)
         except Exception as e: b.refused, extra["at"] = refusal(e), accelerate_line(e)
@@ -1198,14 +1210,18 @@ def building_beside(spec:DoctorSpec, up:dict, folder:str):
 
 # %% ../nbs/12_doctor.ipynb #b38f1927
 def built_line(b:dict) -> str:
-    "A full-size build in one line: ranks and mesh, units, what rank 0 holds, where the tied weight is, the seconds."
+    "A full-size build in one line: ranks and mesh, units, what rank 0 holds and keeps whole, the tied weight."
     gb = lambda k: f"{b['states'][k] / 1e9:.3f} GB"
     layers = sum(u["name"].startswith("layers.") for u in b["units"])
     mesh = ", ".join(f"{k}={v}" for k, v in b["mesh"].items())
     tied = "".join(f"; {' = '.join(t['names'])}: one tensor, in {t['unit']}" for t in b["tied"])
+    kept = b.get("kept") or []
+    who = " and ".join(f"the {k['unit']}" for k in kept) + (" keeps its" if len(kept) == 1 else " keep their")
+    whole = f"; after forward {who} parameters whole: {sum(k['bytes'] for k in kept) / 1e9:.3f} GB on every rank"
+    holds = f"parameters {gb('sharded_params')}, gradients {gb('sharded_grads')}, AdamW state {gb('optimizer_state')}"
     return (f"{b['parameters']:,} parameters prepared by accelerate on {b['world_size']} fake ranks ({mesh}) in "
-            f"{b['seconds']:.1f} s: {len(b['units'])} units ({layers} decoder layers); rank 0 holds parameters "
-            f"{gb('sharded_params')}, gradients {gb('sharded_grads')}, AdamW state {gb('optimizer_state')}{tied}")
+            f"{b['seconds']:.1f} s: {len(b['units'])} units ({layers} decoder layers); rank 0 holds {holds}"
+            f"{whole if kept else ''}{tied}")
 
 def _selected(b:dict) -> str:
     "The modules other than decoder layers the wrap policy selects in your model, with their sizes ('' where none)."

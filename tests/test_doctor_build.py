@@ -41,6 +41,10 @@ def test_a_model_that_builds_passes_with_its_numbers(built):
     s = b["states"]  # no padding: every dim 0 divides by 8; AdamW: two fp32 moments and a 4-byte step per tensor (236 of them)
     assert s["sharded_params"] == s["sharded_grads"] == 268_098_176 * 4 // 8 and s["optimizer_state"] == 2 * s["sharded_params"] + 4 * 236
     assert [u["cls"] for u in b["units"] if u["name"] == "tail"] == ["Gemma3TextScaledWordEmbedding"] and b["refused"] is None
+    # accelerate's tail (the final norm and the tied embedding) is sharded with reshard_after_forward=False, whatever the file says:
+    # between forward and backward every rank holds it whole, in fp32 here (640 + 262,144 x 640 parameters)
+    assert b["kept"] == [dict(unit="tail", bytes=(640 + 262_144 * 640) * 4)]
+    assert "; after forward the tail keeps its parameters whole: 0.671 GB on every rank; model.embed_tokens" in c.reason
 
 
 def test_a_size_threshold_that_splits_the_tied_pair_at_full_size_fails(built):
