@@ -12,8 +12,8 @@ __all__ = ['OUTPUT_ERRNOS', 'LIST_OPTIONS', 'FSDP_SETTINGS', 'NOT_READ', 'TRAIN_
            'DOCS_OPTIONS', 'SEARCHED', 'RECOMMEND_SEARCHES', 'RECOMMEND_IGNORES', 'COMMANDS', 'dumps',
            'check_json_dest', 'check_output_file', 'check_out_dir', 'emit', 'OutputError', 'output_why', 'CheckFailed',
            'refuse_blank_lists', 'base_spec', 'command_spec', 'spec_flags', 'options', 'check_before_launch',
-           'fits_then', 'example_path', 'train_spec', 'train_summary', 'check_upstream_can_run', 'hf_run_spec',
-           'doctor_spec', 'compare_spec', 'qlora_spec', 'cp_eval_spec', 'plan_spec']
+           'fits_then', 'example_path', 'train_spec', 'size_note', 'train_summary', 'check_upstream_can_run',
+           'hf_run_spec', 'doctor_spec', 'compare_spec', 'qlora_spec', 'cp_eval_spec', 'plan_spec']
 
 # %% ../nbs/14_commands.ipynb #d8d34f28
 import argparse, errno, json, math, os, re, sys, tempfile
@@ -440,6 +440,17 @@ def _cmd_train(a):
     text = train_summary(result, mesh)
     emit(asdict(result) | dict(mesh=asdict(mesh)), a.json, text)  # the mesh sizes it ran on, -1 filled in
 
+# %% ../nbs/14_commands.ipynb #5e1d2a7b
+def size_note(units:list, # the run's FSDP units: [{"module", ...}], the root ("") last
+              config:dict # the run's FSDPConfig, as a dict
+             ) -> str:
+    "Where SIZE_BASED_WRAP's threshold makes no decoder layer a unit, a line that says so."
+    import re
+    if config["auto_wrap_policy"] != "SIZE_BASED_WRAP" or any(re.search(r"layers\.\d+$", u["module"]) for u in units):
+        return ""
+    return (f"min_num_params={config['min_num_params']:,} wraps no decoder layer: every layer stays in the "
+            "root's unit, all-gathered whole for the step as under NO_WRAP")
+
 # %% ../nbs/14_commands.ipynb #a70e4c1e
 def train_summary(result, mesh) -> str:
     "What `fsdp-kit train` prints of a run: ranks, losses, step time, units, memory, checkpoints, adapter."
@@ -474,6 +485,7 @@ def train_summary(result, mesh) -> str:
              + f", activation checkpointing {result.ac}" * (result.ac != "none")
              + ", CPU offload" * c["cpu_offload"])
     if result.peak_bytes: text += f"; first step's peak on rank 0: {result.peak_bytes['total'] / 2**20:.2f} MiB"
+    if note := size_note(result.units, c): text += f"\n{note}"
     st = result.step
     savers = [st["precision"] * (st["precision"] != "fp32"),
               f"loss in {st['ce_chunks']} chunks" * bool(st["ce_chunks"]),
@@ -669,8 +681,9 @@ def _cmd_compare(a):
         matplotlib.use("Agg")
         plot_compare(runs).savefig(a.plot, dpi=100, bbox_inches="tight")
         print(f"wrote {a.plot}", file=sys.stderr if a.json == "-" else sys.stdout)
-    emit(dict(model=spec.model, world_size=a.nproc, notes=notes, runs=[asdict(r) for r in runs]),
-         a.json, runs_table(runs))
+    sized = list(dict.fromkeys(n for cfg, r in zip(spec.configs(), runs) if (n := size_note(r.units, asdict(cfg)))))
+    emit(dict(model=spec.model, world_size=a.nproc, notes=notes + sized, runs=[asdict(r) for r in runs]),
+         a.json, "\n".join([runs_table(runs), *sized]))
 
 # %% ../nbs/14_commands.ipynb #4e51d21f
 def _cmd_docs(a):

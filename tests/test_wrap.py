@@ -169,3 +169,14 @@ CLI_BAD = [
 def test_cli_compare_refuses_bad_input_without_traceback(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(ROOT)
     refused(["compare", *args], message, tmp_path)
+
+
+def test_a_size_threshold_that_wraps_no_layer_is_said():
+    "`fsdp-kit train` and `compare` add a line where SIZE_BASED_WRAP's threshold makes no decoder layer a unit of its own."
+    from fsdp_kit.commands import size_note
+    edges = [dict(module="model.embed_tokens"), dict(module="model.norm+lm_head"), dict(module="")]
+    layers = [dict(module=f"model.layers.{i}") for i in range(2)] + edges
+    size = dict(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=869_504)
+    assert size_note(edges, size) == ("min_num_params=869,504 wraps no decoder layer: every layer stays in the root's unit, "
+                                      "all-gathered whole for the step as under NO_WRAP")
+    assert size_note(layers, size) == "" and size_note(edges, dict(size, auto_wrap_policy="NO_WRAP")) == ""
