@@ -445,8 +445,8 @@ def size_note(units:list, # the run's FSDP units: [{"module", ...}], the root ("
               config:dict # the run's FSDPConfig, as a dict
              ) -> str:
     "Where SIZE_BASED_WRAP's threshold makes no decoder layer a unit, a line that says so."
-    import re
-    if config["auto_wrap_policy"] != "SIZE_BASED_WRAP" or any(re.search(r"layers\.\d+$", u["module"]) for u in units):
+    from fsdp_kit.wrap import layer_name
+    if config["auto_wrap_policy"] != "SIZE_BASED_WRAP" or any(layer_name(u["module"]) for u in units):
         return ""
     return (f"min_num_params={config['min_num_params']:,} wraps no decoder layer: every layer stays in the "
             "root's unit, all-gathered whole for the step as under NO_WRAP")
@@ -663,7 +663,7 @@ def _cmd_compare(a):
     from fsdp_kit.wrap import check_spec, compare_worker, runs_table, plot_compare
     spec = compare_spec(a)
     fsdp_config = spec.fsdp if a.fsdp_config else None
-    check_spec(spec, a.nproc)  # refuse bad configs before launching
+    configs = check_spec(spec, a.nproc)  # refuse bad configs before launching
     notes = []
     if fsdp_config:
         shown = {k: v for k, v in vars(fsdp_config).items() if k not in ("notes", "source")}
@@ -681,7 +681,7 @@ def _cmd_compare(a):
         matplotlib.use("Agg")
         plot_compare(runs).savefig(a.plot, dpi=100, bbox_inches="tight")
         print(f"wrote {a.plot}", file=sys.stderr if a.json == "-" else sys.stdout)
-    sized = list(dict.fromkeys(n for cfg, r in zip(spec.configs(), runs) if (n := size_note(r.units, asdict(cfg)))))
+    sized = list(dict.fromkeys(n for cfg, r in zip(configs, runs) if (n := size_note(r.units, asdict(cfg)))))
     emit(dict(model=spec.model, world_size=a.nproc, notes=notes + sized, runs=[asdict(r) for r in runs]),
          a.json, "\n".join([runs_table(runs), *sized]))
 

@@ -1092,11 +1092,10 @@ def prepare_at_scale(model, acc) -> tuple:
 # %% ../nbs/12_doctor.ipynb #2418b95b
 def _unit_name(names:list, edges:tuple) -> str:
     "The planner's name for a unit of modules `names`: layers.N, embed, tail, root, or the first module's."
-    import re
-    layer = re.fullmatch(r"(?:.*\.)?layers\.(\d+)", names[0])
+    from fsdp_kit.wrap import layer_name
     if names == [""]: return "root"
     if edges[1] in names: return "tail"
-    return "embed" if names == [edges[0]] else f"layers.{layer[1]}" if layer else names[0]
+    return "embed" if names == [edges[0]] else layer_name(names[0]) or names[0]
 
 def upstream_units(model, optim) -> list:
     "A `build.BuiltUnit` per FSDP group of `model`, in the model's order: modules, parameters, bytes on this rank."
@@ -1127,11 +1126,11 @@ def accelerate_line(e:Exception) -> str:
 # %% ../nbs/12_doctor.ipynb #a7e3c5d1
 def kept_whole(model, units:list) -> list:
     "The units of `model` that keep their parameters whole after forward: unit name, bytes on every rank."
+    whole = lambda fp: fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize  # as all-gathered
     out = []
     for u in units:
         group = model.get_submodule(u.modules.split("+")[0])._get_fsdp_state()._fsdp_param_group
         if group is not None and not group._reshard_after_forward:  # torch's root; accelerate's tail
-            whole = lambda fp: fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize  # as all-gathered
             out.append(dict(unit=u.name, bytes=sum(map(whole, group.fsdp_params))))
     return out
 

@@ -6,7 +6,7 @@ Docs: https://fsdp-kit.github.io/fsdp_kit/wrap.html.md"""
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'size_policy', 'size_floor', 'fsdp1_size_targets', 'register_policy', 'wrap_targets', 'Unit', 'edge_groups',
-           'plan_units', 'unit_map', 'apply_fsdp', 'lab_notes', 'CompareSpec', 'RunResult', 'run_config',
+           'layer_name', 'plan_units', 'unit_map', 'apply_fsdp', 'lab_notes', 'CompareSpec', 'RunResult', 'run_config',
            'compare_worker', 'check_spec', 'runs_table', 'run_label', 'plot_compare', 'layouts_worker']
 
 # %% ../nbs/04_wrap.ipynb #1396aeee
@@ -160,14 +160,18 @@ def edge_groups(model, targets:list) -> list:
     groups.append((keep([_final_norm(model), embed, head] if tied else [_final_norm(model), head]), True))
     return [(g, keeps) for g, keeps in groups if g]
 
+# %% ../nbs/04_wrap.ipynb #6b2f0e41
+def layer_name(module:str) -> str:
+    "'layers.N' where `module` names a decoder layer by its index (`model.layers.3`), else None."
+    import re
+    m = re.fullmatch(r"(?:.*\.)?layers\.(\d+)", module)
+    return f"layers.{m[1]}" if m else None
+
 # %% ../nbs/04_wrap.ipynb #5dc319cd
 def _named_groups(model, cfg:FSDPConfig, edge_units:bool=True) -> list:
     "Each unit `apply_fsdp` makes, in its order: (unit name, [(name, module)], reshard_after_forward)."
-    import re
     targets = wrap_targets(model, cfg)
-    # a decoder layer by its index
-    layer = lambda n: (m := re.fullmatch(r"(?:.*\.)?layers\.(\d+)", n)) and f"layers.{m[1]}"
-    own = [(layer(n) or n, [(n, m)], cfg.reshard_after_forward) for n, m in targets]
+    own = [(layer_name(n) or n, [(n, m)], cfg.reshard_after_forward) for n, m in targets]
     if not edge_units: return own + [("root", [("", model)], cfg.reshard_after_forward)]
     edges = [("tail" if keeps else "embed", g, False if keeps else cfg.reshard_after_forward)
              for g, keeps in edge_groups(model, targets)]
